@@ -1,0 +1,192 @@
+"""Typed stage configs: a YAML file plus ``key=value`` overrides, validated before any model loads.
+
+Every stage script does::
+
+    cfg = GenerateConfig.from_cli(sys.argv[1:])     # [--config FILE] [key=value ...]
+
+A config class is a pydantic model that forbids unknown keys; each field has a ``description``
+(its meaning; the default is the field's default). ``key=value`` values are parsed as YAML
+(``k=4``, ``temperature=0.7``, ``stop=[a, b]``, ``lora=null``); dotted keys reach nested
+mappings (``sampling.top_p=0.9``). Errors raise :class:`ConfigError` naming the file, the key
+and how to fix it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid. The message names the file/key and the fix."""
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``"a.b=3"`` -> ``(["a", "b"], 3)``; the value is parsed as YAML (an empty value is ``""``)."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form key=value (e.g. temperature=0.7).")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r}: empty key.")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {item!r}: value is not valid YAML ({e}).") from None
+    return key.split("."), value
+
+
+def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
+    """Return a copy of ``data`` with each ``key=value`` override set (dotted keys create nesting)."""
+    out = _deepcopy(data)
+    for item in overrides:
+        path, value = parse_override(item)
+        node = out
+        for part in path[:-1]:
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            elif not isinstance(nxt, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a mapping, cannot set a key inside it.")
+            node = nxt
+        node[path[-1]] = value
+    return out
+
+
+def deep_merge(base: dict, update: dict) -> dict:
+    """Recursively merge ``update`` into a copy of ``base`` (mappings merge, everything else replaces)."""
+    out = _deepcopy(base)
+    for k, v in update.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = _deepcopy(v)
+    return out
+
+
+def _deepcopy(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _deepcopy(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_deepcopy(v) for v in x]
+    return x
+
+
+def load_yaml(path: str | os.PathLike) -> dict:
+    """Load a YAML mapping; errors name the file (and line for syntax errors)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found. Pass an existing file with --config PATH.")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of key: value at the top level, got {type(data).__name__}.")
+    return data
+
+
+def format_validation_error(err: ValidationError, cls: type[BaseModel], source: str) -> str:
+    """Turn pydantic's error into lines that name the key, what is wrong and the fix."""
+    lines = [f"invalid config for {cls.__name__} (from {source}):"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            model = cls
+            # suggest the closest known key at the same level
+            for part in e["loc"][:-1]:
+                f = model.model_fields.get(str(part))
+                ann = getattr(f, "annotation", None) if f else None
+                model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else model
+            known = sorted(model.model_fields)
+            close = difflib.get_close_matches(str(e["loc"][-1]), known, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            lines.append(f"  - unknown key {key!r}.{hint} Known keys: {', '.join(known)}.")
+        else:
+            got = e.get("input")
+            got_s = repr(got) if not isinstance(got, (dict, list)) or len(repr(got)) < 80 else type(got).__name__
+            lines.append(f"  - {key}: {e['msg']} (got {got_s}).")
+    return "\n".join(lines)
+
+
+class StageConfig(BaseModel):
+    """Base class of every stage config: unknown keys are errors, values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "<dict>"):
+        """Validate ``data``; raise :class:`ConfigError` naming ``source`` and each bad key."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise ConfigError(format_validation_error(e, cls, source)) from None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike | None = None, overrides: Sequence[str] = ()):
+        """Read ``path`` (optional), apply ``key=value`` overrides, validate."""
+        data = load_yaml(path) if path else {}
+        data = apply_overrides(data, overrides)
+        source = f"{path}" if path else "command line"
+        if overrides:
+            source += " + overrides " + " ".join(overrides)
+        return cls.from_dict(data, source)
+
+    @classmethod
+    def from_cli(cls, argv: Sequence[str] | None = None):
+        """Parse ``[--config FILE] [key=value ...]`` (also ``--config=FILE``); ``-h`` prints the fields."""
+        argv = list(sys.argv[1:] if argv is None else argv)
+        if any(a in ("-h", "--help") for a in argv):
+            print(cls.help_text())
+            raise SystemExit(0)
+        path = None
+        overrides: list[str] = []
+        i = 0
+        while i < len(argv):
+            a = argv[i]
+            if a == "--config":
+                if i + 1 >= len(argv):
+                    raise ConfigError("--config needs a file path.")
+                path = argv[i + 1]
+                i += 2
+                continue
+            if a.startswith("--config="):
+                path = a.split("=", 1)[1]
+            elif a.startswith("--"):
+                raise ConfigError(f"unknown option {a!r}. Use --config FILE and key=value overrides.")
+            else:
+                overrides.append(a)
+            i += 1
+        return cls.load(path, overrides)
+
+    @classmethod
+    def help_text(cls) -> str:
+        lines = [f"{cls.__name__}: {(cls.__doc__ or '').strip().splitlines()[0] if cls.__doc__ else ''}",
+                 "usage: [--config FILE] [key=value ...]", "", "keys:"]
+        for name, f in cls.model_fields.items():
+            default = "required" if f.is_required() else f"default {f.default!r}"
+            lines.append(f"  {name} ({default}): {f.description or ''}")
+        return "\n".join(lines)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+
+
+def run_main(main, cls: type[StageConfig]) -> None:
+    """Run ``main(cfg)`` for a stage script; config and data errors exit 2 with one clear message."""
+    from .jsonl import DataError
+
+    try:
+        cfg = cls.from_cli()
+        main(cfg)
+    except (ConfigError, DataError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

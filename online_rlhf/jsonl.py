@@ -1,0 +1,131 @@
+"""Atomic JSON/JSONL I/O with errors that name the file and the line.
+
+Every writer here writes to a temporary file in the destination's folder, flushes and fsyncs it,
+then renames it over the destination (``os.replace``), so a crash leaves either the old file or
+the complete new one, never a half-written file that looks whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+
+class DataError(ValueError):
+    """A data file or record is malformed. The message names the file, the line and the fix."""
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "w", encoding: str | None = "utf-8") -> Iterator[Any]:
+    """Open a temporary sibling of ``path`` for writing; rename it to ``path`` on success.
+
+    On an exception the temporary file is removed and ``path`` is left untouched.
+    ``mode`` is ``"w"`` (text) or ``"wb"`` (binary).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode, encoding=None if "b" in mode else encoding) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _default(obj: Any) -> Any:
+    # numpy / torch scalars and arrays
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    raise TypeError(f"object of type {type(obj).__name__} is not JSON serialisable")
+
+
+def dumps(record: Any) -> str:
+    """One JSON line; non-finite floats are refused (JSON has no NaN)."""
+    return json.dumps(record, ensure_ascii=False, allow_nan=False, default=_default)
+
+
+def write_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> int:
+    """Atomically write ``records`` as JSON Lines to ``path``. Returns the number of lines.
+
+    Raises:
+        DataError: a record holds NaN/inf or an object JSON cannot hold (names the record index).
+    """
+    n = 0
+    with atomic_open(path) as f:
+        for n, rec in enumerate(records, start=1):
+            try:
+                f.write(dumps(rec))
+            except ValueError as e:  # NaN / inf
+                raise DataError(f"{path}: record {n} (id={rec.get('id')!r}) cannot be written: {e}") from e
+            f.write("\n")
+    return n
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Atomically write one JSON document (indented) to ``path``."""
+    with atomic_open(path) as f:
+        json.dump(obj, f, ensure_ascii=False, indent=2, allow_nan=False, default=_default)
+        f.write("\n")
+
+
+def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
+    """Yield ``(line_number, record)`` for each non-blank line of a JSONL file.
+
+    Raises:
+        FileNotFoundError: the file does not exist (message names it).
+        DataError: a line is not valid JSON, or not a JSON object; names file and line.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file. Check the path (relative paths are taken from {Path.cwd()}).")
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(
+                    f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}). "
+                    "Each line must be one complete JSON object; fix or remove that line."
+                ) from None
+            if not isinstance(rec, dict):
+                raise DataError(f"{path}:{lineno}: expected a JSON object per line, got {type(rec).__name__}.")
+            yield lineno, rec
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """Read a whole JSONL file into a list of dicts (see :func:`iter_jsonl` for errors)."""
+    return [rec for _, rec in iter_jsonl(path)]
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """Read one JSON document; errors name the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file.")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg}).") from None
+
+
+def check_finite(value: Any, where: str) -> float:
+    """Return ``value`` as a float; raise DataError naming ``where`` if it is NaN, inf or not a number."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise DataError(f"{where}: reward {value!r} is not a number.") from None
+    if not math.isfinite(x):
+        raise DataError(f"{where}: reward is {x} (not finite). Fix the reward source; such a record cannot be ranked.")
+    return x

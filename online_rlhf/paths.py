@@ -1,0 +1,53 @@
+"""Where the project keeps its caches and the embedded default, and the cache env vars.
+
+Everything lives under the project's git-ignored ``.cache/`` (or ``$ONLINE_RLHF_CACHE``):
+``models/`` (the default policy), ``data/`` (the default prompts), ``hf/`` (HF_HOME),
+``torch_extensions/``, ``vllm/``, ``nltk_data/``, ``wandb/``. A variable the user already set
+is left alone.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ONLINE_RLHF_CACHE", PROJECT_ROOT / ".cache")).resolve()
+
+
+def default_model_dir() -> Path:
+    """Checkpoint dir of the embedded default policy (built by scripts/prepare_default.py)."""
+    return cache_dir() / "models" / DEFAULT_MODEL_NAME
+
+
+def default_data_dir() -> Path:
+    """Folder of the default prompt split: ``ifbench_train.jsonl`` and ``ifbench_eval.jsonl``."""
+    return cache_dir() / "data"
+
+
+def setup_cache_env() -> None:
+    """Point HF, torch extensions, vLLM, NLTK and wandb caches into the project cache (setdefault)."""
+    c = cache_dir()
+    for var, sub in (("HF_HOME", "hf"), ("TORCH_EXTENSIONS_DIR", "torch_extensions"),
+                     ("VLLM_CACHE_ROOT", "vllm"), ("NLTK_DATA", "nltk_data"), ("WANDB_DIR", "wandb"),
+                     ("TRITON_CACHE_DIR", "triton")):
+        os.environ.setdefault(var, str(c / sub))
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("AXOLOTL_DO_NOT_TRACK", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def resolve_model(name: str) -> str:
+    """``"default"`` -> the embedded default checkpoint dir; anything else (Hub id or path) as is."""
+    if name == "default":
+        d = default_model_dir()
+        if not (d / "config.json").is_file():
+            raise FileNotFoundError(
+                f"the default policy is not prepared at {d}. Run: .venv-train/bin/python scripts/prepare_default.py"
+            )
+        return str(d)
+    return name

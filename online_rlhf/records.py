@@ -1,0 +1,169 @@
+"""Record formats shared by the stages (see DESIGN.md, "Records") and the prompt-set loader.
+
+- prompt set (input): ``messages`` (list of ``{role, content}``) or ``prompt`` (string or
+  messages) or another text column named by ``prompt_field``; optional ``id``; any task fields.
+- generated: ``{id, prompt: [messages], responses: [K str], finish_reasons: [K str],
+  response_tokens: [K int], ...task fields}``
+- rewards: generated + ``rewards: [K float]`` + ``reward_source``
+- pairs: ``{id, prompt: [messages], chosen: [messages], rejected: [messages], chosen_reward,
+  rejected_reward}`` (TRL's conversational preference format)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+from .jsonl import DataError, check_finite, iter_jsonl
+
+ROLES = ("system", "user", "assistant")
+# Fields a prompt record may carry that are not task fields.
+_PROMPT_KEYS = ("id", "messages", "prompt")
+
+
+def _check_messages(messages: Any, where: str) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: messages must be a non-empty list of {{role, content}}, got {messages!r:.80}.")
+    out = []
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise DataError(f"{where}: message {j} must be an object with 'role' and 'content', got {m!r:.80}.")
+        if m["role"] not in ROLES:
+            raise DataError(f"{where}: message {j} has role {m['role']!r}; allowed roles are {', '.join(ROLES)}.")
+        if not isinstance(m["content"], str):
+            raise DataError(f"{where}: message {j} content must be a string, got {type(m['content']).__name__}.")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def normalize_prompt_record(rec: dict, index: int, where: str, prompt_field: str | None = None) -> dict:
+    """Turn one input row into ``{id, prompt: [messages], ...task fields}``.
+
+    ``prompt_field`` names the text column when it is neither ``messages`` nor ``prompt`` (e.g.
+    ``question`` for GSM8K). Trailing assistant turns are removed (the policy writes that turn).
+    The id is ``rec["id"]`` as a string, else the row index.
+
+    Raises:
+        DataError: no prompt column, a bad message list, or an empty prompt; names ``where``.
+    """
+    if prompt_field and prompt_field not in ("messages", "prompt"):
+        if prompt_field not in rec:
+            raise DataError(f"{where}: no column {prompt_field!r} (prompt_field). Columns: {', '.join(rec)}.")
+        text = rec[prompt_field]
+        if not isinstance(text, str):
+            raise DataError(f"{where}: column {prompt_field!r} must be a string.")
+        messages = [{"role": "user", "content": text}]
+        skip = {prompt_field}
+    elif "messages" in rec and prompt_field != "prompt":
+        messages = _check_messages(rec["messages"], where)
+        skip = {"messages"}
+    elif "prompt" in rec:
+        p = rec["prompt"]
+        messages = [{"role": "user", "content": p}] if isinstance(p, str) else _check_messages(p, where)
+        skip = {"prompt"}
+    else:
+        raise DataError(
+            f"{where}: no prompt. A prompt record needs 'messages' (list of {{role, content}}) or 'prompt' "
+            f"(string); or set prompt_field to the text column. Columns: {', '.join(rec) or 'none'}."
+        )
+    while messages and messages[-1]["role"] == "assistant":
+        messages = messages[:-1]
+    if not messages or messages[-1]["role"] != "user":
+        raise DataError(f"{where}: the prompt must end with a user turn.")
+    if not messages[-1]["content"].strip():
+        raise DataError(f"{where}: the user turn is empty. Remove the record or give it text.")
+    rid = rec.get("id", rec.get("key", index))
+    out = {"id": str(rid), "prompt": messages}
+    for k, v in rec.items():
+        if k not in _PROMPT_KEYS and k not in skip:
+            out[k] = v
+    return out
+
+
+def load_prompts(source: str | os.PathLike, split: str = "train", prompt_field: str | None = None,
+                 limit: int | None = None) -> list[dict]:
+    """Load a prompt set and normalize every row (see :func:`normalize_prompt_record`).
+
+    ``source`` is a local ``.jsonl``/``.json``/``.parquet`` file or an HF Hub dataset id
+    (``split`` chooses the split). Local JSONL is read line by line so that errors name the line.
+
+    Returns:
+        list of ``{id: str, prompt: [messages], ...}`` in file order (the first ``limit`` rows).
+    Raises:
+        FileNotFoundError / DataError: missing file, bad row (names file and line), duplicate id,
+        or an empty prompt set.
+    """
+    source = str(source)
+    rows: Iterable[tuple[str, int, dict]]
+    path = Path(source)
+    if path.suffix == ".jsonl" or (path.exists() and path.suffix == ".json" and _looks_jsonl(path)):
+        rows = ((f"{path}:{ln}", i, rec) for i, (ln, rec) in enumerate(iter_jsonl(path)))
+    else:
+        import datasets
+
+        if path.exists():
+            kind = {".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(path.suffix)
+            if kind is None:
+                raise DataError(f"{path}: unsupported prompt file type {path.suffix!r}; use .jsonl, .json or .parquet.")
+            ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+        elif path.suffix in (".jsonl", ".json", ".parquet", ".csv") or os.sep in source and not _hub_like(source):
+            raise FileNotFoundError(f"{source}: no such prompt file.")
+        else:
+            ds = datasets.load_dataset(source, split=split)
+        rows = ((f"{source} row {i}", i, dict(r)) for i, r in enumerate(ds))
+    out: list[dict] = []
+    seen: dict[str, str] = {}
+    for where, i, rec in rows:
+        if limit is not None and len(out) >= limit:
+            break
+        r = normalize_prompt_record(rec, i, where, prompt_field)
+        if r["id"] in seen:
+            raise DataError(f"{where}: duplicate id {r['id']!r} (first at {seen[r['id']]}). Ids must be unique.")
+        seen[r["id"]] = where
+        out.append(r)
+    if not out:
+        raise DataError(f"{source}: the prompt set is empty.")
+    return out
+
+
+def _looks_jsonl(path: Path) -> bool:
+    with open(path, encoding="utf-8") as f:
+        first = f.read(1).strip()
+    return first == "{"
+
+
+def _hub_like(s: str) -> bool:
+    return s.count("/") == 1 and not s.startswith((".", "/"))
+
+
+def validate_generated(rec: dict, where: str) -> None:
+    """Check a generated record; raise DataError naming ``where`` and the bad field."""
+    for k in ("id", "prompt", "responses", "finish_reasons"):
+        if k not in rec:
+            raise DataError(f"{where}: generated record lacks {k!r}. Was it written by generation/generate.py?")
+    _check_messages(rec["prompt"], where)
+    resp, fin = rec["responses"], rec["finish_reasons"]
+    if not isinstance(resp, list) or not all(isinstance(r, str) for r in resp):
+        raise DataError(f"{where}: 'responses' must be a list of strings.")
+    if not isinstance(fin, list) or len(fin) != len(resp):
+        raise DataError(f"{where}: 'finish_reasons' must have one entry per response ({len(resp)}).")
+
+
+def validate_rewards(rec: dict, where: str) -> list[float]:
+    """Check a rewards record; return its rewards as finite floats (NaN/inf raise DataError)."""
+    validate_generated(rec, where)
+    rw = rec.get("rewards")
+    if not isinstance(rw, list) or len(rw) != len(rec["responses"]):
+        raise DataError(f"{where}: 'rewards' must be a list with one value per response ({len(rec['responses'])}).")
+    return [check_finite(x, f"{where} (id={rec['id']!r}, response {j})") for j, x in enumerate(rw)]
+
+
+def validate_pair(rec: dict, where: str) -> None:
+    """Check a preference pair in TRL's conversational format."""
+    for k in ("prompt", "chosen", "rejected"):
+        if k not in rec:
+            raise DataError(f"{where}: pair lacks {k!r}; expected {{prompt, chosen, rejected}} as message lists.")
+        _check_messages(rec[k], where)
+    if rec["chosen"] == rec["rejected"]:
+        raise DataError(f"{where}: chosen == rejected; such a pair carries no preference.")

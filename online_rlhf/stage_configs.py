@@ -1,0 +1,123 @@
+"""Typed configs of every stage, importable without torch/vLLM so that a whole loop config can be
+validated dry (no model loaded). Each stage script builds its config with ``Cls.from_cli()``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import Field, model_validator
+
+from .config import StageConfig
+
+
+class GenerateConfig(StageConfig):
+    """generation/generate.py: K responses per prompt for one shard, with vLLM."""
+
+    model: str = Field("default", description="policy checkpoint: local dir, HF Hub id, or 'default' (embedded SmolLM2-135M-Instruct)")
+    prompts: str = Field(..., description="prompt set: local .jsonl/.json/.parquet or HF Hub dataset id")
+    prompt_split: str = Field("train", description="split when `prompts` is a Hub dataset")
+    prompt_field: Optional[str] = Field(None, description="text column when the set has neither 'messages' nor 'prompt'")
+    limit: Optional[int] = Field(None, ge=1, description="use only the first N prompts")
+    output: str = Field(..., description="output JSONL of this shard (generated records)")
+    shard_index: int = Field(0, ge=0, description="which shard this process writes (0-based)")
+    num_shards: int = Field(1, ge=1, description="total number of shards W; shard r takes prompts r, r+W, ...")
+    k: int = Field(4, ge=1, description="responses sampled per prompt (vLLM n)")
+    temperature: float = Field(1.0, ge=0.0, description="sampling temperature (0 = greedy)")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
+    max_tokens: int = Field(256, ge=1, description="max new tokens per response")
+    seed: int = Field(42, description="engine seed (vLLM-CPU refuses per-request seeds); shard r uses seed + r")
+    max_model_len: int = Field(2048, ge=16, description="context budget; prompts longer than max_model_len - max_tokens are skipped and counted")
+    dtype: str = Field("auto", description="vLLM dtype: auto, bfloat16, float16, float32")
+    enforce_eager: bool = Field(True, description="skip torch.compile/CUDA graphs: faster start-up (on CPU ~23 s vs 120-250 s cold)")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per shard for large models")
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="GPU only: share of memory vLLM may use")
+    kv_cache_gb: float = Field(2.0, gt=0.0, description="CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE)")
+    stats_output: Optional[str] = Field(None, description="stats JSON (default: <output>.stats.json)")
+
+
+class RewardConfig(StageConfig):
+    """annotate_data/get_rewards.py: one reward per response."""
+
+    input: str = Field(..., description="generated.jsonl")
+    output: str = Field(..., description="rewards.jsonl")
+    stats_output: Optional[str] = Field(None, description="stats JSON (default: <output>.stats.json)")
+    source: Literal["reward_model", "verifier", "remote", "judge"] = Field("verifier", description="where rewards come from")
+    # reward_model
+    reward_model: Optional[str] = Field(None, description="source=reward_model: AutoModelForSequenceClassification dir or Hub id (one label)")
+    batch_size: int = Field(8, ge=1, description="reward model batch size (inputs sorted by length)")
+    max_length: int = Field(4096, ge=8, description="reward model input budget in tokens; longer inputs lose prompt tokens from the left")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="reward model dtype (auto: bf16 on GPU, fp32 on CPU)")
+    # verifier
+    verifier: Literal["auto", "ifeval", "math"] = Field("auto", description="auto: 'instruction_id_list' -> ifeval, 'answer' -> math")
+    ifeval_mode: Literal["strict", "loose"] = Field("loose", description="ifeval: strict or loose response checking")
+    ifeval_score: Literal["partial", "all"] = Field("partial", description="ifeval: fraction of instructions followed, or 1 only if all")
+    # remote / judge
+    url: Optional[str] = Field(None, description="remote: reward service URL; judge: OpenAI-compatible base URL")
+    judge_model: Optional[str] = Field(None, description="judge: model name at the endpoint")
+    timeout_s: float = Field(60.0, gt=0, description="remote/judge: per-request timeout")
+    retries: int = Field(3, ge=0, description="remote/judge: retries with exponential backoff")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.source == "reward_model" and not self.reward_model:
+            raise ValueError("source=reward_model needs reward_model=<dir or Hub id>")
+        if self.source in ("remote", "judge") and not self.url:
+            raise ValueError(f"source={self.source} needs url=<http://...>")
+        if self.source == "judge" and not self.judge_model:
+            raise ValueError("source=judge needs judge_model=<name>")
+        return self
+
+
+class PairsConfig(StageConfig):
+    """annotate_data/make_pairs.py: chosen/rejected pairs from scored responses."""
+
+    input: str = Field(..., description="rewards.jsonl")
+    output: str = Field(..., description="pairs.jsonl")
+    stats_output: Optional[str] = Field(None, description="stats JSON (default: <output>.stats.json)")
+    strategy: Literal["max_min", "max_random", "random"] = Field("max_min", description="max_min: best vs worst (RLHFlow)")
+    min_margin: float = Field(0.0, ge=0.0, description="skip a prompt when chosen - rejected reward <= this (ties always skipped)")
+    truncated: Literal["keep", "exclude", "penalize"] = Field("exclude", description="responses with finish_reason 'length'")
+    truncated_penalty: float = Field(1.0, ge=0.0, description="penalize: subtract this from a truncated response's reward")
+    seed: int = Field(42, description="seed of max_random / random")
+
+
+class DPOStageConfig(StageConfig):
+    """dpo_iteration/run_dpo.py: TRL DPOTrainer on pairs.jsonl; saves an HF checkpoint."""
+
+    policy: str = Field(..., description="policy to train (dir, Hub id or 'default')")
+    reference: Optional[str] = Field(None, description="reference model (dir/Hub id); None = the policy itself")
+    pairs: str = Field(..., description="pairs.jsonl")
+    output_dir: str = Field(..., description="where the trained checkpoint is saved")
+    stats_output: Optional[str] = Field(None, description="stats JSON (default: <output_dir>/dpo_stats.json)")
+    training: dict[str, Any] = Field(default_factory=dict, description="any trl.DPOConfig field (beta, loss_type, learning_rate, ...)")
+    lora: Optional[dict[str, Any]] = Field(None, description="peft.LoraConfig fields; merged into the saved checkpoint")
+    attn_implementation: str = Field("sdpa", description="sdpa (CPU/GPU) or flash_attention_2 (GPU with flash-attn)")
+    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="policy/reference load dtype (auto: fp32 on CPU)")
+
+
+class LoopConfig(StageConfig):
+    """run_loop.sh: the whole online iterative loop."""
+
+    run_name: str = Field("default", description="runs/<run_name>/ holds everything the run writes")
+    output_root: str = Field("runs", description="parent folder of run directories")
+    seed: int = Field(42, description="seed of sampling, pair selection and training")
+    iterations: int = Field(2, ge=1, description="number of generate -> reward -> pairs -> DPO rounds")
+    policy: str = Field("default", description="starting policy: dir, Hub id or 'default'")
+    sft: dict[str, Any] = Field(default_factory=lambda: {"enabled": False}, description="enabled: run sft/ first; config: Axolotl YAML; overrides")
+    train_prompts: str = Field("default", description="train prompt set ('default' = IFBench train split)")
+    eval_prompts: str = Field("default", description="held-out prompt set ('default' = IFBench held-out split)")
+    prompt_field: Optional[str] = Field(None, description="text column of both prompt sets, if not messages/prompt")
+    train_limit: Optional[int] = Field(None, ge=1, description="first N train prompts per iteration")
+    eval_limit: Optional[int] = Field(None, ge=1, description="first N held-out prompts")
+    launch_profile: Literal["cpu", "zero2", "zero3"] = Field("cpu", description="configs/accelerate/<profile>.yaml for DPO")
+    num_processes: int = Field(1, ge=1, description="processes of accelerate launch (DPO, reward model)")
+    generation_shards: int = Field(1, ge=1, description="vLLM shards W (one per GPU; 1 on CPU)")
+    generation: dict[str, Any] = Field(default_factory=dict, description="GenerateConfig fields for training rollouts")
+    evaluation: dict[str, Any] = Field(default_factory=lambda: {"k": 1, "temperature": 0.0}, description="GenerateConfig fields for held-out generation")
+    reward: dict[str, Any] = Field(default_factory=dict, description="RewardConfig fields")
+    pairs: dict[str, Any] = Field(default_factory=dict, description="PairsConfig fields")
+    dpo: dict[str, Any] = Field(default_factory=dict, description="DPOStageConfig fields, plus ref_model: initial | previous")
+    ref_model: Literal["initial", "previous"] = Field("initial", description="DPO reference: the starting (SFT) policy, or last iteration's policy")
+    per_iteration: dict[int, dict[str, Any]] = Field(default_factory=dict, description="{i: {section: {key: value}}} overrides for iteration i")
+    wandb: bool = Field(False, description="log the loop's metrics to wandb (offline unless WANDB_MODE is set)")
