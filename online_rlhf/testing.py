@@ -1,0 +1,106 @@
+"""Tiny random models for tests and quick local runs (seconds to build, no network).
+
+``make_tiny_tokenizer`` trains a byte-level BPE on a small built-in corpus, so any text
+(non-ASCII included) encodes; it has a ChatML chat template and ``<|im_end|>`` as eos/pad.
+``make_tiny_policy`` saves a 2-layer Llama causal LM with that tokenizer (vLLM and TRL load it);
+``make_tiny_reward_model`` saves a 1-label ``LlamaForSequenceClassification``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CHATML_TEMPLATE = (
+    "{% if bos_token_in_template %}{{ bos_token }}{% endif %}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Write a short poem about the sea. Answer in exactly three sentences.",
+    "What is 12 plus 30? The answer is 42.",
+    "Please respond in lowercase letters only, and end with a question?",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Symbols: , . ; : ! ? - ( ) [ ] { } # * \" '",
+    "Über café naïve — 日本語 テキスト — emoji 🙂 — Ελληνικά — русский текст.",
+    "system user assistant: You are a helpful assistant.",
+]
+
+
+def make_tiny_tokenizer(bos_in_template: bool = False, vocab_size: int = 512, padding_side: str = "left"):
+    """A ``PreTrainedTokenizerFast`` with ChatML; bos ``<|bos|>`` (id 0), eos = pad = ``<|im_end|>``.
+
+    ``bos_in_template=True`` makes the chat template write the BOS token itself (like Llama-3),
+    the case where adding special tokens again would double it.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|bos|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
+    tok = Tokenizer(models.BPE(unk_token="<|unk|>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    # Prepend BOS when encoding with special tokens, as Llama tokenizers do.
+    tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", pair="<|bos|> $A $B",
+                                                       special_tokens=[("<|bos|>", tok.token_to_id("<|bos|>"))])
+    template = CHATML_TEMPLATE.replace("bos_token_in_template", "true" if bos_in_template else "false")
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|im_end|>",
+                                 pad_token="<|im_end|>", unk_token="<|unk|>", padding_side=padding_side,
+                                 model_max_length=4096)
+    hf.chat_template = template
+    return hf
+
+
+def _llama_config(tokenizer, **kw):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=kw.pop("hidden_size", 64), intermediate_size=kw.pop("intermediate_size", 128),
+        num_hidden_layers=kw.pop("num_hidden_layers", 2), num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=kw.pop("max_position_embeddings", 2048), bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True, **kw,
+    )
+
+
+def make_tiny_policy(out_dir: str | os.PathLike, seed: int = 0, bos_in_template: bool = False, **config_kw) -> Path:
+    """Save a random 2-layer Llama causal LM (+ tokenizer, chat template, generation_config) to ``out_dir``."""
+    import torch
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    out = Path(out_dir)
+    tok = make_tiny_tokenizer(bos_in_template=bos_in_template)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(_llama_config(tok, **config_kw))
+    model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=[tok.eos_token_id],
+                                               pad_token_id=tok.pad_token_id)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def make_tiny_reward_model(out_dir: str | os.PathLike, seed: int = 0, padding_side: str = "right",
+                           pad_equals_eos: bool = True, bos_in_template: bool = False) -> Path:
+    """Save a random 1-label ``LlamaForSequenceClassification`` reward model to ``out_dir``.
+
+    ``pad_equals_eos=False`` gives the tokenizer a distinct ``<|unk|>`` pad token.
+    """
+    import torch
+    from transformers import LlamaForSequenceClassification
+
+    out = Path(out_dir)
+    tok = make_tiny_tokenizer(bos_in_template=bos_in_template, padding_side=padding_side)
+    if not pad_equals_eos:
+        tok.pad_token = "<|unk|>"
+    torch.manual_seed(seed)
+    cfg = _llama_config(tok, num_labels=1)
+    cfg.pad_token_id = tok.pad_token_id
+    model = LlamaForSequenceClassification(cfg)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
