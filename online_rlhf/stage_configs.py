@@ -32,8 +32,19 @@ class GenerateConfig(StageConfig):
     enforce_eager: bool = Field(True, description="skip torch.compile/CUDA graphs: faster start-up (on CPU ~23 s vs 120-250 s cold)")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per shard for large models")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="GPU only: share of memory vLLM may use")
-    kv_cache_gb: float = Field(2.0, gt=0.0, description="CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE)")
+    kv_cache_gb: float = Field(2.0, gt=0.0, description="CPU only: KV cache size in GiB per shard (an explicit VLLM_CPU_KVCACHE_SPACE wins)")
     stats_output: Optional[str] = Field(None, description="stats JSON (default: <output>.stats.json)")
+    shards_dir: Optional[str] = Field(None, description="launch.py/merge_data.py: folder of shard_XX.jsonl files (default: <output> without .jsonl, e.g. generated.jsonl -> generated/)")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.shard_index >= self.num_shards:
+            raise ValueError(f"shard_index={self.shard_index} must be < num_shards={self.num_shards} (shards are 0-based)")
+        if self.max_tokens >= self.max_model_len:
+            raise ValueError(f"max_tokens={self.max_tokens} leaves no room for the prompt in max_model_len={self.max_model_len}")
+        if self.temperature == 0 and self.k > 1:
+            raise ValueError(f"temperature=0 (greedy) gives {self.k} identical responses and vLLM refuses n>1: set k=1 or temperature>0")
+        return self
 
 
 class RewardConfig(StageConfig):
@@ -45,7 +56,7 @@ class RewardConfig(StageConfig):
     source: Literal["reward_model", "verifier", "remote", "judge"] = Field("verifier", description="where rewards come from")
     # reward_model
     reward_model: Optional[str] = Field(None, description="source=reward_model: AutoModelForSequenceClassification dir or Hub id (one label)")
-    batch_size: int = Field(8, ge=1, description="reward model batch size (inputs sorted by length)")
+    batch_size: int = Field(8, ge=1, description="reward_model: inputs per forward pass (sorted by length); remote: (prompt, response) items per request")
     max_length: int = Field(4096, ge=8, description="reward model input budget in tokens; longer inputs lose prompt tokens from the left")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="reward model dtype (auto: bf16 on GPU, fp32 on CPU)")
     # verifier
@@ -57,6 +68,9 @@ class RewardConfig(StageConfig):
     judge_model: Optional[str] = Field(None, description="judge: model name at the endpoint")
     timeout_s: float = Field(60.0, gt=0, description="remote/judge: per-request timeout")
     retries: int = Field(3, ge=0, description="remote/judge: retries with exponential backoff")
+    retry_backoff_s: float = Field(1.0, ge=0, description="remote/judge: first retry waits this long, then 2x, 4x, ...")
+    judge_max_tokens: int = Field(256, ge=1, description="judge: max tokens of the judge's reply (short reasoning + [[A]]/[[B]])")
+    judge_concurrency: int = Field(8, ge=1, description="judge: requests in flight at once (the server batches them)")
 
     @model_validator(mode="after")
     def _check(self):
@@ -89,11 +103,12 @@ class DPOStageConfig(StageConfig):
     reference: Optional[str] = Field(None, description="reference model (dir/Hub id); None = the policy itself")
     pairs: str = Field(..., description="pairs.jsonl")
     output_dir: str = Field(..., description="where the trained checkpoint is saved")
-    stats_output: Optional[str] = Field(None, description="stats JSON (default: <output_dir>/dpo_stats.json)")
-    training: dict[str, Any] = Field(default_factory=dict, description="any trl.DPOConfig field (beta, loss_type, learning_rate, ...)")
+    stats_output: Optional[str] = Field(None, description="stats JSON (default: <output_dir>.stats.json, beside the checkpoint)")
+    training: dict[str, Any] = Field(default_factory=dict, description="any trl.DPOConfig field (beta, loss_type, learning_rate, max_length, precompute_ref_log_probs, report_to, ...); stage defaults: bf16=false on CPU, precompute_ref_log_probs=true, report_to=none")
+    max_prompt_length: Optional[int] = Field(None, ge=1, description="drop (and count) pairs whose prompt has more tokens than this; TRL 1.9 has no prompt truncation. Pairs whose prompt fills training.max_length are always dropped")
     lora: Optional[dict[str, Any]] = Field(None, description="peft.LoraConfig fields; merged into the saved checkpoint")
     attn_implementation: str = Field("sdpa", description="sdpa (CPU/GPU) or flash_attention_2 (GPU with flash-attn)")
-    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="policy/reference load dtype (auto: fp32 on CPU)")
+    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="policy/reference load dtype (auto: fp32 on CPU, each checkpoint's stored dtype on GPU; float16 vs bfloat16 checkpoints are refused)")
 
 
 class LoopConfig(StageConfig):
@@ -110,6 +125,7 @@ class LoopConfig(StageConfig):
     prompt_field: Optional[str] = Field(None, description="text column of both prompt sets, if not messages/prompt")
     train_limit: Optional[int] = Field(None, ge=1, description="first N train prompts per iteration")
     eval_limit: Optional[int] = Field(None, ge=1, description="first N held-out prompts")
+    prompts_per_iteration: Optional[int] = Field(None, ge=1, description="iteration i takes the i-th slice of this many train prompts (wrapping); None = all (or train_limit)")
     launch_profile: Literal["cpu", "zero2", "zero3"] = Field("cpu", description="configs/accelerate/<profile>.yaml for DPO")
     num_processes: int = Field(1, ge=1, description="processes of accelerate launch (DPO, reward model)")
     generation_shards: int = Field(1, ge=1, description="vLLM shards W (one per GPU; 1 on CPU)")

@@ -25,9 +25,8 @@ fi
 
 log() { printf '[setup_envs] %s\n' "$*" >&2; }
 
-stamp_of() {  # the content that decides whether env $1 is up to date
-  cat "requirements-$1.txt" "scripts/setup_envs.sh" pyproject.toml | sha256sum | cut -d' ' -f1
-  echo "$VARIANT"
+stamp_of() {  # what decides whether env $1 is up to date: its requirements, the pins here, the variant
+  { cat "requirements-$1.txt"; echo "$TORCH_VERSION $AXOLOTL_SPEC $VLLM_CUDA_SPEC $VARIANT"; } | sha256sum | cut -d' ' -f1
 }
 
 pip_in() { "$1/bin/python" -m pip install --disable-pip-version-check "${@:2}"; }

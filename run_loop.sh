@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# Online iterative RLHF, one line per stage (DESIGN.md):
+#   [sft once] -> for i in 1..N: generate (vLLM) -> rewards -> pairs -> DPO -> held-out eval
+# The model of iteration i is the policy of iteration i+1.
+#
+# Usage: bash run_loop.sh [CONFIG] [key=value ...] [--fresh]
+#   CONFIG defaults to configs/loop.yaml (the embedded default: SmolLM2-135M + IFBench verifier).
+#   Rerunning the same command resumes at the first stage whose .done marker is missing or stale.
+#   --fresh (or fresh=true) deletes the run directory first.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+cd "$ROOT"
+
+CONFIG="configs/loop.yaml"
+FRESH=0
+OVERRIDES=()
+for arg in "$@"; do
+  case "$arg" in
+    --fresh|fresh=true) FRESH=1 ;;
+    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    *=*) OVERRIDES+=("$arg") ;;
+    *) CONFIG="$arg" ;;
+  esac
+done
+[[ -f "$CONFIG" ]] || { echo "run_loop.sh: config file '$CONFIG' not found" >&2; exit 2; }
+
+# Caches inside the project (unless the user set them); wandb offline unless told otherwise.
+CACHE="${ONLINE_RLHF_CACHE:-$ROOT/.cache}"
+export HF_HOME="${HF_HOME:-$CACHE/hf}" TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$CACHE/torch_extensions}"
+export VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-$CACHE/vllm}" NLTK_DATA="${NLTK_DATA:-$CACHE/nltk_data}"
+export WANDB_DIR="${WANDB_DIR:-$CACHE/wandb}" WANDB_MODE="${WANDB_MODE:-offline}" AXOLOTL_DO_NOT_TRACK=1
+export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+
+T0=$SECONDS
+clock() { local s=$((SECONDS - T0)); printf '%02d:%02d' $((s / 60)) $((s % 60)); }
+say() { printf '[run_loop %s] %s\n' "$(clock)" "$*"; }
+
+bash scripts/setup_envs.sh all                       # no-op when both envs are up to date
+TRAIN="$ROOT/.venv-train/bin/python"
+INFER="$ROOT/.venv-infer/bin/python"
+ACCELERATE="$ROOT/.venv-train/bin/accelerate"
+"$TRAIN" scripts/prepare_default.py --quiet           # embedded model + prompts; cached after the first run
+
+if [[ "$FRESH" == 1 ]]; then
+  RUN_DIR_OLD="$("$TRAIN" -m online_rlhf.loop plan "$CONFIG" "${OVERRIDES[@]}" | sed -n 's/^RUN_DIR=//p')"
+  say "fresh start: removing $RUN_DIR_OLD"
+  rm -rf -- "$RUN_DIR_OLD"
+fi
+PLAN="$("$TRAIN" -m online_rlhf.loop plan "$CONFIG" "${OVERRIDES[@]}")"
+eval "$PLAN"    # RUN_DIR ITERATIONS LAUNCH_PROFILE NUM_PROCESSES GENERATION_SHARDS SFT_ENABLED SFT_CONFIG REWARD_SOURCE
+say "run directory: $RUN_DIR ($ITERATIONS iterations, launch profile $LAUNCH_PROFILE)"
+
+CHILD=""
+trap 'say "interrupted; rerun the same command to resume"; [[ -n "$CHILD" ]] && kill -TERM -- -"$CHILD" 2>/dev/null; exit 130' INT TERM
+
+# run_stage ITER STAGE ENV COMMAND...: skip when done and fresh; else run with a log and a live status line.
+run_stage() {
+  local i="$1" stage="$2" env="$3"; shift 3
+  if "$TRAIN" -m online_rlhf.loop check "$RUN_DIR" "$i" "$stage"; then
+    say "iteration $i/$ITERATIONS · $stage: done earlier, skipped"
+    return 0
+  fi
+  local log="$RUN_DIR/iter_$i/logs/$stage.log" start=$SECONDS
+  mkdir -p "$(dirname "$log")"
+  say "iteration $i/$ITERATIONS · $stage ($env env) · log $log"
+  set -m; "$@" >"$log" 2>&1 & CHILD=$!; set +m
+  local ticks=0
+  while kill -0 "$CHILD" 2>/dev/null; do   # a status line every 15 s: stage, elapsed, last log line
+    sleep 1; ticks=$((ticks + 1))
+    if ((ticks % 15 == 0)) && kill -0 "$CHILD" 2>/dev/null; then
+      say "  … $stage $((SECONDS - start))s: $(tail -c 400 "$log" | tr '\r' '\n' | grep -v '^[[:space:]]*$' | tail -n 1 | cut -c1-110)"
+    fi
+  done
+  local rc=0; wait "$CHILD" || rc=$?; CHILD=""
+  if [[ $rc -ne 0 ]]; then
+    say "FAILED: iteration $i · stage $stage (exit $rc). Log: $log"
+    tail -n 25 "$log" | sed 's/^/    | /' >&2
+    exit 1
+  fi
+  "$TRAIN" -m online_rlhf.loop mark "$RUN_DIR" "$i" "$stage" "$((SECONDS - start))"
+  say "iteration $i/$ITERATIONS · $stage: finished in $((SECONDS - start))s"
+}
+
+# Reward scoring with a model runs data-parallel under accelerate; verifiers need no launcher.
+rewards_cmd() {
+  if [[ "$REWARD_SOURCE" == reward_model && "$NUM_PROCESSES" -gt 1 ]]; then
+    ACCELERATE_USE_CPU="$([[ "$LAUNCH_PROFILE" == cpu ]] && echo true || echo false)" \
+      "$ACCELERATE" launch --multi_gpu --num_processes "$NUM_PROCESSES" annotate_data/get_rewards.py --config "$1"
+  else
+    "$TRAIN" annotate_data/get_rewards.py --config "$1"
+  fi
+}
+dpo_cmd() {
+  OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$ACCELERATE" launch --config_file "configs/accelerate/$LAUNCH_PROFILE.yaml" \
+    --num_processes "$NUM_PROCESSES" dpo_iteration/run_dpo.py --config "$1"
+}
+cfg() { echo "$RUN_DIR/iter_$1/configs/$2.yaml"; }
+
+if [[ "$SFT_ENABLED" == 1 ]]; then
+  run_stage 0 sft           train  bash sft/run_sft.sh "$(cfg 0 sft)"
+fi
+run_stage 0 eval_generate   infer  "$INFER" generation/launch.py --config "$(cfg 0 eval_generate)" num_shards="$GENERATION_SHARDS"
+run_stage 0 eval_rewards    train  rewards_cmd "$(cfg 0 eval_rewards)"
+"$TRAIN" -m online_rlhf.loop metrics "$RUN_DIR" 0 | while read -r line; do say "$line"; done
+for ((i = 1; i <= ITERATIONS; i++)); do
+  run_stage "$i" generate      infer  "$INFER" generation/launch.py --config "$(cfg "$i" generate)" num_shards="$GENERATION_SHARDS"
+  run_stage "$i" rewards       train  rewards_cmd "$(cfg "$i" rewards)"
+  run_stage "$i" pairs         train  "$TRAIN" annotate_data/make_pairs.py --config "$(cfg "$i" pairs)"
+  run_stage "$i" dpo           train  dpo_cmd "$(cfg "$i" dpo)"
+  run_stage "$i" eval_generate infer  "$INFER" generation/launch.py --config "$(cfg "$i" eval_generate)" num_shards="$GENERATION_SHARDS"
+  run_stage "$i" eval_rewards  train  rewards_cmd "$(cfg "$i" eval_rewards)"
+  "$TRAIN" -m online_rlhf.loop metrics "$RUN_DIR" "$i" | while read -r line; do say "$line"; done
+done
+REPORT="$("$TRAIN" -m online_rlhf.loop report "$RUN_DIR")"
+say "done in $(clock). Report: $REPORT and ${REPORT%.md}.png"

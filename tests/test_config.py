@@ -1,0 +1,77 @@
+"""Config loading: YAML + key=value overrides, unknown keys and wrong types name the key."""
+
+import pytest
+
+from online_rlhf.config import ConfigError, apply_overrides, parse_override
+from online_rlhf.stage_configs import GenerateConfig, LoopConfig, PairsConfig
+
+
+def test_override_values_are_parsed_as_yaml():
+    assert parse_override("k=8") == (["k"], 8)
+    assert parse_override("temperature=0.7") == (["temperature"], 0.7)
+    assert parse_override("lora=null") == (["lora"], None)
+    assert parse_override("stop=[a, b]") == (["stop"], ["a", "b"])
+    assert parse_override("name=") == (["name"], "")
+
+
+def test_dotted_override_creates_nesting_without_touching_siblings():
+    out = apply_overrides({"dpo": {"training": {"beta": 0.1, "lr": 1}}}, ["dpo.training.beta=0.05"])
+    assert out == {"dpo": {"training": {"beta": 0.05, "lr": 1}}}
+
+
+def test_override_without_equals_is_an_error():
+    with pytest.raises(ConfigError, match="key=value"):
+        parse_override("temperature")
+
+
+def test_yaml_file_plus_overrides(tmp_path):
+    p = tmp_path / "gen.yaml"
+    p.write_text("prompts: p.jsonl\noutput: o.jsonl\nk: 2\n")
+    cfg = GenerateConfig.from_cli(["--config", str(p), "k=6", "temperature=0.5"])
+    assert (cfg.k, cfg.temperature, cfg.prompts) == (6, 0.5, "p.jsonl")
+
+
+def test_unknown_key_names_the_key_and_suggests(tmp_path):
+    p = tmp_path / "gen.yaml"
+    p.write_text("prompts: p.jsonl\noutput: o.jsonl\ntemprature: 0.5\n")
+    with pytest.raises(ConfigError) as e:
+        GenerateConfig.load(p)
+    msg = str(e.value)
+    assert "temprature" in msg and "temperature" in msg and str(p) in msg
+
+
+def test_wrong_type_names_the_key():
+    with pytest.raises(ConfigError, match=r"k:.*integer"):
+        GenerateConfig.from_cli(["prompts=p", "output=o", "k=many"])
+
+
+def test_out_of_range_value_is_refused():
+    with pytest.raises(ConfigError, match="top_p"):
+        GenerateConfig.from_cli(["prompts=p", "output=o", "top_p=1.5"])
+
+
+def test_missing_config_file_is_clear(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        GenerateConfig.load(tmp_path / "nope.yaml")
+
+
+def test_invalid_yaml_names_file(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("k: [1, 2\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        GenerateConfig.load(p)
+
+
+def test_literal_choices_are_enforced():
+    with pytest.raises(ConfigError, match="strategy"):
+        PairsConfig.from_cli(["input=a", "output=b", "strategy=best_worst"])
+
+
+def test_unknown_cli_option_is_refused():
+    with pytest.raises(ConfigError, match="--temperature"):
+        GenerateConfig.from_cli(["--temperature", "0.5"])
+
+
+def test_loop_defaults_validate():
+    cfg = LoopConfig.from_dict({})
+    assert cfg.iterations >= 1 and cfg.ref_model == "initial"

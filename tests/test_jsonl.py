@@ -1,0 +1,68 @@
+"""Atomic JSONL writes and line-numbered read errors."""
+
+import json
+import os
+
+import pytest
+
+from online_rlhf.jsonl import DataError, atomic_open, check_finite, read_jsonl, write_jsonl
+
+
+def test_roundtrip_keeps_non_ascii(tmp_path):
+    recs = [{"id": "1", "text": "日本語 🙂"}, {"id": "2", "text": "naïve"}]
+    p = tmp_path / "a.jsonl"
+    assert write_jsonl(p, recs) == 2
+    assert read_jsonl(p) == recs
+    assert "日本語" in p.read_text(encoding="utf-8")
+
+
+def test_bad_line_names_file_and_line(tmp_path):
+    p = tmp_path / "a.jsonl"
+    p.write_text('{"id": 1}\n\n{"id": 2\n')
+    with pytest.raises(DataError, match=r"a\.jsonl:3: not valid JSON"):
+        read_jsonl(p)
+
+
+def test_non_object_line_is_refused(tmp_path):
+    p = tmp_path / "a.jsonl"
+    p.write_text('{"id": 1}\n[1, 2]\n')
+    with pytest.raises(DataError, match=r":2: expected a JSON object"):
+        read_jsonl(p)
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        read_jsonl(tmp_path / "nope.jsonl")
+
+
+def test_failed_write_leaves_old_file_and_no_temp(tmp_path):
+    p = tmp_path / "a.jsonl"
+    write_jsonl(p, [{"id": "old"}])
+
+    def gen():
+        yield {"id": "new"}
+        raise RuntimeError("crash mid-write")
+
+    with pytest.raises(RuntimeError):
+        write_jsonl(p, gen())
+    assert read_jsonl(p) == [{"id": "old"}]
+    assert os.listdir(tmp_path) == ["a.jsonl"]
+
+
+def test_nan_is_refused_with_record_id(tmp_path):
+    with pytest.raises(DataError, match="id='x'"):
+        write_jsonl(tmp_path / "a.jsonl", [{"id": "x", "reward": float("nan")}])
+
+
+def test_check_finite():
+    assert check_finite("1.5", "r") == 1.5
+    with pytest.raises(DataError, match="rec 3"):
+        check_finite(float("inf"), "rec 3")
+    with pytest.raises(DataError, match="not a number"):
+        check_finite("abc", "rec 3")
+
+
+def test_atomic_open_binary(tmp_path):
+    with atomic_open(tmp_path / "b.bin", "wb") as f:
+        f.write(b"\x00\x01")
+    assert (tmp_path / "b.bin").read_bytes() == b"\x00\x01"

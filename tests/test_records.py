@@ -1,0 +1,86 @@
+"""Prompt-set normalization and record validation."""
+
+import json
+
+import pytest
+
+from online_rlhf.jsonl import DataError
+from online_rlhf.records import load_prompts, validate_pair, validate_rewards
+
+
+def _write(p, rows):
+    p.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return p
+
+
+def test_prompt_string_and_messages_forms(tmp_path):
+    p = _write(tmp_path / "p.jsonl", [
+        {"prompt": "hi", "answer": "4"},
+        {"id": 7, "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+                               {"role": "assistant", "content": "old answer"}]},
+    ])
+    a, b = load_prompts(p)
+    assert a == {"id": "0", "prompt": [{"role": "user", "content": "hi"}], "answer": "4"}
+    assert b["id"] == "7" and b["prompt"][-1] == {"role": "user", "content": "q"} and len(b["prompt"]) == 2
+
+
+def test_prompt_field_for_other_columns(tmp_path):
+    p = _write(tmp_path / "g.jsonl", [{"question": "2+2?", "answer": "#### 4"}])
+    (r,) = load_prompts(p, prompt_field="question")
+    assert r["prompt"] == [{"role": "user", "content": "2+2?"}] and r["answer"] == "#### 4"
+
+
+def test_missing_prompt_column_names_line(tmp_path):
+    p = _write(tmp_path / "p.jsonl", [{"prompt": "ok"}, {"text": "x"}])
+    with pytest.raises(DataError, match=r"p\.jsonl:2: no prompt"):
+        load_prompts(p)
+
+
+def test_empty_user_turn_is_an_error(tmp_path):
+    p = _write(tmp_path / "p.jsonl", [{"prompt": "   "}])
+    with pytest.raises(DataError, match="empty"):
+        load_prompts(p)
+
+
+def test_bad_role_is_an_error(tmp_path):
+    p = _write(tmp_path / "p.jsonl", [{"messages": [{"role": "human", "content": "x"}]}])
+    with pytest.raises(DataError, match="role 'human'"):
+        load_prompts(p)
+
+
+def test_duplicate_ids_are_an_error(tmp_path):
+    p = _write(tmp_path / "p.jsonl", [{"id": "a", "prompt": "x"}, {"id": "a", "prompt": "y"}])
+    with pytest.raises(DataError, match="duplicate id 'a'"):
+        load_prompts(p)
+
+
+def test_empty_prompt_set_is_an_error(tmp_path):
+    p = tmp_path / "p.jsonl"
+    p.write_text("\n")
+    with pytest.raises(DataError, match="empty"):
+        load_prompts(p)
+
+
+def test_parquet_prompts_via_datasets(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    p = tmp_path / "p.parquet"
+    datasets.Dataset.from_list([{"prompt": "a"}, {"prompt": "b"}]).to_parquet(str(p))
+    assert [r["id"] for r in load_prompts(p)] == ["0", "1"]
+
+
+def test_limit(tmp_path):
+    p = _write(tmp_path / "p.jsonl", [{"prompt": str(i)} for i in range(5)])
+    assert len(load_prompts(p, limit=2)) == 2
+
+
+def test_validate_rewards_refuses_nan_naming_record():
+    rec = {"id": "r1", "prompt": [{"role": "user", "content": "q"}], "responses": ["a", "b"],
+           "finish_reasons": ["stop", "stop"], "rewards": [1.0, float("nan")]}
+    with pytest.raises(DataError, match="r1.*response 1"):
+        validate_rewards(rec, "x.jsonl:1")
+
+
+def test_validate_pair_refuses_identical():
+    m = [{"role": "assistant", "content": "same"}]
+    with pytest.raises(DataError, match="chosen == rejected"):
+        validate_pair({"prompt": [{"role": "user", "content": "q"}], "chosen": m, "rejected": m}, "p:1")
