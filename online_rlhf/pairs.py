@@ -1,0 +1,177 @@
+"""Chosen/rejected pair selection from K scored responses per prompt (pure functions).
+
+Strategies (``PairsConfig.strategy``):
+
+- ``max_min`` (default): the best vs the worst response, as in RLHFlow's online iterative
+  RLHF recipe (Dong et al. 2024, "RLHF Workflow", github.com/RLHFlow/Online-RLHF).
+- ``max_random``: the best vs a random lower-rewarded response.
+- ``random``: a random pair of responses with different rewards, ordered by reward.
+
+Before choosing, each response is checked: an empty (whitespace-only) response is invalid; a
+truncated one (``finish_reason == "length"``) is kept, excluded, or penalized (its reward minus
+``truncated_penalty``) per ``truncated``; responses with the same text (after ``strip()``) count
+once, with the mean of their rewards, so a pair never holds one text twice. A prompt is skipped,
+and counted by reason, when fewer than two distinct valid responses remain
+(``fewer_than_2_valid``), when all of them score the same (``tie``), or when the chosen-rejected
+margin is ``<= min_margin`` (``margin_below_min``). ``chosen_reward``/``rejected_reward`` are the
+rewards the choice was made on (after the truncation penalty).
+
+Random choices use ``random.Random(f"{seed}:{id}")``: the same pair for a prompt whatever the
+order or sharding of the records.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from typing import Iterable
+
+from .records import validate_rewards
+
+STRATEGIES = ("max_min", "max_random", "random")
+TRUNCATION = ("keep", "exclude", "penalize")
+
+
+def candidates(responses: list[str], rewards: list[float], finish_reasons: list[str], truncated: str = "exclude",
+               truncated_penalty: float = 1.0, counts: Counter | None = None) -> list[tuple[int, float]]:
+    """Distinct valid responses as ``(index of first occurrence, effective reward)``, in index order.
+
+    ``counts`` (if given) is incremented per response: ``empty``, ``truncated``,
+    ``truncated_excluded``/``truncated_penalized``, ``duplicate``.
+    """
+    if truncated not in TRUNCATION:
+        raise ValueError(f"truncated must be one of {TRUNCATION}, got {truncated!r}")
+    counts = counts if counts is not None else Counter()
+    by_text: dict[str, list] = {}
+    for j, (text, r, fin) in enumerate(zip(responses, rewards, finish_reasons)):
+        if not text.strip():
+            counts["empty"] += 1
+            continue
+        if fin == "length":
+            counts["truncated"] += 1
+            if truncated == "exclude":
+                counts["truncated_excluded"] += 1
+                continue
+            if truncated == "penalize":
+                counts["truncated_penalized"] += 1
+                r = r - truncated_penalty
+        key = text.strip()
+        if key in by_text:
+            counts["duplicate"] += 1
+            by_text[key][1].append(r)
+        else:
+            by_text[key] = [j, [r]]
+    return [(j, sum(rs) / len(rs)) for j, rs in by_text.values()]
+
+
+def choose(cands: list[tuple[int, float]], strategy: str = "max_min", min_margin: float = 0.0,
+           rng: random.Random | None = None) -> tuple[int, int] | str:
+    """Pick ``(chosen index, rejected index)`` from :func:`candidates`, or return the skip reason.
+
+    Ties between equal best (or worst) rewards go to the lowest index. Reasons:
+    ``fewer_than_2_valid``, ``tie`` (no two rewards differ), ``margin_below_min``.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if len(cands) < 2:
+        return "fewer_than_2_valid"
+    rng = rng or random.Random(0)
+    best = max(cands, key=lambda c: (c[1], -c[0]))
+    worst = min(cands, key=lambda c: (c[1], c[0]))
+    if best[1] == worst[1]:
+        return "tie"
+    if best[1] - worst[1] <= min_margin:
+        return "margin_below_min"
+    if strategy == "max_min":
+        return best[0], worst[0]
+    if strategy == "max_random":
+        lower = [c for c in cands if best[1] - c[1] > min_margin]
+        return best[0], rng.choice(lower)[0]
+    # random: any pair whose rewards differ by more than min_margin, ordered by reward
+    pairs = [(a, b) for a in cands for b in cands if a[1] - b[1] > min_margin]
+    a, b = rng.choice(pairs)
+    return a[0], b[0]
+
+
+def make_pair(rec: dict, where: str, strategy: str = "max_min", min_margin: float = 0.0, truncated: str = "exclude",
+              truncated_penalty: float = 1.0, seed: int = 42, counts: Counter | None = None) -> dict | str:
+    """One rewards record -> a pair ``{id, prompt, chosen, rejected, chosen_reward, rejected_reward}`` or a skip reason.
+
+    ``chosen``/``rejected`` are one-message lists ``[{"role": "assistant", "content": ...}]`` (TRL's
+    conversational preference format).
+
+    Raises:
+        DataError: the record is malformed or a reward is NaN/inf (names ``where`` and the id).
+    """
+    rewards = validate_rewards(rec, where)
+    cands = candidates(rec["responses"], rewards, rec["finish_reasons"], truncated, truncated_penalty, counts)
+    picked = choose(cands, strategy, min_margin, random.Random(f"{seed}:{rec['id']}"))
+    if isinstance(picked, str):
+        return picked
+    eff = dict(cands)
+    c, r = picked
+    return {
+        "id": rec["id"],
+        "prompt": rec["prompt"],
+        "chosen": [{"role": "assistant", "content": rec["responses"][c]}],
+        "rejected": [{"role": "assistant", "content": rec["responses"][r]}],
+        "chosen_reward": eff[c],
+        "rejected_reward": eff[r],
+    }
+
+
+def _summary(xs: list[float]) -> dict:
+    if not xs:
+        return {"mean": None, "std": None, "min": None, "max": None}
+    m = sum(xs) / len(xs)
+    return {"mean": m, "std": math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs)), "min": min(xs), "max": max(xs)}
+
+
+def build_pairs(records: Iterable[tuple[str, dict]], strategy: str = "max_min", min_margin: float = 0.0,
+                truncated: str = "exclude", truncated_penalty: float = 1.0, seed: int = 42) -> tuple[list[dict], dict]:
+    """Pairs from ``(where, rewards record)`` items, and the stats of the selection.
+
+    Records whose ``rewards`` is ``null`` (the reward stage could not score them) are skipped as
+    ``unscored``. Returns ``(pairs, stats)``; stats hold records in, pairs out, skipped by
+    reason, per-response counts, the truncation policy, the input reward mean/std/min/max, and
+    the chosen/rejected reward and margin means.
+
+    Raises:
+        DataError: a malformed record or a NaN/inf reward (names the record).
+    """
+    pairs: list[dict] = []
+    skipped: Counter = Counter()
+    resp_counts: Counter = Counter()
+    all_rewards: list[float] = []
+    n_in = 0
+    for where, rec in records:
+        n_in += 1
+        if rec.get("rewards", ...) is None:
+            skipped["unscored"] += 1
+            continue
+        all_rewards.extend(validate_rewards(rec, where))
+        resp_counts["total"] += len(rec["responses"])
+        out = make_pair(rec, where, strategy, min_margin, truncated, truncated_penalty, seed, resp_counts)
+        if isinstance(out, str):
+            skipped[out] += 1
+        else:
+            pairs.append(out)
+    chosen = [p["chosen_reward"] for p in pairs]
+    rejected = [p["rejected_reward"] for p in pairs]
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    stats = {
+        "records_in": n_in,
+        "pairs_out": len(pairs),
+        "skipped": dict(skipped),
+        "responses": dict(resp_counts),
+        "strategy": strategy,
+        "min_margin": min_margin,
+        "truncation": {"policy": truncated, "penalty": truncated_penalty if truncated == "penalize" else None},
+        "seed": seed,
+        "reward": _summary(all_rewards),
+        "chosen_reward_mean": mean(chosen),
+        "rejected_reward_mean": mean(rejected),
+        "margin_mean": mean([c - r for c, r in zip(chosen, rejected)]),
+    }
+    return pairs, stats

@@ -1,0 +1,215 @@
+"""Rule-based rewards: instruction-following constraints (IFEval/IFBench) and math answers.
+
+``score(records, cfg)`` gives one reward per response of each generated record, or ``None`` for
+a record that cannot be scored, with the reason counted in the returned stats (never a silent 0).
+
+- **ifeval** (records with ``instruction_id_list`` + ``kwargs``): the checkers of ``if-verifiable``
+  (IFEval's 25 and IFBench's 58 instruction ids) and its scoring
+  (``if_verifiable.common.evaluate_instructions``): ``ifeval_mode`` strict (the response as is)
+  or loose (also the response without its first/last line or markdown ``*``), ``ifeval_score``
+  partial (fraction of the record's instructions followed, 0..1) or all (1.0 only when every
+  instruction is followed). The instruction ids of a record may come from both families.
+- **math** (records with ``answer``): ``math-verify``; the gold answer is a GSM8K solution
+  (the text after its last ``####``), or a final answer (number or LaTeX, e.g. MATH's
+  ``\\frac{1}{2}``); the response's answer is the last ``\\boxed{}``/LaTeX/number it holds.
+  Reward 1.0 when they are equal, else 0.0.
+
+Offline NLTK: ``if-verifiable`` calls ``nltk.download`` when imported (refused here) and some
+checkers need NLTK data (``punkt_tab``, ``stopwords``, ``averaged_perceptron_tagger_eng``).
+Before importing it, :func:`_nltk_offline` adds ``$NLTK_DATA`` (``<cache>/nltk_data``, filled by
+``scripts/prepare_default.py``) to NLTK's search path and replaces ``nltk.download`` with a stub
+that downloads nothing. A checker whose data is missing raises ``LookupError``: its record is
+counted as ``checker_error:LookupError``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import random
+import threading
+from collections import Counter
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_skipped_downloads: list[str] = []
+
+
+def _refuse_download(info_or_id: Any = None, *args: Any, **kwargs: Any) -> bool:
+    """Stand-in for ``nltk.download``: never fetches at run time; logs what was asked for."""
+    _skipped_downloads.append(str(info_or_id))
+    log.info("nltk.download(%r) skipped (offline). Run scripts/prepare_default.py to install NLTK data.", info_or_id)
+    return False
+
+
+def _nltk_offline() -> None:
+    """Make NLTK look in ``$NLTK_DATA`` (default ``<cache>/nltk_data``) and never download."""
+    import nltk
+
+    from .paths import cache_dir
+
+    dirs = os.environ.get("NLTK_DATA", str(cache_dir() / "nltk_data")).split(os.pathsep)
+    for d in reversed(dirs):
+        if d and d not in nltk.data.path:
+            nltk.data.path.insert(0, d)
+    nltk.download = _refuse_download
+    nltk.downloader.download = _refuse_download
+
+
+@functools.lru_cache(maxsize=1)
+def _registry() -> dict[str, Any]:
+    """Instruction id -> checker class, IFEval's and IFBench's ids together (they do not overlap)."""
+    _nltk_offline()
+    import langdetect
+
+    from if_verifiable.ifbench.instructions_registry import INSTRUCTION_DICT as IFBENCH
+    from if_verifiable.ifeval.instructions_registry import INSTRUCTION_DICT as IFEVAL
+
+    langdetect.DetectorFactory.seed = 0  # langdetect is random unless seeded
+    return {**IFBENCH, **IFEVAL}
+
+
+def _last_user_text(prompt: list[dict]) -> str:
+    return next((m["content"] for m in reversed(prompt) if m.get("role") == "user"), "")
+
+
+class Unscorable(Exception):
+    """The record cannot be scored; ``reason`` is the key counted in the stats."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def ifeval_rewards(record: dict, responses: list[str], mode: str = "loose", score: str = "partial") -> list[float]:
+    """Instruction-following rewards of ``responses`` (K strings) for one prompt record.
+
+    Args:
+        record: needs ``instruction_id_list`` (list of ids) and ``kwargs`` (one dict per id;
+            ``None`` values are ignored) and ``prompt`` (messages; the last user turn is passed
+            to checkers that compare with the prompt).
+        mode: ``strict`` or ``loose``; score: ``partial`` (fraction followed) or ``all`` (0/1).
+    Returns:
+        K floats in [0, 1].
+    Raises:
+        Unscorable: a missing/bad field, an unknown instruction id, or a checker error
+            (``checker_error:<ExceptionType>``, e.g. ``LookupError`` when NLTK data is missing).
+    """
+    from if_verifiable.common import evaluate_instructions
+
+    registry = _registry()
+    ids, kwargs = record.get("instruction_id_list"), record.get("kwargs")
+    if not isinstance(ids, list) or not ids:
+        raise Unscorable("missing_field:instruction_id_list")
+    if kwargs is None:
+        kwargs = [{} for _ in ids]
+    if not isinstance(kwargs, list) or len(kwargs) != len(ids) or not all(isinstance(k, dict) or k is None for k in kwargs):
+        raise Unscorable("bad_field:kwargs")
+    unknown = [i for i in ids if i not in registry]
+    if unknown:
+        raise Unscorable(f"unknown_instruction:{unknown[0]}")
+    kwargs = [{k: v for k, v in (kw or {}).items() if v is not None} for kw in kwargs]
+    prompt_text = _last_user_text(record.get("prompt") or [])
+    key = f"{'partial' if score == 'partial' else 'binary'}_{mode}"
+    # A checker given no value for an argument draws one from `random`: seed it per record so
+    # that rewards do not change between runs, and leave the caller's random state alone.
+    state = random.getstate()
+    random.seed(int(hashlib.sha256(str(record.get("id")).encode()).hexdigest()[:16], 16))
+    try:
+        out = []
+        for resp in responses:
+            _, scores = evaluate_instructions(resp, ids, kwargs, prompt_text, registry)
+            out.append(float(getattr(scores, key)))
+        return out
+    except Exception as e:  # noqa: BLE001 - any checker failure makes the record unscorable, counted
+        raise Unscorable(f"checker_error:{type(e).__name__}") from e
+    finally:
+        random.setstate(state)
+
+
+def gold_answer_text(answer: Any) -> str:
+    """The final answer of a gold ``answer`` field: GSM8K's text after ``####`` (commas removed), else as is."""
+    text = str(answer).strip()
+    if "####" in text:
+        text = text.rsplit("####", 1)[1].replace(",", "").strip()
+    return text
+
+
+def math_rewards(record: dict, responses: list[str]) -> list[float]:
+    """1.0 for each response whose final answer equals the record's gold ``answer`` (math-verify), else 0.0.
+
+    Raises:
+        Unscorable: no ``answer`` (``missing_field:answer``) or a gold answer math-verify cannot
+            parse (``gold_unparsable``).
+    """
+    from math_verify import parse, verify
+
+    if record.get("answer") in (None, ""):
+        raise Unscorable("missing_field:answer")
+    gold_text = gold_answer_text(record["answer"])
+    # math-verify's timeouts use signals, which only work in the main thread.
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    gold = parse(gold_text if gold_text.startswith("$") or "\\boxed" in gold_text else f"${gold_text}$",
+                 parsing_timeout=timeout)
+    if not gold:
+        raise Unscorable("gold_unparsable")
+    out = []
+    for resp in responses:
+        pred = parse(resp, parsing_timeout=timeout) if resp.strip() else []
+        out.append(1.0 if pred and verify(gold, pred, timeout_seconds=timeout) else 0.0)
+    return out
+
+
+def pick_verifier(record: dict, verifier: str = "auto") -> str:
+    """``ifeval`` or ``math`` for a record; ``auto`` looks for ``instruction_id_list``, then ``answer``.
+
+    Raises:
+        Unscorable: ``auto`` and the record has neither field (``missing_field``).
+    """
+    if verifier != "auto":
+        return verifier
+    if "instruction_id_list" in record:
+        return "ifeval"
+    if "answer" in record:
+        return "math"
+    raise Unscorable("missing_field")
+
+
+def score(records: list[dict], cfg) -> tuple[list[list[float] | None], dict]:
+    """Rule-based rewards of generated records.
+
+    Args:
+        records: generated records ``{id, prompt: [messages], responses: [K str], finish_reasons,
+            ...task fields}`` (``instruction_id_list`` + ``kwargs`` or ``answer``).
+        cfg: a :class:`~online_rlhf.stage_configs.RewardConfig` (``verifier``, ``ifeval_mode``,
+            ``ifeval_score``).
+    Returns:
+        ``(rewards, stats)``: ``rewards[i]`` is a list of K floats in [0, 1] for record i, or
+        ``None`` when it cannot be scored; ``stats`` =
+        ``{"records", "scored", "by_verifier": {name: n}, "unscorable": {reason: n}}``.
+    """
+    out: list[list[float] | None] = []
+    by_verifier: Counter = Counter()
+    unscorable: Counter = Counter()
+    for rec in records:
+        try:
+            kind = pick_verifier(rec, cfg.verifier)
+            if kind == "ifeval":
+                r = ifeval_rewards(rec, rec["responses"], cfg.ifeval_mode, cfg.ifeval_score)
+            else:
+                r = math_rewards(rec, rec["responses"])
+            by_verifier[kind] += 1
+        except Unscorable as e:
+            unscorable[e.reason] += 1
+            if e.__cause__ is not None:
+                log.debug("record %r unscorable: %s", rec.get("id"), e.__cause__)
+            r = None
+        out.append(r)
+    stats = {"records": len(records), "scored": sum(r is not None for r in out), "by_verifier": dict(by_verifier),
+             "unscorable": dict(unscorable)}
+    if _skipped_downloads:
+        stats["nltk_downloads_refused"] = sorted(set(_skipped_downloads))
+    return out, stats

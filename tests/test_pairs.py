@@ -1,0 +1,171 @@
+"""Pair selection (online_rlhf/pairs.py) and the make_pairs stage: one behaviour per test."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from online_rlhf.jsonl import DataError, read_json, read_jsonl, write_jsonl
+from online_rlhf.pairs import build_pairs, make_pair
+from online_rlhf.records import validate_pair
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = [{"role": "user", "content": "Say hi."}]
+
+
+def rec(rewards, responses=None, finish=None, rid="p0"):
+    responses = responses or [f"response {j}" for j in range(len(rewards))]
+    return {"id": rid, "prompt": PROMPT, "responses": responses,
+            "finish_reasons": finish or ["stop"] * len(responses), "rewards": rewards, "reward_source": "test"}
+
+
+def pairs_of(records, **kw):
+    return build_pairs(((f"mem:{i}", r) for i, r in enumerate(records)), **kw)
+
+
+def test_max_min_picks_best_and_worst():
+    p = make_pair(rec([0.2, 0.9, -0.5, 0.1]), "mem:1")
+    assert p["chosen"] == [{"role": "assistant", "content": "response 1"}]
+    assert p["rejected"] == [{"role": "assistant", "content": "response 2"}]
+    assert (p["chosen_reward"], p["rejected_reward"]) == (0.9, -0.5)
+    validate_pair(p, "mem:1")
+
+
+def test_ties_are_skipped_and_counted():
+    pairs, stats = pairs_of([rec([0.5, 0.5, 0.5], rid="tie"), rec([1.0, 0.0], rid="ok")])
+    assert [p["id"] for p in pairs] == ["ok"]
+    assert stats["skipped"] == {"tie": 1}
+    assert (stats["records_in"], stats["pairs_out"]) == (2, 1)
+
+
+def test_min_margin_skips_close_rewards():
+    pairs, stats = pairs_of([rec([0.50, 0.55], rid="close"), rec([0.0, 1.0], rid="far")], min_margin=0.1)
+    assert [p["id"] for p in pairs] == ["far"]
+    assert stats["skipped"] == {"margin_below_min": 1}
+
+
+def test_fewer_than_two_valid_responses_skipped_and_empty_counted():
+    pairs, stats = pairs_of([rec([1.0, 0.0], responses=["fine answer", "   "])])
+    assert pairs == []
+    assert stats["skipped"] == {"fewer_than_2_valid": 1}
+    assert stats["responses"]["empty"] == 1
+
+
+def test_same_text_never_becomes_a_pair():
+    # same text scored differently (e.g. a noisy reward): must not be chosen and rejected at once
+    pairs, stats = pairs_of([rec([1.0, 0.0], responses=["same", "same"])])
+    assert pairs == [] and stats["skipped"] == {"fewer_than_2_valid": 1}
+    assert stats["responses"]["duplicate"] == 1
+
+
+def test_duplicate_texts_count_once_with_mean_reward():
+    p = make_pair(rec([1.0, 0.0, 0.2], responses=["a", "a ", "b"]), "mem:1")
+    assert p["chosen"][0]["content"] == "a" and p["chosen_reward"] == 0.5
+    assert p["rejected"][0]["content"] == "b"
+
+
+def test_truncated_excluded():
+    r = rec([1.0, 0.5, 0.0], finish=["length", "stop", "stop"])
+    pairs, stats = pairs_of([r], truncated="exclude")
+    assert pairs[0]["chosen"][0]["content"] == "response 1"
+    assert stats["responses"]["truncated_excluded"] == 1
+    assert stats["truncation"] == {"policy": "exclude", "penalty": None}
+
+
+def test_truncated_kept():
+    pairs, _ = pairs_of([rec([1.0, 0.5, 0.0], finish=["length", "stop", "stop"])], truncated="keep")
+    assert pairs[0]["chosen"][0]["content"] == "response 0"
+
+
+def test_truncated_penalized():
+    r = rec([1.0, 0.5, 0.0], finish=["length", "stop", "stop"])
+    pairs, stats = pairs_of([r], truncated="penalize", truncated_penalty=1.5)
+    p = pairs[0]
+    assert p["chosen"][0]["content"] == "response 1"
+    assert p["rejected"][0]["content"] == "response 0" and p["rejected_reward"] == pytest.approx(-0.5)
+    assert stats["truncation"] == {"policy": "penalize", "penalty": 1.5}
+    assert stats["responses"]["truncated_penalized"] == 1
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_reward_raises_naming_the_record(bad):
+    with pytest.raises(DataError, match=r"rewards\.jsonl:7.*bad-id"):
+        build_pairs([("rewards.jsonl:7", rec([0.0, bad], rid="bad-id"))])
+
+
+def test_random_strategies_are_deterministic_with_seed():
+    records = [rec([0.1 * j for j in range(8)], rid=f"p{i}") for i in range(20)]
+    for strategy in ("random", "max_random"):
+        a, _ = pairs_of(records, strategy=strategy, seed=1)
+        b, _ = pairs_of(records, strategy=strategy, seed=1)
+        c, _ = pairs_of(records, strategy=strategy, seed=2)
+        assert a == b
+        assert a != c
+        assert all(p["chosen_reward"] > p["rejected_reward"] for p in a)
+
+
+def test_max_random_chosen_is_best():
+    pairs, _ = pairs_of([rec([0.3, 0.9, 0.1, 0.2], rid=f"p{i}") for i in range(10)], strategy="max_random")
+    assert all(p["chosen"][0]["content"] == "response 1" for p in pairs)
+    assert len({p["rejected"][0]["content"] for p in pairs}) > 1
+
+
+def test_unscored_records_skipped_and_counted():
+    r = rec([0.0, 1.0])
+    r["rewards"] = None
+    pairs, stats = pairs_of([r])
+    assert pairs == [] and stats["skipped"] == {"unscored": 1}
+
+
+def test_stats_reward_summary():
+    _, stats = pairs_of([rec([0.0, 1.0]), rec([2.0, 3.0], rid="p1")])
+    assert stats["reward"]["mean"] == pytest.approx(1.5)
+    assert stats["reward"]["std"] == pytest.approx(math.sqrt(1.25))
+    assert (stats["reward"]["min"], stats["reward"]["max"]) == (0.0, 3.0)
+    assert stats["chosen_reward_mean"] == pytest.approx(2.0)
+    assert stats["rejected_reward_mean"] == pytest.approx(1.0)
+    assert stats["margin_mean"] == pytest.approx(1.0)
+
+
+def test_stage_output_loads_with_datasets(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    src = tmp_path / "rewards.jsonl"
+    write_jsonl(src, [rec([0.0, 1.0, 0.5], rid="a"), rec([1.0, 1.0], rid="b"),
+                      {**rec([0.2, 0.8], rid="c"), "instruction_id_list": ["x"], "kwargs": [{"n": 1}]}])
+    out = tmp_path / "pairs.jsonl"
+    res = subprocess.run([sys.executable, str(ROOT / "annotate_data" / "make_pairs.py"), f"input={src}",
+                          f"output={out}"], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    stats = read_json(f"{out}.stats.json")
+    assert (stats["records_in"], stats["pairs_out"], stats["skipped"]) == (3, 2, {"tie": 1})
+    ds = datasets.load_dataset("json", data_files=str(out), split="train")
+    assert ds.column_names == ["id", "prompt", "chosen", "rejected", "chosen_reward", "rejected_reward"]
+    assert ds[0]["chosen"] == [{"role": "assistant", "content": "response 1"}]
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["a", "c"]
+
+
+def test_stage_nan_reward_exits_2_naming_line(tmp_path):
+    src = tmp_path / "rewards.jsonl"
+    src.write_text(json.dumps(rec([0.0, 1.0])) + "\n" + json.dumps(rec([0.0, 1.0], rid="x")).replace("1.0", "NaN") + "\n")
+    res = subprocess.run([sys.executable, str(ROOT / "annotate_data" / "make_pairs.py"), f"input={src}",
+                          f"output={tmp_path / 'pairs.jsonl'}"], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 2
+    assert "rewards.jsonl:2" in res.stderr and "'x'" in res.stderr
+    assert not (tmp_path / "pairs.jsonl").exists()
+
+
+def test_pairs_are_trl_conversational_preference_examples():
+    trl_data = pytest.importorskip("trl.data_utils")
+    from online_rlhf.testing import make_tiny_tokenizer
+
+    p = make_pair(rec([0.0, 1.0]), "mem:1")
+    pair = {k: p[k] for k in ("prompt", "chosen", "rejected")}
+    assert trl_data.is_conversational(pair)
+    text = trl_data.apply_chat_template(pair, make_tiny_tokenizer())
+    assert text["prompt"].endswith("<|im_start|>assistant\n")
+    assert text["chosen"].startswith("response 1") and text["rejected"].startswith("response 0")

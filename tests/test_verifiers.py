@@ -1,0 +1,193 @@
+"""Rule-based rewards (online_rlhf/verifiers.py) on real GSM8K / IFEval / IFBench prompts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from online_rlhf import verifiers
+from online_rlhf.paths import cache_dir, default_data_dir
+from online_rlhf.records import normalize_prompt_record
+from online_rlhf.stage_configs import RewardConfig
+
+SHARED = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
+GSM8K = SHARED / "gsm8k" / "test.jsonl"
+IFEVAL = SHARED / "ifeval" / "input_data.jsonl"
+
+
+def cfg(**kw) -> RewardConfig:
+    return RewardConfig(input="generated.jsonl", output="rewards.jsonl", source="verifier", **kw)
+
+
+def generated(prompt_rec: dict, responses: list[str]) -> dict:
+    return {**prompt_rec, "responses": responses, "finish_reasons": ["stop"] * len(responses)}
+
+
+def nltk_data_ready() -> bool:
+    return (cache_dir() / "nltk_data" / "tokenizers" / "punkt_tab" / "english" / "ortho_context.tab").is_file()
+
+
+needs_nltk_data = pytest.mark.skipif(not nltk_data_ready(), reason="NLTK data not prepared: run scripts/prepare_default.py")
+
+
+@pytest.fixture(scope="module")
+def gsm8k() -> list[dict]:
+    if not GSM8K.is_file():
+        pytest.skip(f"{GSM8K} absent")
+    with open(GSM8K) as f:
+        return [normalize_prompt_record(json.loads(next(f)), i, "gsm8k", "question") for i in range(5)]
+
+
+@pytest.fixture(scope="module")
+def ifeval() -> dict[str, dict]:
+    if not IFEVAL.is_file():
+        pytest.skip(f"{IFEVAL} absent")
+    rows = {}
+    with open(IFEVAL) as f:
+        for i, line in enumerate(f):
+            r = normalize_prompt_record(json.loads(line), i, "ifeval")
+            rows[r["id"]] = r
+    return rows
+
+
+# ----------------------------------------------------------------------------- math
+def test_math_gsm8k_correct_and_wrong(gsm8k):
+    rec = gsm8k[0]  # Janet's ducks: #### 18
+    responses = ["She sells 9 eggs at $2, so she makes \\boxed{18} dollars.",
+                 "9 * 2 = 18\n#### 18",
+                 "The answer is 17.",
+                 "I do not know."]
+    rewards, stats = verifiers.score([generated(rec, responses)], cfg())
+    assert rewards == [[1.0, 1.0, 0.0, 0.0]]
+    assert stats["by_verifier"] == {"math": 1}
+
+
+def test_math_gold_solution_scores_itself(gsm8k):
+    rewards, _ = verifiers.score([generated(r, [r["answer"]]) for r in gsm8k], cfg(verifier="math"))
+    assert rewards == [[1.0]] * len(gsm8k)
+
+
+def test_math_equivalent_latex_forms():
+    rec = {"id": "m", "prompt": [{"role": "user", "content": "half?"}], "answer": "\\frac{1}{2}"}
+    rewards, _ = verifiers.score([generated(rec, ["\\boxed{0.5}", "\\boxed{\\frac{2}{4}}", "\\boxed{2}"])], cfg())
+    assert rewards == [[1.0, 1.0, 0.0]]
+
+
+def test_gsm8k_gold_with_thousands_separator():
+    assert verifiers.gold_answer_text("so 1,000 + 234\n#### 1,234") == "1234"
+
+
+# ----------------------------------------------------------------------------- IFEval
+def test_ifeval_lowercase(ifeval):
+    rec = ifeval["1019"]  # change_case:english_lowercase
+    good = "what are the two young boys with toy guns and horns going to play in the park this afternoon?"
+    rewards, _ = verifiers.score([generated(rec, [good, good.capitalize()])], cfg(ifeval_mode="strict"))
+    assert rewards == [[1.0, 0.0]]
+
+
+def test_ifeval_no_comma(ifeval):
+    rec = ifeval["1001"]  # punctuation:no_comma
+    rewards, _ = verifiers.score([generated(rec, ["Day one: Tokyo. Day two: Kyoto.", "Day one: Tokyo, then Kyoto."])], cfg())
+    assert rewards == [[1.0, 0.0]]
+
+
+def test_ifeval_word_count(ifeval):
+    rec = ifeval["1072"]  # at least 400 words
+    rewards, _ = verifiers.score([generated(rec, ["hammock " * 400, "hammocks are good " * 5])], cfg())
+    assert rewards == [[1.0, 0.0]]
+
+
+@needs_nltk_data
+def test_ifeval_sentence_count_uses_offline_punkt(ifeval):
+    rec = ifeval["1268"]  # fewer than 6 sentences: NLTK punkt sentence tokenizer
+    few = "I felt calm today. I walked for an hour. Then I wrote this."
+    many = " ".join(f"Sentence number {i} is here." for i in range(8))
+    rewards, stats = verifiers.score([generated(rec, [few, many])], cfg())
+    assert rewards == [[1.0, 0.0]], stats
+
+
+def test_partial_versus_all(ifeval):
+    rec = {**ifeval["1019"], "instruction_id_list": ["change_case:english_lowercase", "punctuation:no_comma"],
+           "kwargs": [{}, {}]}
+    resp = "what are the boys going to do, and where are they going to play this afternoon in the park?"
+    partial, _ = verifiers.score([generated(rec, [resp])], cfg(ifeval_score="partial"))
+    all_, _ = verifiers.score([generated(rec, [resp])], cfg(ifeval_score="all"))
+    assert (partial, all_) == ([[0.5]], [[0.0]])
+
+
+def test_loose_ignores_a_first_line_that_strict_counts(ifeval):
+    rec = ifeval["1019"]
+    resp = "Sure! Here Is My Question:\nwhat are the two young boys with toy guns and horns going to play in the park?"
+    strict, _ = verifiers.score([generated(rec, [resp])], cfg(ifeval_mode="strict"))
+    loose, _ = verifiers.score([generated(rec, [resp])], cfg(ifeval_mode="loose"))
+    assert (strict, loose) == ([[0.0]], [[1.0]])
+
+
+def test_missing_kwargs_values_give_the_same_reward_every_time(ifeval):
+    # with no num_words/relation the checker draws them at random: seeded per record id
+    rec = {**ifeval["1072"], "kwargs": [{}]}
+    resps = ["word " * n for n in (10, 50, 100, 200, 300, 400, 500)]
+    first, _ = verifiers.score([generated(rec, resps)], cfg())
+    again, _ = verifiers.score([generated(rec, resps)], cfg())
+    assert first == again
+
+
+# ----------------------------------------------------------------------------- IFBench default prompts
+@pytest.fixture(scope="module")
+def ifbench() -> list[dict]:
+    d = default_data_dir()
+    if not (d / "split.json").is_file():
+        pytest.skip("default prompts not prepared: run scripts/prepare_default.py")
+    rows = []
+    for name in ("ifbench_train.jsonl", "ifbench_eval.jsonl"):
+        with open(d / name) as f:
+            rows += [normalize_prompt_record(json.loads(line), i, name) for i, line in enumerate(f)]
+    return rows
+
+
+def test_ifbench_keyword_prompt_scores(ifbench):
+    rec = next(r for r in ifbench if r["id"] == "0")  # kaleidoscope 1, nebula 2, whisper 3, labyrinth 5, paradox 7
+    good = ("kaleidoscope " + "nebula " * 2 + "whisper " * 3 + "labyrinth " * 5 + "paradox " * 7).strip() + "."
+    rewards, stats = verifiers.score([generated(rec, [good, "No keywords at all."])], cfg())
+    assert rewards == [[1.0, 0.0]], stats
+
+
+@needs_nltk_data
+def test_ifbench_default_prompts_scorable(ifbench):
+    recs = [generated(r, ["This is a short answer. It has two sentences."]) for r in ifbench]
+    rewards, stats = verifiers.score(recs, cfg())
+    assert len(ifbench) == 294
+    # all but the words:start_verb prompts (NLTK's POS tagger data is not on PyPI) are scorable
+    start_verb = sum("words:start_verb" in r["instruction_id_list"] for r in ifbench)
+    assert stats["scored"] == 294 - start_verb, stats
+    assert stats["unscorable"] == {"checker_error:LookupError": start_verb}
+    assert all(r is None or all(0.0 <= x <= 1.0 for x in r) for r in rewards)
+
+
+# ----------------------------------------------------------------------------- unscorable and offline
+def test_unscorable_records_counted():
+    p = [{"role": "user", "content": "hi"}]
+    recs = [generated({"id": "a", "prompt": p}, ["x"]),
+            generated({"id": "b", "prompt": p, "instruction_id_list": ["no:such_instruction"], "kwargs": [{}]}, ["x"]),
+            generated({"id": "c", "prompt": p, "instruction_id_list": ["punctuation:no_comma"], "kwargs": [{}, {}]}, ["x"]),
+            generated({"id": "d", "prompt": p, "instruction_id_list": ["punctuation:no_comma"], "kwargs": [{}]}, ["x"])]
+    rewards, stats = verifiers.score(recs, cfg())
+    assert rewards == [None, None, None, [1.0]]
+    assert stats["unscorable"] == {"missing_field": 1, "unknown_instruction:no:such_instruction": 1, "bad_field:kwargs": 1}
+    assert stats["scored"] == 1
+
+
+def test_math_verifier_without_answer_is_unscorable():
+    rec = generated({"id": "a", "prompt": [{"role": "user", "content": "2+2?"}]}, ["4"])
+    rewards, stats = verifiers.score([rec], cfg(verifier="math"))
+    assert rewards == [None] and stats["unscorable"] == {"missing_field:answer": 1}
+
+
+def test_nltk_never_downloads():
+    import nltk
+
+    verifiers._registry()
+    assert nltk.download is verifiers._refuse_download
+    assert nltk.download("punkt") is False
