@@ -14,6 +14,7 @@ or a re-made input reruns that stage and, through its outputs, every stage after
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shlex
@@ -146,7 +147,7 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
     with atomic_open(run_dir / "config.yaml") as f:
         f.write(f"# resolved from {config_path or 'defaults'} {' '.join(overrides)}\n")
         f.write(cfg.to_yaml())
-    train = None
+    train_sets: dict[str, list[dict]] = {}  # prompt source -> rows (a source may change per iteration)
     for i in range(0, cfg.iterations + 1):
         it = run_dir / f"iter_{i}"
         c = iteration_config(cfg, i)
@@ -160,11 +161,12 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
             inputs, outputs = _stage_io(d, stage)
             entries[stage] = {"env": STAGES[stage][0], "config": str(path), "inputs": inputs, "outputs": outputs}
         if i >= 1:
-            if train is None:
+            src = _prompt_source(c.train_prompts, "train")
+            if src not in train_sets:
                 from .records import load_prompts
 
-                train = load_prompts(_prompt_source(cfg.train_prompts, "train"), prompt_field=cfg.prompt_field)
-            _write_prompt_slice(it / "prompts.jsonl", train, c, i)
+                train_sets[src] = load_prompts(src, prompt_field=c.prompt_field)
+            _write_prompt_slice(it / "prompts.jsonl", train_sets[src], c, i)
         write_json(it / "plan.json", entries)
     shell = {
         "RUN_DIR": str(run_dir), "ITERATIONS": cfg.iterations, "LAUNCH_PROFILE": cfg.launch_profile,
@@ -192,7 +194,7 @@ def _write_prompt_slice(path: Path, train: list[dict], c: LoopConfig, i: int) ->
         rows = (train + train)[start:start + min(n, len(train))]
     else:
         rows = train[: c.train_limit] if c.train_limit else train
-    text = "".join(__import__("json").dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
     _write_if_changed(path, text)
 
 
@@ -341,7 +343,8 @@ def _plot(rows: list[dict], out: Path) -> None:
     b.set_xlabel("iteration")
     b.set_ylabel("seconds")
     b.set_title("Stage wall time")
-    b.legend(fontsize=8)
+    if stages:
+        b.legend(fontsize=8)
     fig.tight_layout()
     with atomic_open(out, "wb") as f:
         fig.savefig(f, format="png", dpi=100)

@@ -1,0 +1,149 @@
+"""The loop's bookkeeping: config resolution (dry validation), plan, freshness markers, metrics, report."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from online_rlhf import loop
+from online_rlhf.config import ConfigError
+from online_rlhf.jsonl import read_json, read_jsonl, write_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _prompts(path: Path, n: int) -> Path:
+    write_jsonl(path, [{"id": f"p{i}", "prompt": f"question {i}"} for i in range(n)])
+    return path
+
+
+@pytest.fixture
+def small_cfg(tmp_path):
+    train = _prompts(tmp_path / "train.jsonl", 10)
+    evals = _prompts(tmp_path / "eval.jsonl", 4)
+    return [f"train_prompts={train}", f"eval_prompts={evals}", f"output_root={tmp_path / 'runs'}",
+            "run_name=t", "policy=/models/start", "iterations=2"]
+
+
+def test_default_config_resolves():
+    cfg = loop.resolve(str(ROOT / "configs/loop.yaml"), [])
+    assert cfg.iterations == 2 and cfg.reward["source"] == "verifier"
+
+
+def test_rlhflow_gpu_config_validates_dry():
+    """Everything resolved and checked without loading a model, DPO keys against TRL's DPOConfig."""
+    trl = pytest.importorskip("trl")
+    cfg = loop.resolve(str(ROOT / "configs/rlhflow_llama3_8b.yaml"), [])
+    assert (cfg.iterations, cfg.launch_profile, cfg.generation["k"]) == (3, "zero2", 8)
+    assert (ROOT / "configs/accelerate" / f"{cfg.launch_profile}.yaml").is_file()
+    dpo_fields = {f.name for f in dataclasses.fields(trl.DPOConfig)}
+    assert set(cfg.dpo["training"]) <= dpo_fields, set(cfg.dpo["training"]) - dpo_fields
+    it3 = loop.iteration_config(cfg, 3)
+    assert it3.train_prompts.endswith("iter3-20K") and cfg.train_prompts.endswith("iter1-20K")
+    d = loop.stage_dict(cfg, Path("/r"), 3, "dpo")
+    assert d["reference"] == "RLHFlow/LLaMA3-SFT" and d["policy"] == "/r/iter_2/model"
+
+
+def test_default_dpo_training_keys_are_trl_fields():
+    trl = pytest.importorskip("trl")
+    cfg = loop.resolve(str(ROOT / "configs/loop.yaml"), [])
+    assert set(cfg.dpo["training"]) <= {f.name for f in dataclasses.fields(trl.DPOConfig)}
+
+
+def test_bad_key_in_stage_section_names_iteration_and_key(small_cfg):
+    with pytest.raises(ConfigError, match=r"iteration \d, stage \w*generate[\s\S]*temprature"):
+        loop.resolve(None, small_cfg + ["generation.temprature=0.5"])
+
+
+def test_per_iteration_bad_iteration_is_refused(small_cfg):
+    with pytest.raises(ConfigError, match="per_iteration has iteration 5"):
+        loop.resolve(None, small_cfg + ["per_iteration={5: {pairs: {min_margin: 0.1}}}"])
+
+
+def test_per_iteration_override_reaches_only_that_iteration(small_cfg):
+    cfg = loop.resolve(None, small_cfg + ["dpo.training.beta=0.1", "per_iteration={2: {dpo: {training: {beta: 0.05}}}}"])
+    b1 = loop.stage_dict(cfg, Path("/r"), 1, "dpo")["training"]["beta"]
+    b2 = loop.stage_dict(cfg, Path("/r"), 2, "dpo")["training"]["beta"]
+    assert (b1, b2) == (0.1, 0.05)
+
+
+def test_policy_chain_and_reference_choice(small_cfg):
+    cfg = loop.resolve(None, small_cfg)
+    assert loop.stage_dict(cfg, Path("/r"), 1, "generate")["model"] == "/models/start"
+    assert loop.stage_dict(cfg, Path("/r"), 2, "generate")["model"] == "/r/iter_1/model"
+    assert loop.stage_dict(cfg, Path("/r"), 0, "eval_generate")["model"] == "/models/start"
+    assert loop.stage_dict(cfg, Path("/r"), 2, "eval_generate")["model"] == "/r/iter_2/model"
+    assert loop.stage_dict(cfg, Path("/r"), 2, "dpo")["reference"] == "/models/start"
+    prev = loop.resolve(None, small_cfg + ["ref_model=previous"])
+    assert loop.stage_dict(prev, Path("/r"), 2, "dpo")["reference"] is None  # = the policy being trained
+
+
+def test_plan_writes_configs_and_fresh_prompt_slices(small_cfg, capsys):
+    run_dir = loop.plan(None, small_cfg + ["prompts_per_iteration=4"])
+    out = capsys.readouterr().out
+    assert f"RUN_DIR={run_dir}" in out and "ITERATIONS=2" in out
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["iterations"] == 2
+    for i in (1, 2):
+        plan = read_json(run_dir / f"iter_{i}" / "plan.json")
+        assert list(plan) == list(loop.STAGES)
+        assert Path(plan["dpo"]["config"]).is_file()
+    ids1 = [r["id"] for r in read_jsonl(run_dir / "iter_1" / "prompts.jsonl")]
+    ids2 = [r["id"] for r in read_jsonl(run_dir / "iter_2" / "prompts.jsonl")]
+    assert ids1 == ["p0", "p1", "p2", "p3"] and ids2 == ["p4", "p5", "p6", "p7"]
+    assert list(read_json(run_dir / "iter_0" / "plan.json")) == ["eval_generate", "eval_rewards"]
+
+
+def test_done_marker_goes_stale_when_config_or_input_changes(small_cfg):
+    run_dir = loop.plan(None, small_cfg)
+    it = run_dir / "iter_1"
+    write_jsonl(it / "generated.jsonl", [{"id": "p0"}])
+    write_jsonl(it / "rewards.jsonl", [{"id": "p0"}])
+    assert not loop.check(run_dir, 1, "rewards")
+    loop.mark(run_dir, 1, "rewards", 1.0)
+    assert loop.check(run_dir, 1, "rewards")
+    write_jsonl(it / "generated.jsonl", [{"id": "p0", "changed": True}])  # input re-made
+    assert not loop.check(run_dir, 1, "rewards")
+    loop.mark(run_dir, 1, "rewards", 1.0)
+    loop.plan(None, small_cfg + ["reward.ifeval_mode=strict"])  # config changed
+    assert not loop.check(run_dir, 1, "rewards")
+    loop.plan(None, small_cfg)
+    assert loop.check(run_dir, 1, "rewards")
+    (it / "rewards.jsonl").unlink()  # output gone
+    assert not loop.check(run_dir, 1, "rewards")
+
+
+def _eval_file(path: Path, rewards: list[float]) -> None:
+    write_jsonl(path, [{"id": str(j), "prompt": [{"role": "user", "content": "q"}], "responses": ["a"],
+                        "finish_reasons": ["length" if j == 0 else "stop"], "response_tokens": [10],
+                        "rewards": [r], "reward_source": "verifier"} for j, r in enumerate(rewards)])
+
+
+def test_metrics_and_report(small_cfg):
+    run_dir = loop.plan(None, small_cfg)
+    _eval_file(run_dir / "iter_0" / "eval.jsonl", [0.0, 0.5, 1.0, 0.5])
+    row0 = loop.metrics(run_dir, 0)
+    assert row0["eval_reward_mean"] == pytest.approx(0.5)
+    lo, hi = row0["eval_reward_ci95"]
+    assert lo < 0.5 < hi and row0["eval_truncation_rate"] == 0.25
+    it = run_dir / "iter_1"
+    _eval_file(it / "eval.jsonl", [1.0, 1.0, 1.0, 0.0])
+    write_jsonl(it / "generated.jsonl", [{"id": "p0", "finish_reasons": ["stop", "length"]}])
+    write_jsonl(it / "pairs.jsonl", [{"id": "p0"}, {"id": "p1"}])
+    loop.metrics(run_dir, 1)
+    loop.metrics(run_dir, 1)  # rerun replaces the row, never duplicates it
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["iteration"] for r in rows] == [0, 1]
+    assert rows[1]["pairs"] == 2 and rows[1]["eval_reward_mean"] == pytest.approx(0.75)
+    md = loop.report(run_dir)
+    text = md.read_text()
+    assert "| 0 | 0.5000" in text and "| 1 | 0.7500" in text
+    assert (run_dir / "report.png").read_bytes()[:4] == b"\x89PNG"
+    assert (it / "stats.json").is_file()
+
+
+def test_mean_ci95_edge_cases():
+    m, lo, hi = loop.mean_ci95([1.0])
+    assert (m, lo, hi) == (1.0, 1.0, 1.0)
+    assert all(x != x for x in loop.mean_ci95([]))  # NaN when empty
