@@ -39,7 +39,7 @@ bash scripts/setup_envs.sh all                       # no-op when both envs are 
 TRAIN="$ROOT/.venv-train/bin/python"
 INFER="$ROOT/.venv-infer/bin/python"
 ACCELERATE="$ROOT/.venv-train/bin/accelerate"
-"$TRAIN" scripts/prepare_default.py --quiet           # embedded model + prompts; cached after the first run
+"$TRAIN" scripts/prepare_default.py >/dev/null       # embedded model + prompts; cached after the first run
 
 if [[ "$FRESH" == 1 ]]; then
   RUN_DIR_OLD="$("$TRAIN" -m online_rlhf.loop plan "$CONFIG" "${OVERRIDES[@]}" | sed -n 's/^RUN_DIR=//p')"

@@ -1,0 +1,129 @@
+"""End to end: run_loop.sh on CPU with a tiny random policy and the IFBench verifier (two
+iterations, every file checked), a kill during DPO and a resume that ends with the same metrics,
+and one short iteration on the real default model. Slow: real vLLM engines and DPO processes."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from online_rlhf.jsonl import read_json, read_jsonl
+from online_rlhf.paths import default_data_dir, default_model_dir
+from online_rlhf.testing import make_tiny_policy
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.slow]
+needs_default = pytest.mark.skipif(not (default_data_dir() / "ifbench_train.jsonl").is_file(),
+                                   reason="default prompts not prepared (scripts/prepare_default.py)")
+
+SMALL = ["prompts_per_iteration=6", "eval_limit=6", "generation.k=4", "generation.max_tokens=24",
+         "generation.max_model_len=1024", "dpo.training.per_device_train_batch_size=2",
+         "dpo.training.num_train_epochs=1", "dpo.training.max_length=512", "dpo.training.learning_rate=1e-3",
+         "pairs.truncated=keep"]
+
+
+def _run_loop(args, timeout=1200, **kw):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(["bash", "run_loop.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout, **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(tmp_path_factory):
+    return make_tiny_policy(tmp_path_factory.mktemp("policy") / "tiny", seed=3)
+
+
+@pytest.fixture(scope="module")
+def full_run(tiny_policy, tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs")
+    args = ["configs/loop.yaml", f"policy={tiny_policy}", f"output_root={out}", "run_name=full", *SMALL]
+    p = _run_loop(args)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return out / "full", args, p.stdout
+
+
+@needs_default
+def test_two_iterations_write_every_file(full_run):
+    run_dir, _, stdout = full_run
+    assert (run_dir / "config.yaml").is_file()
+    for i in (1, 2):
+        it = run_dir / f"iter_{i}"
+        gen = read_jsonl(it / "generated.jsonl")
+        assert len(gen) == 6 and all(len(r["responses"]) == 4 for r in gen)
+        rewards = read_jsonl(it / "rewards.jsonl")
+        assert all(len(r["rewards"]) == 4 for r in rewards)
+        pairs = read_jsonl(it / "pairs.jsonl")
+        assert all(p["chosen"] != p["rejected"] and p["chosen_reward"] > p["rejected_reward"] for p in pairs)
+        model = it / "model"
+        assert (model / "config.json").is_file() and list(model.glob("*.safetensors"))
+        assert (model / "tokenizer_config.json").is_file() and (model / "generation_config.json").is_file()
+        assert len(read_jsonl(it / "eval.jsonl")) == 6
+        stats = read_json(it / "stats.json")
+        assert {"generated.jsonl", "rewards.jsonl", "pairs.jsonl", "eval.jsonl"} <= set(stats)
+        for stage in ("generate", "rewards", "pairs", "dpo", "eval_generate", "eval_rewards"):
+            assert read_json(it / f"{stage}.done")["hash"], stage
+            assert (it / "logs" / f"{stage}.log").is_file()
+    # iteration 2 samples from iteration 1's model
+    assert json.dumps(str(run_dir / "iter_1" / "model")) in json.dumps(
+        (run_dir / "iter_2" / "configs" / "generate.yaml").read_text())
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["iteration"] for r in rows] == [0, 1, 2]
+    assert (run_dir / "report.md").is_file() and (run_dir / "report.png").stat().st_size > 1000
+    assert "Report:" in stdout
+
+
+@needs_default
+def test_rerun_skips_every_stage(full_run):
+    run_dir, args, _ = full_run
+    before = (run_dir / "metrics.jsonl").read_text()
+    p = _run_loop(args, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.count("done earlier, skipped") == 2 + 2 * 6
+    assert (run_dir / "metrics.jsonl").read_text() == before
+
+
+@needs_default
+def test_kill_during_dpo_then_resume_matches_uninterrupted(full_run, tmp_path):
+    run_dir, args, _ = full_run
+    args = [a if not a.startswith("output_root=") else f"output_root={tmp_path}" for a in args]
+    args = [a if a != "run_name=full" else "run_name=killed" for a in args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(["bash", "run_loop.sh", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    killed_dir = tmp_path / "killed"
+    deadline = time.monotonic() + 900
+    try:
+        while time.monotonic() < deadline:  # wait until iteration 1's DPO is running
+            if (killed_dir / "iter_1" / "logs" / "dpo.log").exists():
+                time.sleep(3)
+                break
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGKILL)  # a crash: no clean-up code runs
+    finally:
+        proc.wait(timeout=60)
+    assert not (killed_dir / "iter_1" / "dpo.done").exists()
+    assert (killed_dir / "iter_1" / "pairs.done").exists()
+    p = _run_loop(args)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    assert "iteration 1/2 · pairs: done earlier, skipped" in p.stdout
+    assert "iteration 1/2 · dpo (train env)" in p.stdout
+    ours = [{k: r[k] for k in ("iteration", "eval_reward_mean", "pairs")} for r in read_jsonl(killed_dir / "metrics.jsonl")]
+    ref = [{k: r[k] for k in ("iteration", "eval_reward_mean", "pairs")} for r in read_jsonl(run_dir / "metrics.jsonl")]
+    assert ours == ref
+
+
+@needs_default
+@pytest.mark.skipif(not (default_model_dir() / "config.json").is_file(), reason="default model not prepared")
+def test_default_model_one_short_iteration(tmp_path):
+    p = _run_loop(["configs/loop.yaml", f"output_root={tmp_path}", "run_name=default_short", "iterations=1",
+                   "prompts_per_iteration=8", "eval_limit=8", "generation.max_tokens=64",
+                   "dpo.training.num_train_epochs=1", "pairs.truncated=keep"])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    rows = read_jsonl(tmp_path / "default_short" / "metrics.jsonl")
+    assert [r["iteration"] for r in rows] == [0, 1]
+    assert all(0.0 <= r["eval_reward_mean"] <= 1.0 for r in rows)
