@@ -1,0 +1,385 @@
+"""Generation stage: sharding, prompt token ids (BOS once), resume, merge, launcher, and real vLLM runs.
+
+Tests without the ``vllm`` mark replace the engine by a fake (``generate.run_engine``) and run in
+either env; ``@pytest.mark.vllm`` tests start real vLLM engines on a tiny random policy and need
+``.venv-infer`` (``.venv-infer/bin/python -m pytest tests/test_generation.py``). The vLLM ones
+share one launcher run (2 shards) through a module-scoped fixture to keep engine starts few.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from online_rlhf.config import ConfigError
+from online_rlhf.jsonl import DataError, read_json, read_jsonl, write_json, write_jsonl
+from online_rlhf.stage_configs import GenerateConfig
+from online_rlhf.testing import make_tiny_policy, make_tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+GEN_DIR = ROOT / "generation"
+sys.path.insert(0, str(GEN_DIR))  # the stage scripts import their siblings by name
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, GEN_DIR / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+generate = _load("generate")
+merge_data = _load("merge_data")
+launch = _load("launch")
+
+BOS_ID = 0  # the tiny tokenizer's <|bos|>
+NON_ASCII = "Über café naïve — 日本語 テキスト 🙂: answer in one sentence."
+
+
+def tiny_policy(path: Path, **kw) -> Path:
+    # head_dim 32: vLLM's CPU attention supports head sizes 32, 64, 80, ... (not 16)
+    return make_tiny_policy(path, hidden_size=128, **kw)
+
+
+def write_prompts(path: Path, n: int, extra: list[dict] = ()) -> Path:
+    rows = [{"id": f"p{i}", "prompt": f"Write {i} short words about the sea.", "answer": str(i)} for i in range(n)]
+    write_jsonl(path, rows + list(extra))
+    return path
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory) -> Path:
+    return tiny_policy(tmp_path_factory.mktemp("policy") / "m")
+
+
+# ---------------------------------------------------------------- sharding
+
+@pytest.mark.parametrize("n,w", [(7, 1), (7, 2), (7, 3), (10, 3), (2, 3)])
+def test_shards_hold_every_prompt_exactly_once(n, w):
+    prompts = [{"id": str(i)} for i in range(n)]
+    shards = [generate.shard_prompts(prompts, r, w) for r in range(w)]
+    ids = [p["id"] for s in shards for p in s]
+    assert sorted(ids, key=int) == [str(i) for i in range(n)]
+    assert len(ids) == len(set(ids))
+
+
+def test_shard_index_outside_num_shards_is_refused():
+    with pytest.raises(ConfigError, match="shard_index"):
+        generate.shard_prompts([{"id": "a"}], 2, 2)
+    with pytest.raises(ConfigError, match="shard_index"):
+        GenerateConfig.from_cli(["prompts=p.jsonl", "output=o.jsonl", "shard_index=3", "num_shards=3"])
+
+
+def test_greedy_with_several_responses_is_refused_before_loading():
+    with pytest.raises(ConfigError, match="temperature=0"):
+        GenerateConfig.from_cli(["prompts=p.jsonl", "output=o.jsonl", "temperature=0", "k=4"])
+
+
+# ---------------------------------------------------------------- prompt token ids
+
+@pytest.mark.parametrize("bos_in_template", [False, True])
+def test_prompt_token_ids_have_bos_exactly_once(bos_in_template):
+    tok = make_tiny_tokenizer(bos_in_template=bos_in_template)
+    ids = generate.prompt_token_ids(tok, [{"role": "user", "content": "hi there"}])
+    assert ids[0] == BOS_ID
+    assert ids.count(BOS_ID) == 1
+
+
+def test_template_bos_is_not_doubled_by_the_tokenizer():
+    # the naive encode (template text + add_special_tokens=True) doubles the BOS here
+    tok = make_tiny_tokenizer(bos_in_template=True)
+    msgs = [{"role": "user", "content": "hi"}]
+    naive = tok(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False))["input_ids"]
+    assert naive[:2] == [BOS_ID, BOS_ID]
+    assert generate.prompt_token_ids(tok, msgs) == naive[1:]
+
+
+def test_doubled_leading_bos_is_collapsed():
+    tok = make_tiny_tokenizer()
+    tok.chat_template = "{{ bos_token }}{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    ids = generate.prompt_token_ids(tok, [{"role": "user", "content": "hi"}])
+    assert ids[0] == BOS_ID and ids[1] != BOS_ID
+
+
+def test_tokenizer_without_chat_template_is_a_clear_error():
+    tok = make_tiny_tokenizer()
+    tok.chat_template = None
+    with pytest.raises(ConfigError, match="chat template"):
+        generate.prompt_token_ids(tok, [{"role": "user", "content": "hi"}])
+
+
+def test_stop_ids_include_generation_config_eos(policy, tmp_path):
+    from transformers import AutoTokenizer, GenerationConfig
+
+    model = tiny_policy(tmp_path / "m")
+    GenerationConfig(eos_token_id=[2, 1]).save_pretrained(model)
+    tok = AutoTokenizer.from_pretrained(model)
+    assert generate.stop_token_ids(tok, str(model)) == [1, 2]
+
+
+def test_too_long_prompts_are_set_aside_with_reason():
+    tok = make_tiny_tokenizer()
+    prompts = [{"id": "short", "prompt": [{"role": "user", "content": "hi"}]},
+               {"id": "long", "prompt": [{"role": "user", "content": "The quick brown fox " * 50}]}]
+    kept, skipped = generate.tokenize_shard(tok, prompts, max_prompt_tokens=32)
+    assert [r["id"] for r, _ in kept] == ["short"]
+    assert skipped == {"long": "too_long"}
+
+
+# ---------------------------------------------------------------- main() with a fake engine
+
+def fake_run_engine(calls: list):
+    """A stand-in for generate.run_engine: K responses per prompt, one of them cut by length."""
+    def run(cfg, model_path, prompt_ids, stop_ids, seed):
+        calls.append({"n_prompts": len(prompt_ids), "seed": seed, "stop_ids": stop_ids, "prompt_ids": prompt_ids})
+        outs = []
+        for i, ids in enumerate(prompt_ids):
+            comps = [SimpleNamespace(text=f"answer {i}.{j}", finish_reason="length" if j == 0 else "stop",
+                                     token_ids=list(range(3 + j))) for j in range(cfg.k)]
+            outs.append(SimpleNamespace(prompt_token_ids=list(ids), outputs=comps))
+        return outs, 1.0, 2.0
+    return run
+
+
+def _cfg(tmp_path, prompts, model, **kw):
+    base = {"prompts": str(prompts), "model": str(model), "output": str(tmp_path / "gen" / "shard_00.jsonl"),
+            "k": 3, "max_tokens": 16, "max_model_len": 128}
+    return GenerateConfig.from_dict({**base, **kw})
+
+
+def test_records_have_k_responses_finish_reasons_and_task_fields(policy, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(generate, "run_engine", fake_run_engine(calls))
+    prompts = write_prompts(tmp_path / "p.jsonl", 5, [{"id": "u", "prompt": NON_ASCII}])
+    cfg = _cfg(tmp_path, prompts, policy, shard_index=1, num_shards=2)
+    stats = generate.main(cfg)
+    recs = read_jsonl(cfg.output)
+    assert [r["id"] for r in recs] == ["p1", "p3", "u"]
+    for r in recs:
+        assert len(r["responses"]) == len(r["finish_reasons"]) == len(r["response_tokens"]) == 3
+        assert set(r["finish_reasons"]) <= {"stop", "length"}
+    assert recs[0]["answer"] == "1" and recs[2]["prompt"][-1]["content"] == NON_ASCII
+    assert calls[0]["seed"] == cfg.seed + 1 and 2 in calls[0]["stop_ids"]
+    assert all(ids.count(BOS_ID) == 1 for ids in calls[0]["prompt_ids"])
+    assert stats["finish_reasons"] == {"length": 3, "stop": 6} and stats["records_out"] == 3
+    assert stats["prompts_all_distinct"] == 3 and stats["mean_response_tokens"] == 4.0
+
+
+def test_over_long_prompts_are_counted_and_no_engine_starts(policy, tmp_path, monkeypatch):
+    monkeypatch.setattr(generate, "run_engine", lambda *a, **k: pytest.fail("engine started with nothing to do"))
+    prompts = write_prompts(tmp_path / "p.jsonl", 0, [{"id": "long", "prompt": "The quick brown fox " * 60}])
+    stats = generate.main(_cfg(tmp_path, prompts, policy, max_model_len=64, max_tokens=16))
+    assert stats["skipped"] == {"too_long": 1} and stats["skipped_ids"] == {"long": "too_long"}
+    assert stats["records_out"] == 0 and read_jsonl(tmp_path / "gen" / "shard_00.jsonl") == []
+
+
+def test_resume_skips_a_complete_shard(policy, tmp_path, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(generate, "run_engine", fake_run_engine(calls))
+    cfg = _cfg(tmp_path, write_prompts(tmp_path / "p.jsonl", 4), policy)
+    generate.main(cfg)
+    before = Path(cfg.output).stat().st_mtime_ns
+    generate.main(cfg)
+    assert len(calls) == 1
+    assert Path(cfg.output).stat().st_mtime_ns == before
+    assert "skipped, not regenerated" in capsys.readouterr().out
+
+
+def test_resume_redoes_a_truncated_shard(policy, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(generate, "run_engine", fake_run_engine(calls))
+    cfg = _cfg(tmp_path, write_prompts(tmp_path / "p.jsonl", 4), policy)
+    generate.main(cfg)
+    write_jsonl(cfg.output, read_jsonl(cfg.output)[:-1])
+    generate.main(cfg)
+    assert len(calls) == 2
+    assert len(read_jsonl(cfg.output)) == 4
+
+
+def test_resume_redoes_a_shard_made_with_another_config(policy, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(generate, "run_engine", fake_run_engine(calls))
+    cfg = _cfg(tmp_path, write_prompts(tmp_path / "p.jsonl", 4), policy)
+    generate.main(cfg)
+    generate.main(cfg.model_copy(update={"temperature": 0.5}))
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("rows,match", [([], "empty"), ([{"id": "a", "prompt": "   "}], "empty")])
+def test_empty_prompt_set_or_content_is_a_clear_error(policy, tmp_path, rows, match):
+    path = tmp_path / "p.jsonl"
+    write_jsonl(path, rows)
+    with pytest.raises(DataError, match=match):
+        generate.main(_cfg(tmp_path, path, policy))
+
+
+# ---------------------------------------------------------------- merge
+
+def fake_shards(tmp_path: Path, prompts: Path, w: int, skipped: dict[str, str] = {}) -> GenerateConfig:
+    """Shard files as generate.py writes them (prompts[r::W]), without running an engine."""
+    rows = read_jsonl(prompts)
+    shards_dir = tmp_path / "generated"
+    for r in range(w):
+        recs = [{"id": p["id"], "prompt": [{"role": "user", "content": p["prompt"]}], "responses": ["a", "b"],
+                 "finish_reasons": ["stop", "length"], "response_tokens": [2, 5]}
+                for p in rows[r::w] if p["id"] not in skipped]
+        path = merge_data.shard_path(shards_dir, r)
+        write_jsonl(path, recs)
+        write_json(str(path) + ".stats.json", {
+            "shard_index": r, "num_shards": w, "generation_s": 1.0 + r, "engine_startup_s": 20.0,
+            "skipped_ids": {i: why for i, why in skipped.items() if i in {p["id"] for p in rows[r::w]}}})
+    return GenerateConfig.from_dict({"prompts": str(prompts), "output": str(tmp_path / "generated.jsonl"),
+                                     "num_shards": w, "k": 2})
+
+
+@pytest.mark.parametrize("w", [1, 2, 3])
+def test_merge_keeps_prompt_order_and_counts_skipped(tmp_path, w):
+    prompts = write_prompts(tmp_path / "p.jsonl", 7)
+    cfg = fake_shards(tmp_path, prompts, w, skipped={"p4": "too_long"})
+    stats = merge_data.merge_shards(cfg)
+    assert [r["id"] for r in read_jsonl(cfg.output)] == ["p0", "p1", "p2", "p3", "p5", "p6"]
+    assert stats["skipped"] == {"too_long": 1} and stats["records_out"] == 6
+    assert stats["finish_reasons"] == {"length": 6, "stop": 6}
+    assert read_json(str(cfg.output) + ".stats.json")["prompts_in"] == 7
+
+
+def test_merge_fails_on_a_missing_shard_file(tmp_path):
+    cfg = fake_shards(tmp_path, write_prompts(tmp_path / "p.jsonl", 7), 3)
+    merge_data.shard_path(tmp_path / "generated", 1).unlink()
+    with pytest.raises(DataError, match="shard_01.jsonl: shard 1 of 3 is missing"):
+        merge_data.merge_shards(cfg)
+
+
+def test_merge_fails_on_a_duplicated_id(tmp_path):
+    cfg = fake_shards(tmp_path, write_prompts(tmp_path / "p.jsonl", 7), 2)
+    s0, s1 = (merge_data.shard_path(tmp_path / "generated", r) for r in (0, 1))
+    write_jsonl(s1, read_jsonl(s1) + read_jsonl(s0)[:1])
+    with pytest.raises(DataError, match=r"shard_01.jsonl:4: id 'p0' is duplicated \(also at .*shard_00.jsonl:1\)"):
+        merge_data.merge_shards(cfg)
+
+
+def test_merge_fails_on_a_missing_id(tmp_path):
+    cfg = fake_shards(tmp_path, write_prompts(tmp_path / "p.jsonl", 7), 2)
+    s1 = merge_data.shard_path(tmp_path / "generated", 1)
+    write_jsonl(s1, read_jsonl(s1)[:-1])  # drops p5
+    with pytest.raises(DataError, match=r"1 prompt id\(s\) .* are in no shard: 'p5' \(shard 1\)"):
+        merge_data.merge_shards(cfg)
+
+
+def test_merge_fails_on_an_id_outside_the_prompt_set(tmp_path):
+    cfg = fake_shards(tmp_path, write_prompts(tmp_path / "p.jsonl", 7), 2)
+    s0 = merge_data.shard_path(tmp_path / "generated", 0)
+    write_jsonl(s0, read_jsonl(s0) + [{**read_jsonl(s0)[0], "id": "zzz"}])
+    with pytest.raises(DataError, match="'zzz' is not in the prompt set"):
+        merge_data.merge_shards(cfg)
+
+
+# ---------------------------------------------------------------- launcher (no engine)
+
+def test_cpu_blocks_split_cores_evenly():
+    assert launch.cpu_blocks(list(range(8)), 3) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert launch.cpu_blocks([0, 1], 3) == [[0], [1], [0]]
+
+
+def test_shard_envs_give_each_shard_its_own_gpus_or_cores(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert launch.shard_envs(2, 2, gpus=["0", "1", "2", "3"]) == [{"CUDA_VISIBLE_DEVICES": "0,1"},
+                                                                  {"CUDA_VISIBLE_DEVICES": "2,3"}]
+    with pytest.raises(ConfigError, match="needs 3 GPUs"):
+        launch.shard_envs(3, 1, gpus=["0", "1"])
+    assert launch.shard_envs(2, 1, gpus=[], cores=[0, 1, 2, 3]) == [
+        {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": "2"},
+        {"VLLM_CPU_OMP_THREADS_BIND": "2-3", "OMP_NUM_THREADS": "2"}]
+    assert launch.shard_envs(1, 1, gpus=[], cores=[0, 1]) == [{}]
+
+
+def test_launcher_names_the_failed_shard_log(tmp_path):
+    broken = tmp_path / "broken_model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    prompts = write_prompts(tmp_path / "p.jsonl", 3)
+    out = tmp_path / "generated.jsonl"
+    proc = subprocess.run([sys.executable, str(GEN_DIR / "launch.py"), f"prompts={prompts}", f"model={broken}",
+                           f"output={out}", "num_shards=2", "max_tokens=8", "max_model_len=64"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 1, proc.stderr
+    assert "shard 0/2 FAILED" in proc.stderr and str(tmp_path / "generated" / "shard_00.log") in proc.stderr
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------- real vLLM (one launcher run, 2 shards)
+
+@pytest.fixture(scope="module")
+def vllm_run(tmp_path_factory):
+    """launch.py with W=2 on a tiny policy whose template writes BOS; 7 prompts, one over-long."""
+    pytest.importorskip("vllm")
+    d = tmp_path_factory.mktemp("vllm_run")
+    model = tiny_policy(d / "policy", bos_in_template=True)
+    prompts = write_prompts(d / "prompts.jsonl", 5, [{"id": "u", "prompt": NON_ASCII},
+                                                     {"id": "long", "prompt": "The quick brown fox " * 60}])
+    out = d / "generated.jsonl"
+    argv = [sys.executable, str(GEN_DIR / "launch.py"), f"prompts={prompts}", f"model={model}", f"output={out}",
+            "num_shards=2", "k=3", "max_tokens=12", "max_model_len=128", "kv_cache_gb=0.25", "temperature=1.0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return SimpleNamespace(dir=d, model=model, prompts=prompts, out=out, argv=argv, env=env, first=proc)
+
+
+@pytest.mark.vllm
+def test_vllm_every_prompt_once_with_k_responses(vllm_run):
+    recs = read_jsonl(vllm_run.out)
+    assert [r["id"] for r in recs] == ["p0", "p1", "p2", "p3", "p4", "u"]
+    for r in recs:
+        assert len(r["responses"]) == 3 and all(isinstance(s, str) for s in r["responses"])
+        assert set(r["finish_reasons"]) <= {"stop", "length"}
+        assert all(1 <= n <= 12 for n in r["response_tokens"])
+    assert recs[-1]["prompt"][0]["content"] == NON_ASCII
+
+
+@pytest.mark.vllm
+def test_vllm_engine_received_one_bos(vllm_run):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(vllm_run.model)
+    for r in read_jsonl(vllm_run.out):
+        ids = generate.prompt_token_ids(tok, r["prompt"])
+        naive = tok(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False))["input_ids"]
+        assert r["prompt_tokens"] == len(ids) == len(naive) - 1  # vLLM's own count of the prompt it got
+
+
+@pytest.mark.vllm
+def test_vllm_stats_count_skipped_and_timings(vllm_run):
+    stats = read_json(str(vllm_run.out) + ".stats.json")
+    assert stats["skipped"] == {"too_long": 1} and stats["skipped_ids"] == {"long": "too_long"}
+    assert stats["prompts_in"] == 7 and stats["records_out"] == 6 and stats["responses"] == 18
+    assert sum(stats["finish_reasons"].values()) == 18
+    assert stats["engine_startup_s"] > 0 and stats["generated_tokens_per_s"] > 0
+    assert [s["records_out"] for s in stats["shards"]] == [3, 3]
+    assert (vllm_run.dir / "generated" / "shard_01.log").is_file()
+
+
+@pytest.mark.vllm
+def test_vllm_rerun_skips_complete_shards_and_redoes_a_truncated_one(vllm_run):
+    first = read_jsonl(vllm_run.out)
+    s1 = merge_data.shard_path(vllm_run.dir / "generated", 1)
+    write_jsonl(s1, read_jsonl(s1)[:-1])
+    proc = subprocess.run(vllm_run.argv, capture_output=True, text=True, timeout=900, env=vllm_run.env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log0 = (vllm_run.dir / "generated" / "shard_00.log").read_text()
+    log1 = (vllm_run.dir / "generated" / "shard_01.log").read_text()
+    assert "skipped, not regenerated" in log0
+    assert "regenerating" in log1 and "skipped, not regenerated" not in log1
+    again = read_jsonl(vllm_run.out)
+    assert [r["id"] for r in again] == [r["id"] for r in first]
+    # same engine seed and shard layout: shard 1 samples the same responses again
+    assert again == first
