@@ -7,7 +7,8 @@ Both engines get the same prompt token ids (``generation/generate.py: prompt_tok
 once), the same K, temperature, top_p, max new tokens and EOS ids. Generated tokens are counted up
 to and including each response's EOS. transformers runs first, in this process, batched
 ``hf_batch_prompts`` prompts x K sequences at a time with left padding; the (dtype, threads)
-setting it uses is the fastest of ``hf_dtypes`` x ``hf_threads`` on a short calibration batch.
+setting it uses is the fastest of ``hf_dtypes`` x ``hf_threads`` on one calibration batch
+(``calib_tokens`` new tokens, after an untimed warm-up).
 vLLM then runs like the generation stage (eager, ``kv_cache_gb`` KV cache) and its start-up
 is timed separately. Prints tokens/s of each, their ratio and vLLM's start-up seconds; writes
 the figures to ``output`` (JSON) when given.
@@ -51,7 +52,7 @@ class BenchConfig(StageConfig):
     kv_cache_gb: float = Field(2.0, gt=0, description="vLLM-CPU KV cache GiB")
     vllm_threads_bind: Optional[str] = Field(None, description="VLLM_CPU_OMP_THREADS_BIND for this run (auto, nobind, 0-1, ...); None = as set")
     hf_dtypes: list[str] = Field(["float32", "bfloat16"], description="transformers dtypes to calibrate")
-    hf_threads: list[int] = Field(default_factory=lambda: [len(os.sched_getaffinity(0))], description="torch thread counts to calibrate")
+    hf_threads: list[int] = Field(default_factory=lambda: sorted({1, len(os.sched_getaffinity(0))}), description="torch thread counts to calibrate")
     hf_batch_prompts: int = Field(8, ge=1, description="transformers: prompts per generate() call (x k sequences)")
     calib_tokens: int = Field(32, ge=1, description="max new tokens of the calibration batch")
     skip_hf: bool = Field(False, description="only run vLLM")
@@ -99,6 +100,7 @@ def bench_hf(cfg: BenchConfig, model_path: str, prompt_ids: list[list[int]], eos
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
         for threads in cfg.hf_threads:
             torch.set_num_threads(threads)
+            hf_generate(model, [batches[0][:1]], cfg, 2, pad_id, eos_ids)  # warm-up, untimed
             torch.manual_seed(cfg.seed)
             tok, sec = hf_generate(model, batches[:1], cfg, cfg.calib_tokens, pad_id, eos_ids)
             calib.append({"dtype": dtype, "threads": threads, "tokens_per_s": round(tok / sec, 1)})

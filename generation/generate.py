@@ -24,7 +24,6 @@ What happens, top to bottom:
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections import Counter
 from pathlib import Path

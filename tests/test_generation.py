@@ -9,7 +9,6 @@ share one launcher run (2 shards) through a module-scoped fixture to keep engine
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -116,7 +115,7 @@ def test_tokenizer_without_chat_template_is_a_clear_error():
         generate.prompt_token_ids(tok, [{"role": "user", "content": "hi"}])
 
 
-def test_stop_ids_include_generation_config_eos(policy, tmp_path):
+def test_stop_ids_include_generation_config_eos(tmp_path):
     from transformers import AutoTokenizer, GenerationConfig
 
     model = tiny_policy(tmp_path / "m")
