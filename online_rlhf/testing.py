@@ -104,3 +104,45 @@ def make_tiny_reward_model(out_dir: str | os.PathLike, seed: int = 0, padding_si
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (for test servers)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class serve_in_thread:
+    """Run an ASGI app (e.g. FastAPI) with uvicorn on 127.0.0.1 in a background thread.
+
+    ``with serve_in_thread(app) as url: ...`` gives ``http://127.0.0.1:PORT``; the server is
+    stopped (and the thread joined) on exit. Start-up waits at most ``start_timeout_s``.
+    """
+
+    def __init__(self, app, start_timeout_s: float = 30.0):
+        self.app, self.start_timeout_s = app, start_timeout_s
+
+    def __enter__(self) -> str:
+        import threading
+        import time
+
+        import uvicorn
+
+        port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + self.start_timeout_s
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                self.server.should_exit = True
+                raise RuntimeError(f"test server on port {port} did not start within {self.start_timeout_s} s")
+            time.sleep(0.05)
+        return f"http://127.0.0.1:{port}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)

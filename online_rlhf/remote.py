@@ -1,0 +1,116 @@
+"""``source=remote``: rewards from an HTTP reward service (client side).
+
+Protocol (served by ``annotate_data/reward_server.py``; any service that speaks it will do):
+
+- ``POST {url}/score`` with JSON ``{"prompts": [[{"role", "content"}, ...], ...], "responses": [str, ...]}``
+  (one prompt message list per response, same length) -> ``200 {"rewards": [float | null, ...]}``,
+  one reward per response in request order; ``null`` = that item could not be scored.
+  Errors: ``4xx {"detail": "..."}`` for a bad request (not retried), ``5xx`` (retried).
+- ``GET {url}/health`` -> ``200 {"status": "ok", "reward_model": "..."}``.
+
+The client sends ``batch_size`` items per request, waits at most ``timeout_s`` per request, and
+retries connection errors, timeouts, 429 and 5xx ``retries`` times with exponential backoff
+(``retry_backoff_s``, then 2x, 4x, ...). When the service stays unreachable it raises a
+``ConfigError`` naming the URL.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any, Optional
+
+from .config import ConfigError
+from .jsonl import DataError
+
+
+def post_json(url: str, payload: dict, timeout_s: float, retries: int, backoff_s: float,
+              headers: Optional[dict] = None) -> Any:
+    """POST ``payload`` as JSON to ``url`` and return the decoded JSON reply.
+
+    Retries ``retries`` times (waiting ``backoff_s * 2**attempt`` s) on connection errors,
+    timeouts, HTTP 429 and 5xx.
+
+    Raises:
+        ConfigError: still unreachable / failing after the retries (names the URL and last error).
+        DataError: the service rejected the request (other 4xx) or replied with something that is not JSON.
+    """
+    import requests
+
+    last = ""
+    for attempt in range(retries + 1):
+        if attempt:
+            time.sleep(backoff_s * 2 ** (attempt - 1))
+        try:
+            resp = requests.post(url, json=payload, timeout=timeout_s, headers=headers)
+        except requests.exceptions.Timeout:
+            last = f"no reply within timeout_s={timeout_s}"
+            continue
+        except requests.exceptions.ConnectionError as e:
+            last = f"connection failed ({type(e).__name__})"
+            continue
+        if resp.status_code == 429 or resp.status_code >= 500:
+            last = f"HTTP {resp.status_code}: {resp.text[:200]}"
+            continue
+        if resp.status_code >= 400:
+            raise DataError(f"{url} rejected the request: HTTP {resp.status_code}: {resp.text[:500]}")
+        try:
+            return resp.json()
+        except ValueError:
+            raise DataError(f"{url} replied with non-JSON: {resp.text[:200]!r}") from None
+    raise ConfigError(f"{url} is unreachable or failing after {retries + 1} attempts (last: {last}). "
+                      "Is the service running at that address? Fix url=, or raise timeout_s / retries.")
+
+
+def base_url(url: str, suffix: str) -> str:
+    """``http://h:p/`` or ``http://h:p/score`` -> ``http://h:p`` (so either form can be configured)."""
+    url = url.rstrip("/")
+    return url[: -len(suffix)] if url.endswith(suffix) else url
+
+
+def score_items(url: str, prompts: list[list[dict]], responses: list[str], batch_size: int, timeout_s: float,
+                retries: int, backoff_s: float = 1.0) -> list[Optional[float]]:
+    """Rewards of (prompt, response) items from the service at ``url``, ``batch_size`` items per request.
+
+    Returns one float per item (``None`` where the service returned null or a non-finite value).
+    Raises ConfigError (unreachable) / DataError (bad reply: no ``rewards`` list of the right length).
+    """
+    endpoint = base_url(url, "/score") + "/score"
+    out: list[Optional[float]] = []
+    for s in range(0, len(responses), batch_size):
+        p, r = prompts[s:s + batch_size], responses[s:s + batch_size]
+        reply = post_json(endpoint, {"prompts": p, "responses": r}, timeout_s, retries, backoff_s)
+        rw = reply.get("rewards") if isinstance(reply, dict) else None
+        if not isinstance(rw, list) or len(rw) != len(r):
+            raise DataError(f"{endpoint}: expected {{\"rewards\": [{len(r)} numbers]}}, got {str(reply)[:200]}")
+        for x in rw:
+            ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+            out.append(float(x) if ok else None)
+    return out
+
+
+def score(records: list[dict], cfg) -> tuple[list[Optional[list[float]]], dict]:
+    """``source=remote``: one reward per response from the service at ``cfg.url``.
+
+    Returns (rewards, stats): ``rewards[i]`` aligned with ``records[i]["responses"]``, or None
+    when the service gave null / a non-finite value for any of its responses (``skipped.remote_null``).
+    """
+    items = [(ri, j) for ri, rec in enumerate(records) for j in range(len(rec["responses"]))]
+    flat = score_items(cfg.url, [records[ri]["prompt"] for ri, _ in items],
+                       [records[ri]["responses"][j] for ri, j in items], cfg.batch_size, cfg.timeout_s,
+                       cfg.retries, cfg.retry_backoff_s)
+    out: list[Optional[list[float]]] = [[] for _ in records]
+    for (ri, _), x in zip(items, flat):
+        if out[ri] is not None:
+            out[ri] = None if x is None else out[ri] + [x]
+    n_bad = sum(r is None for r in out)
+    stats = {"skipped": {"remote_null": n_bad} if n_bad else {}, "url": cfg.url,
+             "requests": math.ceil(len(items) / cfg.batch_size)}
+    return out, stats
+
+
+def openai_headers() -> dict:
+    """Authorization header from ``OPENAI_API_KEY`` when set (OpenAI-compatible servers that need one)."""
+    key = os.environ.get("OPENAI_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}

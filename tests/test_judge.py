@@ -1,0 +1,127 @@
+"""Pairwise LLM-as-judge (online_rlhf/judge.py) against a fake OpenAI-compatible endpoint on 127.0.0.1."""
+
+import importlib.util
+import re
+import threading
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("requests")
+
+from online_rlhf import judge  # noqa: E402
+from online_rlhf.jsonl import read_json, read_jsonl, write_jsonl  # noqa: E402
+from online_rlhf.stage_configs import RewardConfig  # noqa: E402
+from online_rlhf.testing import serve_in_thread  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPT = [{"role": "user", "content": "Write a short poem about the sea."}]
+_AB = re.compile(r"\[Response A\]\n(.*)\n\n\[Response B\]\n(.*)\n\nWhich response", re.S)
+
+
+def fake_judge(rule: str):
+    """An OpenAI-compatible /v1/chat/completions whose verdict follows ``rule``; it logs every (A, B) shown.
+
+    rule: ``longer`` (the longer response wins), ``first`` (always A: pure position bias),
+    ``garbage`` (no verdict).
+    """
+    from fastapi import FastAPI
+
+    app = FastAPI()
+    app.state.seen = []
+    app.state.models = set()
+    lock = threading.Lock()
+
+    @app.post("/v1/chat/completions")
+    def chat(body: dict):
+        a, b = _AB.search(body["messages"][-1]["content"]).groups()
+        with lock:
+            app.state.seen.append((a, b))
+            app.state.models.add(body["model"])
+        if rule == "longer":
+            text = "Response A is longer. [[A]]" if len(a) > len(b) else "B says more. [[B]]"
+        elif rule == "first":
+            text = "[[A]]"
+        else:
+            text = "I cannot decide."
+        return {"id": "x", "object": "chat.completion", "model": body["model"],
+                "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}]}
+
+    return app
+
+
+def _cfg(url, **kw):
+    fields = {"input": "generated.jsonl", "output": "rewards.jsonl", "source": "judge", "url": url,
+              "judge_model": "tiny-judge", "retries": 0, "judge_concurrency": 4, **kw}
+    return RewardConfig(**fields)
+
+
+def test_both_orders_of_every_pair_are_asked():
+    app = fake_judge("longer")
+    responses = ["short", "a bit longer", "the longest answer of all"]
+    with serve_in_thread(app) as url:
+        judge.score([{"id": "0", "prompt": PROMPT, "responses": responses}], _cfg(url + "/v1"))
+    expected = {(a, b) for a in responses for b in responses if a != b}
+    assert sorted(app.state.seen) == sorted(expected)  # each ordered pair exactly once: K(K-1) = 6 requests
+    assert app.state.models == {"tiny-judge"}
+
+
+def test_rewards_are_win_rates():
+    app = fake_judge("longer")
+    recs = [{"id": "0", "prompt": PROMPT, "responses": ["bb", "a", "dddd", "ccc"]},
+            {"id": "1", "prompt": PROMPT, "responses": ["long answer", "short"]}]
+    with serve_in_thread(app) as url:
+        rewards, stats = judge.score(recs, _cfg(url + "/v1"))
+    assert rewards == [[1 / 3, 0.0, 1.0, 2 / 3], [1.0, 0.0]]
+    assert stats["requests"] == 12 + 2 and stats["unparsed_verdicts"] == 0 and stats["position_agreement"] == 1.0
+
+
+def test_position_bias_cancels_out():
+    app = fake_judge("first")
+    with serve_in_thread(app) as url:
+        rewards, stats = judge.score([{"id": "0", "prompt": PROMPT, "responses": ["x", "yy", "zzz"]}], _cfg(url + "/v1"))
+    assert rewards == [[0.5, 0.5, 0.5]]
+    assert stats["position_agreement"] == 0.0
+
+
+def test_identical_responses_tie_without_asking_and_single_response_is_skipped():
+    app = fake_judge("longer")
+    recs = [{"id": "0", "prompt": PROMPT, "responses": ["same", "same", "much longer"]},
+            {"id": "1", "prompt": PROMPT, "responses": ["alone"]}]
+    with serve_in_thread(app) as url:
+        rewards, stats = judge.score(recs, _cfg(url + "/v1"))
+    assert ("same", "same") not in app.state.seen and len(app.state.seen) == 4
+    assert rewards == [[0.25, 0.25, 1.0], None]
+    assert stats["skipped"] == {"single_response": 1} and stats["identical_pairs_not_asked"] == 1
+
+
+def test_unreadable_verdicts_count_as_ties():
+    app = fake_judge("garbage")
+    with serve_in_thread(app) as url:
+        rewards, stats = judge.score([{"id": "0", "prompt": PROMPT, "responses": ["x", "yy"]}], _cfg(url + "/v1"))
+    assert rewards == [[0.5, 0.5]] and stats["unparsed_verdicts"] == 2
+
+
+@pytest.mark.parametrize("text,verdict", [("[[A]]", "A"), ("A is wrong; B is right. [[B]]", "B"),
+                                          ("first [[A]] then on reflection [[B]]", "B"), (" b. ", "B"),
+                                          ("[[tie]]", "tie"), ("Both are fine.", None), ("", None)])
+def test_parse_verdict(text, verdict):
+    assert judge.parse_verdict(text) == verdict
+
+
+def test_get_rewards_with_judge_source(tmp_path):
+    recs = [{"id": str(i), "prompt": PROMPT, "responses": ["a", "bbb", "cc"][: 3 - i], "finish_reasons": ["stop"] * (3 - i),
+             "response_tokens": [1] * (3 - i)} for i in range(3)]
+    write_jsonl(tmp_path / "generated.jsonl", recs)
+    spec = importlib.util.spec_from_file_location("get_rewards", REPO / "annotate_data" / "get_rewards.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with serve_in_thread(fake_judge("longer")) as url:
+        cfg = _cfg(url + "/v1", input=str(tmp_path / "generated.jsonl"), output=str(tmp_path / "rewards.jsonl"))
+        mod.main(cfg)
+    out = read_jsonl(tmp_path / "rewards.jsonl")
+    assert [(r["id"], r["rewards"]) for r in out] == [("0", [0.0, 1.0, 0.5]), ("1", [0.0, 1.0])]
+    stats = read_json(tmp_path / "rewards.jsonl.stats.json")
+    assert stats["skipped"] == {"single_response": 1} and stats["records_in"] == 3
