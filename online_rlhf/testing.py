@@ -61,7 +61,7 @@ def _llama_config(tokenizer, **kw):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=kw.pop("hidden_size", 64), intermediate_size=kw.pop("intermediate_size", 128),
+        vocab_size=len(tokenizer), hidden_size=kw.pop("hidden_size", 128), intermediate_size=kw.pop("intermediate_size", 256),
         num_hidden_layers=kw.pop("num_hidden_layers", 2), num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=kw.pop("max_position_embeddings", 2048), bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True, **kw,
@@ -69,7 +69,10 @@ def _llama_config(tokenizer, **kw):
 
 
 def make_tiny_policy(out_dir: str | os.PathLike, seed: int = 0, bos_in_template: bool = False, **config_kw) -> Path:
-    """Save a random 2-layer Llama causal LM (+ tokenizer, chat template, generation_config) to ``out_dir``."""
+    """Save a random 2-layer Llama causal LM (+ tokenizer, chat template, generation_config) to ``out_dir``.
+
+    Hidden size 128 with 4 heads: head_dim 32, the smallest vLLM's CPU attention supports (16 fails).
+    """
     import torch
     from transformers import GenerationConfig, LlamaForCausalLM
 

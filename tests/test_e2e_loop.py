@@ -1,6 +1,11 @@
-"""End to end: run_loop.sh on CPU with a tiny random policy and the IFBench verifier (two
-iterations, every file checked), a kill during DPO and a resume that ends with the same metrics,
-and one short iteration on the real default model. Slow: real vLLM engines and DPO processes."""
+"""End to end: run_loop.sh on CPU with a tiny random policy and the instruction-following
+verifier (two iterations, every file checked), a kill during DPO and a resume that ends with the
+same metrics, and one short iteration on the real default model. Slow: real vLLM engines and DPO
+processes.
+
+The tiny model writes random text, so its prompts carry constraints that random text meets
+sometimes (a letter count, a word limit, no commas): partial credit then differs between the K
+responses and every iteration has pairs."""
 
 import json
 import os
@@ -11,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from online_rlhf.jsonl import read_json, read_jsonl
+from online_rlhf.jsonl import read_json, read_jsonl, write_jsonl
 from online_rlhf.paths import default_data_dir, default_model_dir
 from online_rlhf.testing import make_tiny_policy
 
@@ -37,16 +42,28 @@ def tiny_policy(tmp_path_factory):
     return make_tiny_policy(tmp_path_factory.mktemp("policy") / "tiny", seed=3)
 
 
+def _constraint_prompts(path: Path, n: int, prefix: str) -> Path:
+    ids = ["keywords:letter_frequency", "length_constraints:number_words", "punctuation:no_comma"]
+    kwargs = [{"letter": "e", "let_frequency": 2, "let_relation": "at least"},
+              {"relation": "less than", "num_words": 8}, {}]
+    write_jsonl(path, [{"id": f"{prefix}{j}", "prompt": f"Say something short about topic {j}.",
+                        "instruction_id_list": ids, "kwargs": kwargs} for j in range(n)])
+    return path
+
+
 @pytest.fixture(scope="module")
 def full_run(tiny_policy, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
-    args = ["configs/loop.yaml", f"policy={tiny_policy}", f"output_root={out}", "run_name=full", *SMALL]
+    data = tmp_path_factory.mktemp("prompts")
+    train = _constraint_prompts(data / "train.jsonl", 12, "t")
+    evals = _constraint_prompts(data / "eval.jsonl", 6, "e")
+    args = ["configs/loop.yaml", f"policy={tiny_policy}", f"output_root={out}", "run_name=full",
+            f"train_prompts={train}", f"eval_prompts={evals}", *SMALL]
     p = _run_loop(args)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return out / "full", args, p.stdout
 
 
-@needs_default
 def test_two_iterations_write_every_file(full_run):
     run_dir, _, stdout = full_run
     assert (run_dir / "config.yaml").is_file()
@@ -76,7 +93,6 @@ def test_two_iterations_write_every_file(full_run):
     assert "Report:" in stdout
 
 
-@needs_default
 def test_rerun_skips_every_stage(full_run):
     run_dir, args, _ = full_run
     before = (run_dir / "metrics.jsonl").read_text()
@@ -86,7 +102,6 @@ def test_rerun_skips_every_stage(full_run):
     assert (run_dir / "metrics.jsonl").read_text() == before
 
 
-@needs_default
 def test_kill_during_dpo_then_resume_matches_uninterrupted(full_run, tmp_path):
     run_dir, args, _ = full_run
     args = [a if not a.startswith("output_root=") else f"output_root={tmp_path}" for a in args]
