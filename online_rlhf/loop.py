@@ -27,7 +27,7 @@ import yaml
 
 from .config import ConfigError, apply_overrides, deep_merge, load_yaml
 from .jsonl import DataError, read_json, read_jsonl, write_json, write_jsonl, atomic_open
-from .paths import default_data_dir, default_model_dir, setup_cache_env
+from .paths import PROJECT_ROOT, default_data_dir, default_model_dir, setup_cache_env
 from .rundir import fingerprint, is_done, mark_done
 from .stage_configs import DPOStageConfig, GenerateConfig, LoopConfig, PairsConfig, RewardConfig
 
@@ -116,12 +116,21 @@ def stage_dict(cfg: LoopConfig, run_dir: Path, i: int, stage: str) -> dict:
     if stage == "pairs":
         return {"seed": c.seed + i, **c.pairs, "input": str(it / "rewards.jsonl"), "output": str(it / "pairs.jsonl")}
     if stage == "dpo":
-        dpo = dict(c.dpo)
-        training = {"seed": c.seed, **dpo.pop("training", {})}
+        base = _dpo_base(c.dpo_config)
+        dpo = deep_merge(base, c.dpo)
+        # the loop's seed beats the stage file's; the loop's own dpo.training beats both
+        training = {**dpo.pop("training", {}), "seed": c.seed, **c.dpo.get("training", {})}
         ref = starting_policy(c, run_dir) if c.ref_model == "initial" else None
         return {**dpo, "training": training, "policy": policy_of(c, run_dir, i), "reference": ref,
                 "pairs": str(it / "pairs.jsonl"), "output_dir": str(it / "model")}
     raise KeyError(stage)
+
+
+def _dpo_base(path: str | None) -> dict:
+    if not path:
+        return {}
+    p = Path(path) if Path(path).is_absolute() else PROJECT_ROOT / path
+    return load_yaml(p)
 
 
 def _stage_io(cfg: dict, stage: str) -> tuple[list[str], list[str]]:

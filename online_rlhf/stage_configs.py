@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from .config import StageConfig
 
@@ -133,7 +133,42 @@ class LoopConfig(StageConfig):
     evaluation: dict[str, Any] = Field(default_factory=lambda: {"k": 1, "temperature": 0.0}, description="GenerateConfig fields for held-out generation")
     reward: dict[str, Any] = Field(default_factory=dict, description="RewardConfig fields")
     pairs: dict[str, Any] = Field(default_factory=dict, description="PairsConfig fields")
-    dpo: dict[str, Any] = Field(default_factory=dict, description="DPOStageConfig fields, plus ref_model: initial | previous")
+    dpo_config: Optional[str] = Field("configs/dpo.yaml", description="DPO stage YAML that the `dpo` section is layered on (relative to the project root); null = none")
+    dpo: dict[str, Any] = Field(default_factory=dict, description="DPOStageConfig fields (over dpo_config)")
     ref_model: Literal["initial", "previous"] = Field("initial", description="DPO reference: the starting (SFT) policy, or last iteration's policy")
     per_iteration: dict[int, dict[str, Any]] = Field(default_factory=dict, description="{i: {section: {key: value}}} overrides for iteration i")
     wandb: bool = Field(False, description="log the loop's metrics to wandb (offline unless WANDB_MODE is set)")
+
+
+class SFTStageConfig(StageConfig):
+    """sft/run_sft.py: supervised fine-tuning with Axolotl (once, before the loop); saves an HF checkpoint.
+
+    The file is an Axolotl config plus the keys below: every other key is passed to Axolotl as is
+    (checked against Axolotl's own schema by the stage, so a misspelt key is an error, not ignored).
+    """
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True, protected_namespaces=())
+
+    base_model: str = Field("default", description="policy to fine-tune: dir, HF Hub id or 'default' (embedded SmolLM2-135M-Instruct)")
+    dataset: str = Field(..., description="SFT data: local JSONL, one {'messages': [{role, content}, ...]} per line (roles system/user/assistant); checked before Axolotl starts")
+    output_dir: str = Field(..., description="where the HF checkpoint is saved (Axolotl trains into <output_dir>.tmp; renamed at the end)")
+    stats_output: Optional[str] = Field(None, description="stats JSON (default: <output_dir>.stats.json, beside the checkpoint)")
+    axolotl_config_output: Optional[str] = Field(None, description="where the resolved Axolotl YAML is written (default: <output_dir>.axolotl.yaml)")
+    launcher: Literal["python", "accelerate"] = Field("python", description="python: one process (CPU, one GPU); accelerate: `accelerate launch` with num_processes (multi-GPU, DeepSpeed via Axolotl's `deepspeed:` key)")
+    num_processes: Optional[int] = Field(None, ge=1, description="launcher=accelerate: processes (default: all visible GPUs, else 1)")
+
+    @model_validator(mode="after")
+    def _check_sft(self):
+        if self.launcher == "python" and (self.num_processes or 1) > 1:
+            raise ValueError(f"num_processes={self.num_processes} needs launcher=accelerate")
+        return self
+
+
+class SFTDataConfig(StageConfig):
+    """sft/build_sft_data.py: rejection-sampling SFT data (RAFT): the best scored response per prompt."""
+
+    rewards: str = Field(..., description="rewards.jsonl of a run (generated records + 'rewards')")
+    output: str = Field(..., description="SFT JSONL: {id, messages: [...prompt, {role: assistant, content: best}], reward}")
+    stats_output: Optional[str] = Field(None, description="stats JSON (default: <output>.stats.json)")
+    min_reward: float = Field(1.0, description="keep a prompt only when its best response's reward is >= this (1.0 with verifier rewards in [0, 1]: only fully correct responses)")
+    truncated: Literal["exclude", "keep"] = Field("exclude", description="responses with finish_reason 'length': exclude (SFT on them teaches the model not to stop) or keep")
