@@ -1,0 +1,209 @@
+"""SFT stage (sft/run_sft.py, Axolotl) and RAFT data (sft/build_sft_data.py), with tiny random models."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from online_rlhf.config import ConfigError
+from online_rlhf.jsonl import DataError, read_json, read_jsonl
+from online_rlhf.stage_configs import SFTDataConfig, SFTStageConfig
+from online_rlhf.testing import make_tiny_policy
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from sft import build_sft_data, run_sft  # noqa: E402
+
+
+def _write(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def _conv(i: int) -> dict:
+    return {"messages": [{"role": "user", "content": f"What is {i} plus 1?"},
+                         {"role": "assistant", "content": f"The answer is {i + 1}."}]}
+
+
+GOOD = _conv(1)
+
+
+# --- dataset validation -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad, expected", [
+    ({"prompt": "hi", "completion": "there"}, "no 'messages' column"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}]}, "role 'tool'"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  \n"}]}, "(assistant) is empty"),
+    ({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]}, "no assistant turn"),
+    ({"messages": []}, "non-empty list"),
+], ids=["no-messages", "bad-role", "empty-assistant", "no-assistant", "empty-list"])
+def test_bad_row_is_named_by_file_and_line(tmp_path, bad, expected):
+    path = _write(tmp_path / "sft.jsonl", [GOOD, GOOD, bad, GOOD])
+    with pytest.raises(DataError) as e:
+        run_sft.validate_sft_dataset(path)
+    assert f"{path}:3:" in str(e.value)
+    assert expected in str(e.value)
+
+
+def test_valid_rows_are_counted_and_extra_columns_allowed(tmp_path):
+    path = _write(tmp_path / "sft.jsonl", [GOOD, {**_conv(2), "id": "a", "reward": 1.0}, ""])
+    assert run_sft.validate_sft_dataset(path) == 2
+
+
+def test_empty_dataset_is_refused(tmp_path):
+    with pytest.raises(DataError, match="empty"):
+        run_sft.validate_sft_dataset(_write(tmp_path / "sft.jsonl", [""]))
+
+
+def test_cli_stops_on_bad_row_before_axolotl_runs(tmp_path):
+    data = _write(tmp_path / "sft.jsonl", [GOOD, {"messages": [{"role": "user", "content": "only a question"}]}])
+    out = tmp_path / "sft" / "model"
+    r = subprocess.run([sys.executable, str(ROOT / "sft/run_sft.py"), "--config", str(ROOT / "configs/sft.yaml"),
+                        f"base_model={tmp_path / 'no-model-needed'}", f"dataset={data}", f"output_dir={out}"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert f"{data}:2: no assistant turn" in r.stderr
+    assert not (tmp_path / "sft").exists()  # no Axolotl config, no output
+
+
+# --- config -------------------------------------------------------------------------------------
+
+def test_misspelt_axolotl_key_is_an_error():
+    with pytest.raises(ConfigError, match="'learning_rat' \\(did you mean 'learning_rate'\\?\\)"):
+        run_sft.check_axolotl_keys({"learning_rat": 1e-5, "sequence_len": 256})
+
+
+def test_known_axolotl_keys_pass():
+    run_sft.check_axolotl_keys({"learning_rate": 1e-5, "sequence_len": 256, "attn_implementation": "sdpa",
+                                "special_tokens": {"eos_token": "<|im_end|>"}})
+
+
+def test_dataset_template_gets_the_stage_dataset_path(tmp_path):
+    entry = run_sft.dataset_entry([{"type": "chat_template", "roles_to_train": ["assistant"]}], "d.jsonl")
+    assert entry["path"] == str(Path("d.jsonl").absolute()) and entry["ds_type"] == "json"
+    assert entry["field_messages"] == "messages" and entry["roles_to_train"] == ["assistant"]
+
+
+@pytest.mark.parametrize("datasets, expected", [
+    ([{"type": "chat_template"}, {"type": "chat_template"}], "exactly one entry"),
+    ([{"type": "chat_template", "path": "other.jsonl"}], "set the stage's `dataset=`"),
+    ([{"type": "alpaca"}], "use type: chat_template"),
+])
+def test_dataset_template_refusals(datasets, expected):
+    with pytest.raises(ConfigError, match=expected):
+        run_sft.dataset_entry(datasets, "d.jsonl")
+
+
+def test_lora_adapter_is_refused(tmp_path):
+    cfg = SFTStageConfig.from_dict({"dataset": "d.jsonl", "output_dir": str(tmp_path / "m"), "adapter": "lora"})
+    with pytest.raises(ConfigError, match="full checkpoint"):
+        run_sft.axolotl_config(cfg, "base", "<|im_end|>", tmp_path / "m.tmp", tmp_path / "m.prepared")
+
+
+def test_eos_and_pad_default_to_the_base_eos(tmp_path):
+    cfg = SFTStageConfig.from_dict({"dataset": "d.jsonl", "output_dir": str(tmp_path / "m")})
+    ax = run_sft.axolotl_config(cfg, "base", "<|eot|>", tmp_path / "m.tmp", tmp_path / "m.prepared")
+    assert ax["special_tokens"] == {"eos_token": "<|eot|>", "pad_token": "<|eot|>"}
+    assert ax["output_dir"] == str(tmp_path / "m.tmp") and run_sft.PLUGIN in ax["plugins"]
+
+
+# --- checkpoint clean-up ------------------------------------------------------------------------
+
+def test_finalize_leaves_a_clean_checkpoint_with_template_and_eos(tmp_path):
+    from transformers import AutoTokenizer, GenerationConfig
+
+    base = make_tiny_policy(tmp_path / "base")
+    ckpt = make_tiny_policy(tmp_path / "ckpt")
+    (ckpt / "chat_template.jinja").unlink()  # as if the trainer saved no template
+    (ckpt / "checkpoint-2").mkdir()
+    (ckpt / "checkpoint-2" / "optimizer.pt").write_bytes(b"x")
+    (ckpt / "README.md").write_text("model card")
+    GenerationConfig(do_sample=True, eos_token_id=5).save_pretrained(ckpt)  # Axolotl forces do_sample
+    summary = run_sft.finalize_checkpoint(ckpt, str(base), "<|im_end|>")
+    assert sorted(summary["removed_from_checkpoint"]) == ["README.md", "checkpoint-2/"]
+    assert not any(p.is_dir() for p in ckpt.iterdir())
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    assert tok.chat_template == AutoTokenizer.from_pretrained(base).chat_template
+    assert tok.eos_token == tok.pad_token == "<|im_end|>"
+    gen = GenerationConfig.from_pretrained(ckpt)
+    assert gen.eos_token_id == [2] and gen.pad_token_id == 2 and not gen.do_sample
+    assert summary["chat_template_from"] == "base model"
+
+
+# --- Axolotl end to end -------------------------------------------------------------------------
+
+def test_axolotl_sft_tiny_model(tmp_path):
+    """A few Axolotl steps on CPU: loss falls, a too-long row is dropped and counted, the output
+    reloads with its chat template and eos = pad, no temporary or optimizer files are left."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = make_tiny_policy(tmp_path / "base")
+    long_row = {"messages": [{"role": "user", "content": "Tell a long story."},
+                             {"role": "assistant", "content": "The quick brown fox jumps. " * 60}]}
+    data = _write(tmp_path / "sft.jsonl", [_conv(i) for i in range(31)] + [long_row])
+    out = tmp_path / "sft" / "model"
+    cfg = SFTStageConfig.load(ROOT / "configs/sft.yaml", [
+        f"base_model={base}", f"dataset={data}", f"output_dir={out}", "max_steps=8", "learning_rate=1.0e-3",
+        "sequence_len=128", "warmup_ratio=0.0"])
+    stats = run_sft.main(cfg)
+
+    assert stats == read_json(f"{out}.stats.json")
+    assert stats["rows_in"] == 32 and stats["rows_used"] == 31
+    assert stats["dropped"] == {"outside_length_range": 1}
+    assert stats["steps"] == 8
+    assert stats["train_loss_last"] < stats["train_loss_first"] - 0.3
+    assert sorted(p.name for p in out.parent.iterdir()) == ["model", "model.axolotl.yaml", "model.stats.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
+        "tokenizer.json", "tokenizer_config.json"]
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.chat_template == AutoTokenizer.from_pretrained(base).chat_template
+    assert tok.eos_token == tok.pad_token == "<|im_end|>"
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.eos_token_id == model.config.pad_token_id == tok.eos_token_id
+    assert model.generation_config.eos_token_id == [tok.eos_token_id]
+
+
+# --- RAFT data ----------------------------------------------------------------------------------
+
+def _rewards_row(id_, responses, rewards, finish=None):
+    return {"id": id_, "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"q{id_}"}],
+            "responses": responses, "finish_reasons": finish or ["stop"] * len(responses),
+            "response_tokens": [3] * len(responses), "rewards": rewards, "reward_source": "verifier"}
+
+
+def test_build_sft_data_keeps_best_and_counts_drops(tmp_path):
+    rewards = _write(tmp_path / "rewards.jsonl", [
+        _rewards_row("a", ["ok", "best", "also best"], [0.5, 0.9, 0.9]),             # tie: first of the best
+        _rewards_row("b", ["cut off", "fine"], [1.0, 0.7], ["length", "stop"]),      # truncated best excluded
+        _rewards_row("c", ["low", "lower"], [0.2, 0.1]),                              # below min_reward
+        _rewards_row("d", ["", "   ", "cut"], [1.0, 1.0, 1.0], ["stop", "stop", "length"]),  # nothing eligible
+    ])
+    out = tmp_path / "sft.jsonl"
+    stats = build_sft_data.main(SFTDataConfig.from_dict({"rewards": str(rewards), "output": str(out), "min_reward": 0.6}))
+    rows = read_jsonl(out)
+    assert [(r["id"], r["messages"][-1]["content"], r["reward"]) for r in rows] == [("a", "best", 0.9), ("b", "fine", 0.7)]
+    assert rows[0]["messages"][:2] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "qa"}]
+    assert stats["prompts_in"] == 4 and stats["kept"] == 2
+    assert stats["dropped"] == {"below_min_reward": 1, "no_eligible_response": 1}
+    assert stats["responses_excluded"] == {"truncated": 2, "empty": 2}
+    assert read_json(f"{out}.stats.json") == stats
+    assert run_sft.validate_sft_dataset(out) == 2  # the output is valid SFT input
+
+
+def test_build_sft_data_keeps_truncated_when_asked(tmp_path):
+    rewards = _write(tmp_path / "rewards.jsonl", [_rewards_row("b", ["cut off", "fine"], [1.0, 0.7], ["length", "stop"])])
+    out = tmp_path / "sft.jsonl"
+    build_sft_data.main(SFTDataConfig.from_dict({"rewards": str(rewards), "output": str(out), "truncated": "keep"}))
+    assert read_jsonl(out)[0]["messages"][-1]["content"] == "cut off"
+
+
+def test_build_sft_data_refuses_nan_reward(tmp_path):
+    rewards = tmp_path / "rewards.jsonl"
+    rewards.write_text(json.dumps(_rewards_row("a", ["x", "y"], [0.1, 0.2])).replace("0.2", "NaN") + "\n")
+    with pytest.raises(DataError, match=f"{rewards}:1"):
+        build_sft_data.main(SFTDataConfig.from_dict({"rewards": str(rewards), "output": str(tmp_path / "o.jsonl")}))
