@@ -97,7 +97,7 @@ dpo_cmd() {
 cfg() { echo "$RUN_DIR/iter_$1/configs/$2.yaml"; }
 
 if [[ "$SFT_ENABLED" == 1 ]]; then
-  run_stage 0 sft           train  bash sft/run_sft.sh "$(cfg 0 sft)"
+  run_stage 0 sft           train  env OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$TRAIN" sft/run_sft.py --config "$(cfg 0 sft)"
 fi
 run_stage 0 eval_generate   infer  "$INFER" generation/launch.py --config "$(cfg 0 eval_generate)" num_shards="$GENERATION_SHARDS"
 run_stage 0 eval_rewards    train  rewards_cmd "$(cfg 0 eval_rewards)"

@@ -29,7 +29,7 @@ from .config import ConfigError, apply_overrides, deep_merge, load_yaml
 from .jsonl import DataError, read_json, read_jsonl, write_json, write_jsonl, atomic_open
 from .paths import PROJECT_ROOT, default_data_dir, default_model_dir, setup_cache_env
 from .rundir import fingerprint, is_done, mark_done
-from .stage_configs import DPOStageConfig, GenerateConfig, LoopConfig, PairsConfig, RewardConfig
+from .stage_configs import DPOStageConfig, GenerateConfig, LoopConfig, PairsConfig, RewardConfig, SFTStageConfig
 
 # Stage name -> (env, config class). The order is the order of one iteration.
 STAGES = {
@@ -67,6 +67,8 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
         for section in cfg.per_iteration[i]:
             if section in _RUN_LEVEL or section not in LoopConfig.model_fields:
                 raise ConfigError(f"{src}: per_iteration.{i}.{section} cannot be set per iteration.")
+    if cfg.sft.get("enabled"):
+        SFTStageConfig.from_dict(sft_dict(cfg, Path("/dry-run")), f"{src}, stage sft")
     # Dry validation: build every stage config of every iteration without touching models.
     for i in range(0, cfg.iterations + 1):
         for stage, (_, cls) in STAGES.items():
@@ -74,6 +76,21 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
                 continue
             cls.from_dict(stage_dict(cfg, Path("/dry-run"), i, stage), f"{src}, iteration {i}, stage {stage}")
     return cfg
+
+
+def sft_dict(cfg: LoopConfig, run_dir: Path) -> dict:
+    """The SFT stage config (run once, before iteration 1): the Axolotl stage file ``sft.config``,
+    the loop's other ``sft`` keys over it (e.g. ``sft.dataset``, ``sft.learning_rate``), the starting
+    policy as ``base_model`` and ``<run>/sft/model`` as ``output_dir``."""
+    s = dict(cfg.sft)
+    s.pop("enabled", None)
+    d = deep_merge(_stage_file(s.pop("config", "configs/sft.yaml")), s)
+    if not d.get("dataset"):
+        raise ConfigError("sft.enabled=true needs sft.dataset=<SFT JSONL of {messages: [...]}> "
+                          "(e.g. from sft/build_sft_data.py).")
+    d["base_model"] = str(default_model_dir()) if cfg.policy == "default" else cfg.policy
+    d["output_dir"] = str(run_dir / "sft" / "model")
+    return d
 
 
 def iteration_config(cfg: LoopConfig, i: int) -> LoopConfig:
@@ -116,7 +133,7 @@ def stage_dict(cfg: LoopConfig, run_dir: Path, i: int, stage: str) -> dict:
     if stage == "pairs":
         return {"seed": c.seed + i, **c.pairs, "input": str(it / "rewards.jsonl"), "output": str(it / "pairs.jsonl")}
     if stage == "dpo":
-        base = _dpo_base(c.dpo_config)
+        base = _stage_file(c.dpo_config)
         dpo = deep_merge(base, c.dpo)
         # the loop's seed beats the stage file's; the loop's own dpo.training beats both
         training = {**dpo.pop("training", {}), "seed": c.seed, **c.dpo.get("training", {})}
@@ -126,7 +143,8 @@ def stage_dict(cfg: LoopConfig, run_dir: Path, i: int, stage: str) -> dict:
     raise KeyError(stage)
 
 
-def _dpo_base(path: str | None) -> dict:
+def _stage_file(path: str | None) -> dict:
+    """A stage's own YAML (relative paths from the project root); {} for None."""
     if not path:
         return {}
     p = Path(path) if Path(path).is_absolute() else PROJECT_ROOT / path
@@ -169,6 +187,12 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
             _write_if_changed(path, yaml.safe_dump(d, sort_keys=False, allow_unicode=True))
             inputs, outputs = _stage_io(d, stage)
             entries[stage] = {"env": STAGES[stage][0], "config": str(path), "inputs": inputs, "outputs": outputs}
+        if i == 0 and cfg.sft.get("enabled"):
+            d = SFTStageConfig.from_dict(sft_dict(cfg, run_dir)).model_dump(mode="json")
+            path = it / "configs" / "sft.yaml"
+            _write_if_changed(path, yaml.safe_dump(d, sort_keys=False, allow_unicode=True))
+            entries["sft"] = {"env": "train", "config": str(path), "inputs": [d["base_model"], d["dataset"]],
+                              "outputs": [d["output_dir"]]}
         if i >= 1:
             src = _prompt_source(c.train_prompts, "train")
             if src not in train_sets:

@@ -7,7 +7,6 @@ The tiny model writes random text, so its prompts carry constraints that random 
 sometimes (a letter count, a word limit, no commas): partial credit then differs between the K
 responses and every iteration has pairs."""
 
-import json
 import os
 import signal
 import subprocess
@@ -15,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from online_rlhf.jsonl import read_json, read_jsonl, write_jsonl
 from online_rlhf.paths import default_data_dir, default_model_dir
@@ -85,8 +85,8 @@ def test_two_iterations_write_every_file(full_run):
             assert read_json(it / f"{stage}.done")["hash"], stage
             assert (it / "logs" / f"{stage}.log").is_file()
     # iteration 2 samples from iteration 1's model
-    assert json.dumps(str(run_dir / "iter_1" / "model")) in json.dumps(
-        (run_dir / "iter_2" / "configs" / "generate.yaml").read_text())
+    gen2 = yaml.safe_load((run_dir / "iter_2" / "configs" / "generate.yaml").read_text())
+    assert gen2["model"] == str(run_dir / "iter_1" / "model")
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["iteration"] for r in rows] == [0, 1, 2]
     assert (run_dir / "report.md").is_file() and (run_dir / "report.png").stat().st_size > 1000

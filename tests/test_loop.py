@@ -147,3 +147,19 @@ def test_mean_ci95_edge_cases():
     m, lo, hi = loop.mean_ci95([1.0])
     assert (m, lo, hi) == (1.0, 1.0, 1.0)
     assert all(x != x for x in loop.mean_ci95([]))  # NaN when empty
+
+
+def test_sft_stage_is_planned_and_feeds_iteration_1(small_cfg, tmp_path):
+    data = tmp_path / "sft.jsonl"
+    write_jsonl(data, [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}])
+    run_dir = loop.plan(None, small_cfg + ["sft.enabled=true", f"sft.dataset={data}"])
+    entry = read_json(run_dir / "iter_0" / "plan.json")["sft"]
+    assert entry["outputs"] == [str(run_dir / "sft" / "model")] and entry["inputs"][0] == "/models/start"
+    gen1 = yaml.safe_load(Path(read_json(run_dir / "iter_1" / "plan.json")["generate"]["config"]).read_text())
+    assert gen1["model"] == str(run_dir / "sft" / "model")
+    assert yaml.safe_load(Path(entry["config"]).read_text())["base_model"] == "/models/start"
+
+
+def test_sft_enabled_without_dataset_is_a_config_error(small_cfg):
+    with pytest.raises(ConfigError, match="sft.dataset"):
+        loop.resolve(None, small_cfg + ["sft.enabled=true"])
