@@ -1,0 +1,121 @@
+"""DPO steps/s with precomputed reference log-probs vs recomputing them every step.
+
+    OMP_NUM_THREADS=1 .venv-train/bin/python bench/bench_dpo_ref.py [--steps 6] [--batch 4] [--max-length 256]
+
+Same pairs, same policy (the embedded default if prepared, else a 4-layer random model), one
+process, CPU fp32. Run 1 recomputes the reference log-probs in every step (a second copy of the
+policy is loaded as the reference); run 2 computes them once before training
+(``precompute_ref_log_probs``). Prints, for each run, the training-loop steps/s and the
+end-to-end rate (reference precompute + training loop), and the ratios. The training-loop
+ratio is the per-step gain (target >= 1.3x: a step drops one of its ~4 forward-equivalents);
+over a single epoch the end-to-end time barely changes, because the one precompute pass costs
+what the per-step reference forwards cost -- its other gain is memory (no reference model held
+during training).
+
+Pairs: Anthropic HH-RLHF harmless test transcripts from ../shared/data (last assistant turn =
+chosen / rejected response), else synthetic pairs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import importlib.util
+import json
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from online_rlhf.paths import default_model_dir  # noqa: E402
+from online_rlhf.stage_configs import DPOStageConfig  # noqa: E402
+
+HH = ROOT.parent / "shared" / "data" / "hh_rlhf" / "harmless-base_test.jsonl.gz"
+
+
+def hh_to_messages(transcript: str) -> list[dict] | None:
+    """``"\\n\\nHuman: ...\\n\\nAssistant: ..."`` -> chat messages, or None when the turns do not alternate."""
+    parts = re.split(r"\n\n(Human|Assistant): ", transcript)
+    msgs = [{"role": "user" if who == "Human" else "assistant", "content": text.strip()}
+            for who, text in zip(parts[1::2], parts[2::2])]
+    ok = msgs and all(m["role"] == ("user" if i % 2 == 0 else "assistant") for i, m in enumerate(msgs))
+    return msgs if ok and msgs[-1]["role"] == "assistant" else None
+
+
+def hh_pairs(n: int, path: Path = HH) -> list[dict]:
+    """First ``n`` HH-RLHF pairs as ``{id, prompt, chosen, rejected}`` messages (shared prompt, differing last turn)."""
+    out = []
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            rec = json.loads(line)
+            c, r = hh_to_messages(rec["chosen"]), hh_to_messages(rec["rejected"])
+            if not c or not r or c[:-1] != r[:-1] or c[-1] == r[-1] or not c[-1]["content"] or not r[-1]["content"]:
+                continue
+            out.append({"id": f"hh{i}", "prompt": c[:-1], "chosen": [c[-1]], "rejected": [r[-1]]})
+            if len(out) == n:
+                break
+    return out
+
+
+def synthetic_pairs(n: int) -> list[dict]:
+    words = "the quick brown fox jumps over the lazy dog and then rests".split()
+    return [{"id": str(i), "prompt": [{"role": "user", "content": f"Write about item {i}: " + " ".join(words)}],
+             "chosen": [{"role": "assistant", "content": " ".join(words[i % 5:] * 3)}],
+             "rejected": [{"role": "assistant", "content": " ".join(reversed(words)) * 2}]} for i in range(n)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=4, help="pairs per step")
+    ap.add_argument("--max-length", type=int, default=256)
+    a = ap.parse_args()
+
+    spec = importlib.util.spec_from_file_location("run_dpo", ROOT / "dpo_iteration" / "run_dpo.py")
+    run_dpo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_dpo)
+
+    n = a.steps * a.batch  # one epoch = exactly `steps` steps; precompute covers only these pairs
+    work = Path(tempfile.mkdtemp(prefix="bench_dpo_ref_"))
+    if (default_model_dir() / "config.json").is_file():
+        policy, model_desc = str(default_model_dir()), "SmolLM2-135M-Instruct"
+    else:
+        from online_rlhf.testing import make_tiny_policy
+
+        policy = str(make_tiny_policy(work / "policy", num_hidden_layers=4, hidden_size=256, intermediate_size=512))
+        model_desc = "random 4-layer Llama (default model not prepared)"
+    pairs = hh_pairs(n) if HH.is_file() else []
+    source = "HH-RLHF harmless test" if len(pairs) == n else "synthetic"
+    if len(pairs) < n:
+        pairs = synthetic_pairs(n)
+    (work / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+
+    results = {}
+    for precompute in (False, True):
+        cfg = DPOStageConfig(policy=policy, pairs=str(work / "pairs.jsonl"), output_dir=str(work / f"m{int(precompute)}"),
+                             training={"per_device_train_batch_size": a.batch, "max_steps": a.steps,
+                                       "max_length": a.max_length, "learning_rate": 5e-6,
+                                       "gradient_checkpointing": False, "precompute_ref_log_probs": precompute})
+        s = run_dpo.main(cfg)
+        sec = s["seconds"]
+        results[precompute] = {"steps": s["steps"], "loop_s": sec["train_steps"],
+                               "precompute_s": sec["reference_precompute"],
+                               "loop_steps_per_s": s["steps"] / sec["train_steps"],
+                               "e2e_steps_per_s": s["steps"] / (sec["train_steps"] + sec["reference_precompute"]),
+                               "loss_first": s["train_loss_first"]}
+    off, on = results[False], results[True]
+    print(f"\nmodel: {model_desc}; pairs: {source}, {n} pairs, batch {a.batch}, max_length {a.max_length}, "
+          f"{a.steps} steps, CPU fp32")
+    for name, r in (("recompute reference", off), ("precomputed reference", on)):
+        print(f"  {name:22s} loop {r['loop_s']:7.1f} s = {r['loop_steps_per_s']:.4f} steps/s; precompute "
+              f"{r['precompute_s']:5.1f} s; end-to-end {r['e2e_steps_per_s']:.4f} steps/s; first loss {r['loss_first']:.4f}")
+    print(f"  training-loop speed-up (precomputed / recomputed): {on['loop_steps_per_s'] / off['loop_steps_per_s']:.2f}x"
+          f"  (target >= 1.3x)")
+    print(f"  end-to-end ratio incl. the precompute pass:        {on['e2e_steps_per_s'] / off['e2e_steps_per_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
