@@ -16,7 +16,9 @@ What happens, top to bottom:
    config (same fingerprint), nothing is regenerated;
 4. start vLLM (``LLM(seed=seed + shard_index)``: vLLM-CPU kills its worker on per-request seeds,
    see FINDINGS.md) and sample ``n=k`` responses per prompt from the token ids, stopping at every
-   EOS id of the tokenizer and of ``generation_config.json``;
+   EOS id of the tokenizer and of ``generation_config.json``. The seed does not make a rerun
+   sample the same responses: vLLM-CPU's draws also depend on how requests were batched, which
+   depends on timing (seen in tests/test_generation.py); hence resume keeps finished shards;
 5. write ``{id, prompt, responses, finish_reasons, response_tokens, prompt_tokens, ...task
    fields}`` per prompt (atomically, in shard order) and a stats JSON with every count and timing.
 """

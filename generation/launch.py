@@ -16,8 +16,11 @@ Devices:
   set); W x tensor_parallel_size must not exceed the GPUs.
 - CPU: W > 1 shards split the allowed cores into W contiguous blocks; shard r binds vLLM's
   OpenMP threads to its block (``VLLM_CPU_OMP_THREADS_BIND=a-b``, ``OMP_NUM_THREADS`` = block
-  size). W = 1 keeps vLLM's ``auto`` binding. A ``VLLM_CPU_OMP_THREADS_BIND`` you set yourself
-  is passed to every shard unchanged. Each shard holds its own KV cache (``kv_cache_gb`` GiB) and
+  size). W = 1 keeps vLLM's ``auto`` binding, which on x86 reserves one core for the engine's
+  scheduler (on a 2-core box: compute on 1 core). A ``VLLM_CPU_OMP_THREADS_BIND`` you set
+  yourself is passed to every shard unchanged; on the 2-core dev box under load ``0-1`` gave
+  196 tok/s vs 173 for ``auto`` (SmolLM2-135M, 16 prompts x 4 x 128 tokens; FINDINGS.md saw
+  ``auto`` win when other jobs ran), start-up the same (~40 s). Each shard holds its own KV cache (``kv_cache_gb`` GiB) and
   model copy: on CPU, W = 1 is usually best (one engine already uses every core).
 """
 

@@ -370,7 +370,8 @@ def test_vllm_stats_count_skipped_and_timings(vllm_run):
 @pytest.mark.vllm
 def test_vllm_rerun_skips_complete_shards_and_redoes_a_truncated_one(vllm_run):
     first = read_jsonl(vllm_run.out)
-    s1 = merge_data.shard_path(vllm_run.dir / "generated", 1)
+    s0, s1 = (merge_data.shard_path(vllm_run.dir / "generated", r) for r in (0, 1))
+    s0_mtime = s0.stat().st_mtime_ns
     write_jsonl(s1, read_jsonl(s1)[:-1])
     proc = subprocess.run(vllm_run.argv, capture_output=True, text=True, timeout=900, env=vllm_run.env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -380,5 +381,8 @@ def test_vllm_rerun_skips_complete_shards_and_redoes_a_truncated_one(vllm_run):
     assert "regenerating" in log1 and "skipped, not regenerated" not in log1
     again = read_jsonl(vllm_run.out)
     assert [r["id"] for r in again] == [r["id"] for r in first]
-    # same engine seed and shard layout: shard 1 samples the same responses again
-    assert again == first
+    assert all(len(r["responses"]) == 3 for r in again)
+    assert s0.stat().st_mtime_ns == s0_mtime
+    # shard 0 was kept as is. (Shard 1 is not compared: with the same engine seed, vLLM-CPU's
+    # responses still depend on how requests were batched, which depends on timing.)
+    assert [r for r in again if r["id"] in ("p0", "p2", "p4")] == [r for r in first if r["id"] in ("p0", "p2", "p4")]
