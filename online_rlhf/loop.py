@@ -240,8 +240,11 @@ def _stage_entry(run_dir: Path, i: int, stage: str) -> dict:
 
 
 def stage_hash(run_dir: Path, i: int, stage: str) -> str:
+    """Hash of a stage's config (with the run dir's own path masked) and its inputs' content:
+    a run directory moved or copied elsewhere resumes where it stopped."""
     e = _stage_entry(run_dir, i, stage)
-    return fingerprint({"stage": stage}, [e["config"], *e["inputs"]])
+    config_text = Path(e["config"]).read_text(encoding="utf-8").replace(str(run_dir), "<run_dir>")
+    return fingerprint({"stage": stage, "config": config_text}, e["inputs"], root=run_dir)
 
 
 def _marker(run_dir: Path, i: int, stage: str) -> Path:

@@ -31,16 +31,21 @@ def _hash_file(h: "hashlib._Hash", p: Path) -> None:
             h.update(f.read(1 << 20))
 
 
-def fingerprint(config: Any, inputs: Iterable[str | os.PathLike] = ()) -> str:
+def fingerprint(config: Any, inputs: Iterable[str | os.PathLike] = (), root: str | os.PathLike | None = None) -> str:
     """sha256 over the JSON of ``config`` and the content of each input file or folder.
 
-    Folders (model checkpoints) are hashed file by file in sorted order; hidden files and files
-    above 64 MiB contribute their size and first/last MiB only. A missing input hashes as missing.
+    Folders (model checkpoints) are hashed file by file in sorted order; hidden files are
+    skipped and files above 64 MiB contribute their size and first/last MiB only. A missing input
+    hashes as missing. Inputs under ``root`` are named relative to it, so a run directory that is
+    moved or copied keeps its fingerprints.
     """
     h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
     for inp in inputs:
         p = Path(inp)
-        h.update(str(inp).encode())
+        label = str(inp)
+        if root is not None and p.is_absolute() and p.is_relative_to(root):
+            label = "<root>/" + str(p.relative_to(root))
+        h.update(label.encode())
         if p.is_dir():
             for f in sorted(x for x in p.rglob("*") if x.is_file() and not x.name.startswith(".")):
                 _hash_file(h, f)

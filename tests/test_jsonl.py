@@ -66,3 +66,12 @@ def test_atomic_open_binary(tmp_path):
     with atomic_open(tmp_path / "b.bin", "wb") as f:
         f.write(b"\x00\x01")
     assert (tmp_path / "b.bin").read_bytes() == b"\x00\x01"
+
+
+def test_written_files_get_the_usual_mode(tmp_path):
+    old = os.umask(0o022)
+    try:
+        write_jsonl(tmp_path / "a.jsonl", [{"id": 1}])
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.jsonl").stat().st_mode & 0o777 == 0o644

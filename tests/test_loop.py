@@ -163,3 +163,18 @@ def test_sft_stage_is_planned_and_feeds_iteration_1(small_cfg, tmp_path):
 def test_sft_enabled_without_dataset_is_a_config_error(small_cfg):
     with pytest.raises(ConfigError, match="sft.dataset"):
         loop.resolve(None, small_cfg + ["sft.enabled=true"])
+
+
+def test_copied_run_dir_keeps_its_done_markers(small_cfg, tmp_path):
+    import shutil
+
+    run_dir = loop.plan(None, small_cfg)
+    it = run_dir / "iter_1"
+    write_jsonl(it / "generated.jsonl", [{"id": "p0"}])
+    write_jsonl(it / "rewards.jsonl", [{"id": "p0"}])
+    loop.mark(run_dir, 1, "rewards", 1.0)
+    copy = tmp_path / "elsewhere" / "t"
+    shutil.copytree(run_dir, copy)
+    moved = [a if not a.startswith("output_root=") else f"output_root={copy.parent}" for a in small_cfg]
+    assert loop.plan(None, moved) == copy
+    assert loop.check(copy, 1, "rewards")
