@@ -68,7 +68,7 @@ run_stage() {
   while kill -0 "$CHILD" 2>/dev/null; do   # a status line every 15 s: stage, elapsed, last log line
     sleep 1; ticks=$((ticks + 1))
     if ((ticks % 15 == 0)) && kill -0 "$CHILD" 2>/dev/null; then
-      say "  … $stage $((SECONDS - start))s: $(tail -c 400 "$log" | tr '\r' '\n' | grep -v '^[[:space:]]*$' | tail -n 1 | cut -c1-110)"
+      say "  … $stage $((SECONDS - start))s: $(tail -c 400 "$log" | tr '\r' '\n' | tr -cd '\11\12\40-\176' | grep -v '^[[:space:]]*$' | tail -n 1 | cut -c1-110)"
     fi
   done
   local rc=0; wait "$CHILD" || rc=$?; CHILD=""

@@ -34,7 +34,7 @@ SMALL = ["prompts_per_iteration=6", "eval_limit=6", "generation.k=4", "generatio
 
 def _run_loop(args, timeout=1200, **kw):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(["bash", "run_loop.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    return subprocess.run(["bash", "run_loop.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True, errors="replace",
                           timeout=timeout, **kw)
 
 
@@ -125,7 +125,7 @@ def test_kill_during_dpo_then_resume_matches_uninterrupted(full_run, tmp_path):
     (killed / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(["bash", "run_loop.sh", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
     deadline = time.monotonic() + 600
     try:
         while time.monotonic() < deadline:  # wait until iteration 1's DPO is under way
