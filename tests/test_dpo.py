@@ -132,6 +132,13 @@ def test_yaml_exponent_strings_become_floats(tmp_path):
         run_dpo.build_dpo_args(cfg, tmp_path / "w", on_gpu=False)
 
 
+def test_default_config_file_is_valid(tmp_path):
+    cfg = DPOStageConfig.load(ROOT / "configs" / "dpo.yaml", ["policy=x", "pairs=p", f"output_dir={tmp_path}/m"])
+    args = run_dpo.build_dpo_args(cfg, tmp_path / "w", on_gpu=False)
+    assert args.loss_type == ["sigmoid"] and args.precompute_ref_log_probs and not args.bf16
+    assert isinstance(args.learning_rate, float) and args.max_length == cfg.training["max_length"]
+
+
 def test_wandb_report_goes_offline_unless_set(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     cfg = DPOStageConfig(policy="x", pairs="p", output_dir=str(tmp_path / "m"), training={"report_to": ["wandb"]})
