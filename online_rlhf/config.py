@@ -14,6 +14,7 @@ and how to fix it.
 from __future__ import annotations
 
 import difflib
+import re
 import os
 import sys
 from pathlib import Path
@@ -27,6 +28,26 @@ class ConfigError(ValueError):
     """A config file or override is invalid. The message names the file/key and the fix."""
 
 
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads ``1e-5`` as a float (YAML 1.1 wants a dot: ``1.0e-5``)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                   |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                   |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                   |[-+]?\.(?:inf|Inf|INF)
+                   |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."),
+)
+
+
+def yaml_load(text: str):
+    """``yaml.safe_load`` with ``1e-5``-style floats."""
+    return yaml.load(text, Loader=_Loader)
+
+
 def parse_override(item: str) -> tuple[list[str], Any]:
     """``"a.b=3"`` -> ``(["a", "b"], 3)``; the value is parsed as YAML (an empty value is ``""``)."""
     if "=" not in item:
@@ -36,7 +57,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {item!r}: empty key.")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"override {item!r}: value is not valid YAML ({e}).") from None
     return key.split("."), value
@@ -84,7 +105,7 @@ def load_yaml(path: str | os.PathLike) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file {path} not found. Pass an existing file with --config PATH.")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {e}") from None
     if data is None:

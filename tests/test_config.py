@@ -75,3 +75,13 @@ def test_unknown_cli_option_is_refused():
 def test_loop_defaults_validate():
     cfg = LoopConfig.from_dict({})
     assert cfg.iterations >= 1 and cfg.ref_model == "initial"
+
+
+def test_exponent_floats_without_a_dot_are_floats(tmp_path):
+    assert parse_override("learning_rate=1e-5") == (["learning_rate"], 1e-5)
+    assert parse_override("x=5.0e-6") == (["x"], 5e-6)
+    assert parse_override("name=1e") == (["name"], "1e")
+    p = tmp_path / "c.yaml"
+    p.write_text("training:\n  learning_rate: 2e-5\n")
+    from online_rlhf.config import load_yaml
+    assert load_yaml(p) == {"training": {"learning_rate": 2e-5}}
