@@ -48,6 +48,10 @@ if [[ "$FRESH" == 1 ]]; then
 fi
 PLAN="$("$TRAIN" -m online_rlhf.loop plan "$CONFIG" "${OVERRIDES[@]}")"
 eval "$PLAN"    # RUN_DIR ITERATIONS LAUNCH_PROFILE NUM_PROCESSES GENERATION_SHARDS SFT_ENABLED SFT_CONFIG REWARD_SOURCE
+# One loop per run directory: the lock is inherited by every stage process, so a stage left
+# running by a killed loop also keeps a second loop out until it ends.
+exec 9>"$RUN_DIR/.lock"
+flock -n 9 || { echo "run_loop.sh: $RUN_DIR is in use by another run_loop.sh (or a stage it left running); wait for it or stop it." >&2; exit 1; }
 say "run directory: $RUN_DIR ($ITERATIONS iterations, launch profile $LAUNCH_PROFILE)"
 
 CHILD=""

@@ -9,7 +9,6 @@ responses and every iteration has pairs."""
 
 import json
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -134,7 +133,9 @@ def test_kill_during_dpo_then_resume_matches_uninterrupted(full_run, tmp_path):
                 break
             assert proc.poll() is None, proc.stdout.read()[-3000:]
             time.sleep(0.2)
-        os.killpg(proc.pid, signal.SIGKILL)  # a crash: no clean-up code runs
+        # A crash: every process of the run (stages run in process groups of their own) dies at
+        # once and no clean-up code runs.
+        subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)], check=False)
     finally:
         proc.wait(timeout=60)
     assert not (it1 / "dpo.done").exists() and not (it1 / "model" / "config.json").exists()
@@ -164,3 +165,15 @@ def test_default_model_one_short_iteration(tmp_path):
     rows = read_jsonl(tmp_path / "default_short" / "metrics.jsonl")
     assert [r["iteration"] for r in rows] == [0, 1]
     assert all(0.0 <= r["eval_reward_mean"] <= 1.0 for r in rows)
+
+
+def test_second_loop_on_a_busy_run_dir_is_refused(tiny_policy, tmp_path):
+    import fcntl
+
+    args = ["configs/loop.yaml", f"policy={tiny_policy}", f"output_root={tmp_path}", "run_name=busy", *SMALL]
+    (tmp_path / "busy").mkdir()
+    with open(tmp_path / "busy" / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        p = _run_loop(args, timeout=300)
+    assert p.returncode == 1 and "in use by another run_loop.sh" in p.stderr
+    assert not (tmp_path / "busy" / "iter_0" / "eval_generate.done").exists()
