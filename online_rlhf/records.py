@@ -22,7 +22,13 @@ ROLES = ("system", "user", "assistant")
 _PROMPT_KEYS = ("id", "messages", "prompt")
 
 
-def _check_messages(messages: Any, where: str) -> list[dict]:
+def check_messages(messages: Any, where: str) -> list[dict]:
+    """Validate a ``[{role, content}, ...]`` list (roles system/user/assistant, string content).
+
+    Returns the messages reduced to ``role`` and ``content``.
+    Raises:
+        DataError: naming ``where`` and the bad message.
+    """
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: messages must be a non-empty list of {{role, content}}, got {messages!r:.80}.")
     out = []
@@ -56,11 +62,11 @@ def normalize_prompt_record(rec: dict, index: int, where: str, prompt_field: str
         messages = [{"role": "user", "content": text}]
         skip = {prompt_field}
     elif "messages" in rec and prompt_field != "prompt":
-        messages = _check_messages(rec["messages"], where)
+        messages = check_messages(rec["messages"], where)
         skip = {"messages"}
     elif "prompt" in rec:
         p = rec["prompt"]
-        messages = [{"role": "user", "content": p}] if isinstance(p, str) else _check_messages(p, where)
+        messages = [{"role": "user", "content": p}] if isinstance(p, str) else check_messages(p, where)
         skip = {"prompt"}
     else:
         raise DataError(
@@ -142,7 +148,7 @@ def validate_generated(rec: dict, where: str) -> None:
     for k in ("id", "prompt", "responses", "finish_reasons"):
         if k not in rec:
             raise DataError(f"{where}: generated record lacks {k!r}. Was it written by generation/generate.py?")
-    _check_messages(rec["prompt"], where)
+    check_messages(rec["prompt"], where)
     resp, fin = rec["responses"], rec["finish_reasons"]
     if not isinstance(resp, list) or not all(isinstance(r, str) for r in resp):
         raise DataError(f"{where}: 'responses' must be a list of strings.")
@@ -164,6 +170,6 @@ def validate_pair(rec: dict, where: str) -> None:
     for k in ("prompt", "chosen", "rejected"):
         if k not in rec:
             raise DataError(f"{where}: pair lacks {k!r}; expected {{prompt, chosen, rejected}} as message lists.")
-        _check_messages(rec[k], where)
+        check_messages(rec[k], where)
     if rec["chosen"] == rec["rejected"]:
         raise DataError(f"{where}: chosen == rejected; such a pair carries no preference.")

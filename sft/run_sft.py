@@ -51,7 +51,7 @@ import yaml
 from online_rlhf.config import ConfigError, run_main
 from online_rlhf.jsonl import DataError, iter_jsonl, read_json, write_json
 from online_rlhf.paths import PROJECT_ROOT, resolve_model, setup_cache_env
-from online_rlhf.records import ROLES, _check_messages
+from online_rlhf.records import ROLES, check_messages
 from online_rlhf.stage_configs import SFTStageConfig
 
 PLUGIN = "sft.axolotl_plugin.TrainLogPlugin"
@@ -93,7 +93,7 @@ def validate_sft_dataset(path: str | os.PathLike, field: str = "messages") -> in
         if field not in rec:
             raise DataError(f"{where}: no {field!r} column (columns: {', '.join(rec) or 'none'}). Each line must be "
                             f'{{"{field}": [{{"role": "user", "content": "..."}}, {{"role": "assistant", "content": "..."}}]}}.')
-        messages = _check_messages(rec[field], where)
+        messages = check_messages(rec[field], where)
         assistant = [j for j, m in enumerate(messages) if m["role"] == "assistant"]
         if not assistant:
             raise DataError(f"{where}: no assistant turn, so nothing to train on. Add the response as "
