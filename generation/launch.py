@@ -104,6 +104,9 @@ def shard_envs(num_shards: int, tensor_parallel_size: int, gpus: list[str] | Non
     return envs
 
 
+PROGRESS_EVERY_S = 10  # how often the last line of each running shard's log is echoed
+
+
 def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     try:
         text = path.read_text(encoding="utf-8", errors="replace").replace("\r", "\n")
@@ -147,12 +150,21 @@ def run_shards(cfg: GenerateConfig) -> None:
             procs.append((r, p, log_path))
             print(f"[launch] shard {r}/{w} started (pid {p.pid}) {envs[r] or ''} log: {log_path}", flush=True)
         t0 = time.perf_counter()
-        failed = []
-        for r, p, log_path in procs:
-            rc = p.wait()
-            print(f"[launch] shard {r}/{w} exited {rc} after {time.perf_counter() - t0:.0f} s", flush=True)
-            if rc != 0:
-                failed.append((r, rc, log_path))
+        failed, running = [], list(procs)
+        next_progress = PROGRESS_EVERY_S
+        while running:
+            time.sleep(1)
+            for item in list(running):
+                r, p, log_path = item
+                if p.poll() is not None:
+                    running.remove(item)
+                    print(f"[launch] shard {r}/{w} exited {p.returncode} after {time.perf_counter() - t0:.0f} s", flush=True)
+                    if p.returncode != 0:
+                        failed.append((r, p.returncode, log_path))
+            if running and time.perf_counter() - t0 >= next_progress:
+                next_progress += PROGRESS_EVERY_S
+                for r, _, log_path in running:  # the shard's progress bar (prompts done, tokens/s)
+                    print(f"[launch] shard {r}/{w}: {tail(log_path, 1)[-160:]}", flush=True)
     except BaseException:
         stop_all()
         raise
