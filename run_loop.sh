@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Online iterative RLHF, one line per stage (DESIGN.md):
+# Online iterative RLHF, one line per stage (README.md):
 #   [sft once] -> for i in 1..N: generate (vLLM) -> rewards -> pairs -> DPO -> held-out eval
 # The model of iteration i is the policy of iteration i+1.
 #
@@ -7,8 +7,12 @@
 #   CONFIG defaults to configs/loop.yaml (the embedded default: SmolLM2-135M + IFBench verifier).
 #   Rerunning the same command resumes at the first stage whose .done marker is missing or stale.
 #   --fresh (or fresh=true) deletes the run directory first.
+#   Relative paths you pass (CONFIG, train_prompts=, eval_prompts=, policy=, sft.dataset=,
+#   reward.reward_model=, output_root=) are taken from where you run the command; without
+#   output_root=, runs go to this project's runs/.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+CALLER_PWD="$PWD"
 cd "$ROOT"
 
 CONFIG="configs/loop.yaml"
@@ -17,9 +21,17 @@ OVERRIDES=()
 for arg in "$@"; do
   case "$arg" in
     --fresh|fresh=true) FRESH=1 ;;
-    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
-    *=*) OVERRIDES+=("$arg") ;;
-    *) CONFIG="$arg" ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | grep '^#' | cut -c3-; exit 0 ;;
+    --*) echo "run_loop.sh: unknown option '$arg' (rerunning the same command resumes; --fresh starts over)" >&2; exit 2 ;;
+    *=*)
+      key="${arg%%=*}" val="${arg#*=}"
+      case "$key" in
+        train_prompts|eval_prompts|policy|sft.dataset|reward.reward_model)
+          [[ "$val" != /* && -e "$CALLER_PWD/$val" ]] && arg="$key=$CALLER_PWD/$val" ;;
+        output_root) [[ "$val" != /* ]] && arg="$key=$CALLER_PWD/$val" ;;
+      esac
+      OVERRIDES+=("$arg") ;;
+    *) CONFIG="$arg"; [[ "$CONFIG" != /* && -f "$CALLER_PWD/$CONFIG" ]] && CONFIG="$CALLER_PWD/$CONFIG" ;;
   esac
 done
 [[ -f "$CONFIG" ]] || { echo "run_loop.sh: config file '$CONFIG' not found" >&2; exit 2; }
@@ -55,7 +67,8 @@ flock -n 9 || { echo "run_loop.sh: $RUN_DIR is in use by another run_loop.sh (or
 say "run directory: $RUN_DIR ($ITERATIONS iterations, launch profile $LAUNCH_PROFILE)"
 
 CHILD=""
-trap 'say "interrupted; rerun the same command to resume"; [[ -n "$CHILD" ]] && kill -TERM -- -"$CHILD" 2>/dev/null; exit 130' INT TERM
+RESUME_HINT="rerun the same command to resume"; [[ "$FRESH" == 1 ]] && RESUME_HINT="rerun it without --fresh to resume"
+trap 'say "interrupted; $RESUME_HINT"; [[ -n "$CHILD" ]] && kill -TERM -- -"$CHILD" 2>/dev/null; exit 130' INT TERM
 
 # run_stage ITER STAGE ENV COMMAND...: skip when done and fresh; else run with a log and a live status line.
 run_stage() {
@@ -79,6 +92,9 @@ run_stage() {
   if [[ $rc -ne 0 ]]; then
     say "FAILED: iteration $i · stage $stage (exit $rc). Log: $log"
     tail -n 25 "$log" | sed 's/^/    | /' >&2
+    if grep -q '^error: ' "$log"; then   # the stage's own one-line reason, below any launcher traceback
+      say "reason: $(grep '^error: ' "$log" | tail -n 1 | cut -c8-)"
+    fi
     exit 1
   fi
   "$TRAIN" -m online_rlhf.loop mark "$RUN_DIR" "$i" "$stage" "$((SECONDS - start))"

@@ -190,10 +190,19 @@ class StageConfig(BaseModel):
 
     @classmethod
     def help_text(cls) -> str:
+        prog = os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0] else "stage.py"
         lines = [f"{cls.__name__}: {(cls.__doc__ or '').strip().splitlines()[0] if cls.__doc__ else ''}",
-                 "usage: [--config FILE] [key=value ...]", "", "keys:"]
+                 f"usage: {prog} [--config FILE] [key=value ...]", "", "keys:"]
         for name, f in cls.model_fields.items():
-            default = "required" if f.is_required() else f"default {f.default!r}"
+            if f.is_required():
+                default = "required"
+            elif f.default_factory is not None:
+                default = f"default {f.default_factory()!r}"
+            else:
+                default = f"default {f.default!r}"
+            ann = getattr(f.annotation, "__args__", None)
+            if ann and all(isinstance(a, str) for a in ann):  # Literal choices
+                default += f"; one of {', '.join(ann)}"
             lines.append(f"  {name} ({default}): {f.description or ''}")
         return "\n".join(lines)
 

@@ -74,8 +74,41 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
         for stage, (_, cls) in STAGES.items():
             if i == 0 and not stage.startswith("eval"):
                 continue
-            cls.from_dict(stage_dict(cfg, Path("/dry-run"), i, stage), f"{src}, iteration {i}, stage {stage}")
+            d = stage_dict(cfg, Path("/dry-run"), i, stage)
+            cls.from_dict(d, f"{src}, iteration {i}, stage {stage}")
+            if stage == "dpo":
+                check_dpo_training(d["training"], f"{src}, iteration {i}, dpo.training")
     return cfg
+
+
+def check_dpo_training(training: dict, where: str) -> None:
+    """Check ``dpo.training`` keys (and number types) against ``trl.DPOConfig`` before any stage
+    runs, so a typo fails at start-up, not after generation. Skipped where TRL is not installed.
+
+    Raises:
+        ConfigError: unknown key (with the closest field) or a non-number for a number field.
+    """
+    import contextlib
+    import io
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # bitsandbytes' import-time notice on CPU
+            from trl import DPOConfig
+    except ImportError:
+        return
+    import dataclasses
+    import difflib
+
+    fields = {f.name: f for f in dataclasses.fields(DPOConfig)}
+    for key, value in training.items():
+        if key not in fields:
+            close = difflib.get_close_matches(key, list(fields), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"{where}: unknown trl.DPOConfig key {key!r}.{hint}")
+        ftype = str(fields[key].type)
+        if ftype in ("float", "int", "<class 'float'>", "<class 'int'>") and (
+                isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ConfigError(f"{where}: {key} must be a number, got {value!r}.")
 
 
 def sft_dict(cfg: LoopConfig, run_dir: Path) -> dict:
@@ -175,6 +208,9 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
         f.write(f"# resolved from {config_path or 'defaults'} {' '.join(overrides)}\n")
         f.write(cfg.to_yaml())
     train_sets: dict[str, list[dict]] = {}  # prompt source -> rows (a source may change per iteration)
+    warnings: list[str] = []
+    eval_ids = _eval_ids(cfg)
+    seen_train: dict[str, int] = {}  # train prompt id -> first iteration that used it
     for i in range(0, cfg.iterations + 1):
         it = run_dir / f"iter_{i}"
         c = iteration_config(cfg, i)
@@ -200,6 +236,7 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
 
                 train_sets[src] = load_prompts(src, prompt_field=c.prompt_field)
             _write_prompt_slice(it / "prompts.jsonl", train_sets[src], c, i)
+            warnings += _overlap_warnings(it / "prompts.jsonl", i, eval_ids, seen_train)
         write_json(it / "plan.json", entries)
     shell = {
         "RUN_DIR": str(run_dir), "ITERATIONS": cfg.iterations, "LAUNCH_PROFILE": cfg.launch_profile,
@@ -207,9 +244,43 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
         "SFT_ENABLED": int(bool(cfg.sft.get("enabled"))), "SFT_CONFIG": cfg.sft.get("config", "configs/sft.yaml"),
         "REWARD_SOURCE": cfg.reward.get("source", "verifier"), "POLICY": cfg.policy,
     }
+    for w in warnings:
+        print(f"WARNING: {w}", file=sys.stderr)
+    write_json(run_dir / "plan_warnings.json", warnings)
     for k, v in shell.items():
         print(f"{k}={shlex.quote(str(v))}")
     return run_dir
+
+
+def _eval_ids(cfg: LoopConfig) -> set[str]:
+    from .records import load_prompts
+
+    rows = load_prompts(_prompt_source(cfg.eval_prompts, "eval"), split=cfg.evaluation.get("prompt_split", "train"),
+                        prompt_field=cfg.prompt_field, limit=cfg.eval_limit)
+    return {_prompt_key(r) for r in rows}
+
+
+def _prompt_key(rec: dict) -> str:
+    """Identity of a prompt for overlap checks: its text (ids of two files need not agree)."""
+    return json.dumps(rec["prompt"], sort_keys=True, ensure_ascii=False)
+
+
+def _overlap_warnings(prompts_file: Path, i: int, eval_keys: set[str], seen: dict[str, int]) -> list[str]:
+    out = []
+    rows = read_jsonl(prompts_file)
+    keys = [_prompt_key(r) for r in rows]
+    held = sum(k in eval_keys for k in keys)
+    if held:
+        out.append(f"iteration {i}: {held} of {len(rows)} train prompts are also held-out prompts; the held-out "
+                   "reward then measures training prompts. Use disjoint train_prompts / eval_prompts.")
+    again = sorted({seen[k] for k in keys if k in seen})
+    if again:
+        n = sum(k in seen for k in keys)
+        out.append(f"iteration {i}: {n} of {len(rows)} train prompts were already used in iteration(s) "
+                   f"{', '.join(map(str, again))} (the train set is smaller than iterations x prompts_per_iteration).")
+    for k in keys:
+        seen.setdefault(k, i)
+    return out
 
 
 def _write_if_changed(path: Path, text: str) -> None:

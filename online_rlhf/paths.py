@@ -50,4 +50,14 @@ def resolve_model(name: str) -> str:
                 f"the default policy is not prepared at {d}. Run: .venv-train/bin/python scripts/prepare_default.py"
             )
         return str(d)
+    if looks_like_path(name) and not Path(name).exists():
+        raise FileNotFoundError(
+            f"model {name!r}: no such directory. Give an existing checkpoint directory, an HF Hub id "
+            "(namespace/name), or 'default'."
+        )
     return name
+
+
+def looks_like_path(name: str) -> bool:
+    """True for strings that can only be local paths: absolute, ./ or ../, ~, or 2+ slashes."""
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") >= 2 or os.sep + os.sep in name

@@ -53,7 +53,8 @@ def normalize_prompt_record(rec: dict, index: int, where: str, prompt_field: str
     Raises:
         DataError: no prompt column, a bad message list, or an empty prompt; names ``where``.
     """
-    if prompt_field and prompt_field not in ("messages", "prompt"):
+    if prompt_field and prompt_field not in ("messages", "prompt") and (
+            prompt_field in rec or not ("messages" in rec or "prompt" in rec)):
         if prompt_field not in rec:
             raise DataError(f"{where}: no column {prompt_field!r} (prompt_field). Columns: {', '.join(rec)}.")
         text = rec[prompt_field]

@@ -60,7 +60,9 @@ class RewardModel:
         import torch
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-        self.path = str(path)
+        from .paths import resolve_model
+
+        self.path = resolve_model(str(path))  # a missing local dir is a clear FileNotFoundError
         config = AutoConfig.from_pretrained(self.path)
         archs = list(getattr(config, "architectures", None) or [])
         if archs and not any(a.endswith("ForSequenceClassification") for a in archs):

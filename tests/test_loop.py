@@ -178,3 +178,21 @@ def test_copied_run_dir_keeps_its_done_markers(small_cfg, tmp_path):
     moved = [a if not a.startswith("output_root=") else f"output_root={copy.parent}" for a in small_cfg]
     assert loop.plan(None, moved) == copy
     assert loop.check(copy, 1, "rewards")
+
+
+def test_dpo_training_typo_fails_at_start(small_cfg):
+    pytest.importorskip("trl")
+    with pytest.raises(ConfigError, match=r"unknown trl.DPOConfig key 'bta'.*'beta'"):
+        loop.resolve(None, small_cfg + ["dpo.training.bta=0.05"])
+    with pytest.raises(ConfigError, match="beta must be a number"):
+        loop.resolve(None, small_cfg + ["dpo.training.beta=abc"])
+
+
+def test_plan_warns_on_train_eval_overlap_and_reuse(tmp_path, capsys):
+    same = _prompts(tmp_path / "same.jsonl", 6)
+    run_dir = loop.plan(None, [f"train_prompts={same}", f"eval_prompts={same}", f"output_root={tmp_path / 'r'}",
+                               "run_name=o", "policy=/m", "iterations=3", "prompts_per_iteration=4"])
+    warnings = read_json(run_dir / "plan_warnings.json")
+    assert any("also held-out prompts" in w for w in warnings)
+    assert any("iteration 2" in w and "already used in iteration(s) 1" in w for w in warnings)
+    assert "WARNING" in capsys.readouterr().err

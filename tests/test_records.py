@@ -84,3 +84,17 @@ def test_validate_pair_refuses_identical():
     m = [{"role": "assistant", "content": "same"}]
     with pytest.raises(DataError, match="chosen == rejected"):
         validate_pair({"prompt": [{"role": "user", "content": "q"}], "chosen": m, "rejected": m}, "p:1")
+
+
+def test_prompt_field_only_applies_to_sets_without_prompt_columns(tmp_path):
+    p = _write(tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    (r,) = load_prompts(p, prompt_field="question")
+    assert r["prompt"] == [{"role": "user", "content": "hi"}]
+
+
+def test_missing_local_model_dir_is_a_clear_error(tmp_path):
+    from online_rlhf.paths import resolve_model
+
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        resolve_model(str(tmp_path / "nope_model"))
+    assert resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
