@@ -62,6 +62,7 @@ def test_empty_dataset_is_refused(tmp_path):
 def test_cli_stops_on_bad_row_before_axolotl_runs(tmp_path):
     data = _write(tmp_path / "sft.jsonl", [GOOD, {"messages": [{"role": "user", "content": "only a question"}]}])
     out = tmp_path / "sft" / "model"
+    (tmp_path / "no-model-needed").mkdir()  # exists, holds no model: the data check must come first
     r = subprocess.run([sys.executable, str(ROOT / "sft/run_sft.py"), "--config", str(ROOT / "configs/sft.yaml"),
                         f"base_model={tmp_path / 'no-model-needed'}", f"dataset={data}", f"output_dir={out}"],
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
