@@ -59,7 +59,7 @@ if [[ "$FRESH" == 1 ]]; then
   rm -rf -- "$RUN_DIR_OLD"
 fi
 PLAN="$("$TRAIN" -m online_rlhf.loop plan "$CONFIG" "${OVERRIDES[@]}")"
-eval "$PLAN"    # RUN_DIR ITERATIONS LAUNCH_PROFILE NUM_PROCESSES GENERATION_SHARDS SFT_ENABLED SFT_CONFIG REWARD_SOURCE
+eval "$PLAN"    # RUN_DIR ITERATIONS LAUNCH_PROFILE NUM_PROCESSES GENERATION_SHARDS SFT_ENABLED REWARD_SOURCE
 # One loop per run directory: the lock is inherited by every stage process, so a stage left
 # running by a killed loop also keeps a second loop out until it ends.
 exec 9>"$RUN_DIR/.lock"

@@ -235,14 +235,13 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
                 from .records import load_prompts
 
                 train_sets[src] = load_prompts(src, prompt_field=c.prompt_field)
-            _write_prompt_slice(it / "prompts.jsonl", train_sets[src], c, i)
-            warnings += _overlap_warnings(it / "prompts.jsonl", i, eval_ids, seen_train)
+            rows = _write_prompt_slice(it / "prompts.jsonl", train_sets[src], c, i)
+            warnings += _overlap_warnings(rows, i, eval_ids, seen_train)
         write_json(it / "plan.json", entries)
     shell = {
         "RUN_DIR": str(run_dir), "ITERATIONS": cfg.iterations, "LAUNCH_PROFILE": cfg.launch_profile,
         "NUM_PROCESSES": cfg.num_processes, "GENERATION_SHARDS": cfg.generation_shards,
-        "SFT_ENABLED": int(bool(cfg.sft.get("enabled"))), "SFT_CONFIG": cfg.sft.get("config", "configs/sft.yaml"),
-        "REWARD_SOURCE": cfg.reward.get("source", "verifier"), "POLICY": cfg.policy,
+        "SFT_ENABLED": int(bool(cfg.sft.get("enabled"))), "REWARD_SOURCE": cfg.reward.get("source", "verifier"),
     }
     for w in warnings:
         print(f"WARNING: {w}", file=sys.stderr)
@@ -265,9 +264,8 @@ def _prompt_key(rec: dict) -> str:
     return json.dumps(rec["prompt"], sort_keys=True, ensure_ascii=False)
 
 
-def _overlap_warnings(prompts_file: Path, i: int, eval_keys: set[str], seen: dict[str, int]) -> list[str]:
+def _overlap_warnings(rows: list[dict], i: int, eval_keys: set[str], seen: dict[str, int]) -> list[str]:
     out = []
-    rows = read_jsonl(prompts_file)
     keys = [_prompt_key(r) for r in rows]
     held = sum(k in eval_keys for k in keys)
     if held:
@@ -290,7 +288,7 @@ def _write_if_changed(path: Path, text: str) -> None:
         f.write(text)
 
 
-def _write_prompt_slice(path: Path, train: list[dict], c: LoopConfig, i: int) -> None:
+def _write_prompt_slice(path: Path, train: list[dict], c: LoopConfig, i: int) -> list[dict]:
     """Iteration i's train prompts: slice i of ``prompts_per_iteration`` (wrapping), else the first ``train_limit``."""
     n = c.prompts_per_iteration
     if n:
@@ -300,6 +298,7 @@ def _write_prompt_slice(path: Path, train: list[dict], c: LoopConfig, i: int) ->
         rows = train[: c.train_limit] if c.train_limit else train
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
     _write_if_changed(path, text)
+    return rows
 
 
 def _stage_entry(run_dir: Path, i: int, stage: str) -> dict:
