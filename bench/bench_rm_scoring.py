@@ -1,11 +1,19 @@
 """Reward model scoring throughput: sorted-length batches vs one input at a time (RLHFlow's way).
 
-    .venv-train/bin/python bench/bench_rm_scoring.py [--prompts 32] [--k 4] [--batch-size 16] [--max-length 1024] [--repeats 2]
+    .venv-train/bin/python bench/bench_rm_scoring.py [--prompts 32] [--k 4] [--batch-size 16]
+        [--max-length 1024] [--repeats 2] [--dtype auto|float32|bfloat16]
 
-Same reward model, same (prompt, response) items, one run: scores every item with
-``RewardModel.score(batch_size=B)`` and with ``batch_size=1`` (RLHFlow's annotate script runs its
-reward pipeline with batch_size 1), prints items ("pairs") per second of each and the ratio, and
-the largest difference between the two sets of scores.
+Same reward model, same (prompt, response) items, same dtype and device, one run. Three modes:
+
+- ``batched``: ``RewardModel.score(batch_size=B)`` (this project: length-sorted batches);
+- ``one-by-one``: the same code with ``batch_size=1``;
+- ``pipeline``: RLHFlow's annotation recipe, a transformers ``text-classification`` pipeline
+  called with ``batch_size=1`` on chat-template text whose BOS string was removed.
+
+Prints items ("pairs") per second of each, the ratio of batched to the pipeline (the target:
+>= 4x) and to one-by-one, and the largest score difference between the modes. Batched and
+one-by-one agree to float tolerance. The pipeline's scores differ whenever the BOS string also
+marks turns: SmolLM2's BOS is ``<|im_start|>``, so stripping it deletes every role header.
 
 Reward model: the default policy's backbone (``.cache/models/SmolLM2-135M-Instruct``, 135M
 parameters) with a fresh one-label score head, saved to a temp dir first; a random 2-layer Llama
@@ -72,6 +80,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--max-length", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=2, help="alternating runs of each mode; the best time counts")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="auto: bf16 on GPU, fp32 on CPU (RewardModel's rule); all modes use the same")
     args = ap.parse_args()
 
     import torch
@@ -81,32 +91,66 @@ def main() -> None:
 
     setup_cache_env()
     prompts, responses = build_items(args.prompts, args.k)
-    with tempfile.TemporaryDirectory() as tmp:
-        what = build_reward_model(Path(tmp) / "rm")
-        rm = RewardModel(str(Path(tmp) / "rm"), dtype="auto", max_length=args.max_length)
+    tmp = tempfile.TemporaryDirectory()
+    rm_dir = Path(tmp.name) / "rm"
+    what = build_reward_model(rm_dir)
+    rm = RewardModel(str(rm_dir), dtype=args.dtype, max_length=args.max_length)
+    pipe_score = pipeline_scorer(rm_dir, rm.dtype, rm.device, args.max_length)
     lengths = [len(rm.encode(p, r)[0]) for p, r in zip(prompts, responses)]
     print(f"reward model: {what}; {rm.device} {str(rm.dtype).replace('torch.', '')}, torch threads {torch.get_num_threads()}")
     print(f"items: {len(responses)} (prompt, response) pairs, {min(lengths)}-{max(lengths)} tokens "
           f"(mean {sum(lengths) / len(lengths):.0f})")
 
+    modes = {
+        f"batched (B={args.batch_size})": lambda: rm.score(prompts, responses, batch_size=args.batch_size)[0],
+        "one-by-one (B=1)": lambda: rm.score(prompts, responses, batch_size=1)[0],
+        "pipeline (RLHFlow, B=1)": lambda: pipe_score(prompts, responses),
+    }
     rm.score(prompts[:2], responses[:2], batch_size=2)  # warm-up
-    results = {}
-    # Alternate the two modes --repeats times and keep each one's best time, so that load from other
+    pipe_score(prompts[:2], responses[:2])
+    best: dict[str, tuple[list[float], float]] = {}
+    # Alternate the modes --repeats times and keep each one's best time, so that load from other
     # processes on a shared machine does not favour whichever ran first.
     for rep in range(args.repeats):
-        for bs in (args.batch_size, 1):
+        for name, run in modes.items():
             t0 = time.perf_counter()
-            scores, _ = rm.score(prompts, responses, batch_size=bs)
+            scores = run()
             dt = time.perf_counter() - t0
-            if bs not in results or dt < results[bs][1]:
-                results[bs] = (scores, dt)
-            print(f"run {rep + 1} batch_size={bs:>3}: {dt:7.2f} s, {len(responses) / dt:7.2f} pairs/s", flush=True)
-    results = {bs: (sc, len(responses) / dt) for bs, (sc, dt) in results.items()}
-    for bs in (args.batch_size, 1):
-        print(f"best batch_size={bs:>3}: {results[bs][1]:7.2f} pairs/s")
-    diff = max(abs(a - b) for a, b in zip(results[args.batch_size][0], results[1][0]))
-    ratio = results[args.batch_size][1] / results[1][1]
-    print(f"speed-up batched/one-at-a-time: {ratio:.2f}x (target >= 4x); max |score difference| {diff:.2e}")
+            if name not in best or dt < best[name][1]:
+                best[name] = (scores, dt)
+            print(f"run {rep + 1} {name:<24} {dt:7.2f} s, {len(responses) / dt:7.2f} pairs/s", flush=True)
+    rate = {name: len(responses) / dt for name, (_, dt) in best.items()}
+    for name in modes:
+        print(f"best {name:<24} {rate[name]:7.2f} pairs/s")
+    batched, one, pipe = list(modes)
+    for other in (one, pipe):
+        diff = max(abs(a - b) for a, b in zip(best[batched][0], best[other][0]))
+        print(f"max |score difference| batched vs {other}: {diff:.2e}")
+    if pipe_score.strips_turn_markers:
+        print("(the pipeline's text lost every chat role header with its BOS string, hence its other scores)")
+    print(f"speed-up batched / pipeline (RLHFlow): {rate[batched] / rate[pipe]:.2f}x (target >= 4x); "
+          f"batched / one-by-one: {rate[batched] / rate[one]:.2f}x")
+    tmp.cleanup()
+
+
+def pipeline_scorer(rm_dir: Path, dtype, device, max_length: int):
+    """RLHFlow's way: a text-classification pipeline, batch size 1, on template text without BOS."""
+    from transformers import AutoTokenizer, pipeline
+
+    tok = AutoTokenizer.from_pretrained(rm_dir)
+    pipe = pipeline("text-classification", model=str(rm_dir), tokenizer=tok, device=device, dtype=dtype)
+
+    def score(prompts: list[list[dict]], responses: list[str]) -> list[float]:
+        texts = [tok.apply_chat_template(p + [{"role": "assistant", "content": r}], tokenize=False)
+                 for p, r in zip(prompts, responses)]
+        if tok.bos_token:
+            texts = [t.replace(tok.bos_token, "") for t in texts]
+        out = pipe(texts, top_k=None, function_to_apply="none", batch_size=1, truncation=True, max_length=max_length)
+        return [o[0]["score"] for o in out]
+
+    score.strips_turn_markers = bool(tok.bos_token) and tok.apply_chat_template(
+        [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], tokenize=False).count(tok.bos_token) > 1
+    return score
 
 
 if __name__ == "__main__":
