@@ -235,7 +235,7 @@ def render(b: dict) -> str:
     """The breakdown as a text table."""
     out = [f"iteration {b['iteration']} of {b['run_dir']}: {b['total_s']:.0f} s "
            f"(training part generate->dpo {b['training_s']:.0f} s, evaluation {b['seconds']['evaluation']:.0f} s)",
-           f"  stage markers: " + ", ".join(f"{k} {v:.0f}" for k, v in b["stage_seconds"].items()), "",
+           "  stage markers: " + ", ".join(f"{k} {v:.0f}" for k, v in b["stage_seconds"].items()), "",
            f"  {'':40s}{'seconds':>9s}{'share':>8s}"]
     for k, label in CATEGORIES.items():
         tag = "  work" if k in WORK else ""

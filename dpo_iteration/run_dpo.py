@@ -32,9 +32,7 @@ response token.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import gc
-import json
 import os
 import shutil
 import sys
@@ -45,17 +43,14 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the shared package importable from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from online_rlhf.config import ConfigError, run_main
+from online_rlhf.config import ConfigError, did_you_mean, run_main
 from online_rlhf.jsonl import DataError, iter_jsonl, write_json, write_jsonl
 from online_rlhf.paths import resolve_model, setup_cache_env
 from online_rlhf.records import validate_pair
 from online_rlhf.stage_configs import DPOStageConfig
+from online_rlhf.trl_args import check_dpo_training
 
 # training keys the stage sets itself: the value would be overwritten or conflict.
-_STAGE_OWNED = {
-    "output_dir": "set the stage's output_dir instead (training runs in <output_dir>.work, saves via <output_dir>.tmp)",
-    "model_init_kwargs": "the stage loads the models itself; use torch_dtype / attn_implementation",
-}
 _HALF = {"float16", "bfloat16"}
 # config.json keys put back from the input policy before saving (the Trainer may change them,
 # e.g. use_cache=False under gradient checkpointing).
@@ -65,13 +60,6 @@ _MAX_EXAMPLES = 5  # dropped-record examples kept per reason in the stats
 
 def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _unknown_key_error(kind: str, key: str, known: list[str], where: str) -> ConfigError:
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    return ConfigError(f"{where}: unknown {kind} key {key!r}.{hint} See the {kind} fields "
-                       f"(e.g. python -c 'import {kind.split('.')[0]}; help({kind})').")
 
 
 def training_defaults(on_gpu: bool, world_size: int) -> dict:
@@ -93,42 +81,11 @@ def training_defaults(on_gpu: bool, world_size: int) -> dict:
     return d
 
 
-def check_training_keys(training: dict) -> dict:
-    """Check ``training`` against the ``trl.DPOConfig`` fields; return it with numbers coerced.
-
-    YAML 1.1 reads ``1e-3`` (no dot) as a string; for a float field such a string is turned into
-    the float it spells, so ``training.learning_rate=1e-3`` means what it says.
-
-    Raises:
-        ConfigError: a key that is not a DPOConfig field (with the closest field name), a key the
-        stage sets itself, or a float field given text that is not a number.
-    """
-    from trl import DPOConfig
-
-    fields = {f.name: f for f in dataclasses.fields(DPOConfig) if f.init}
-    out = {}
-    for key, value in training.items():
-        if key in _STAGE_OWNED:
-            raise ConfigError(f"training.{key}: {_STAGE_OWNED[key]}.")
-        if key not in fields:
-            raise _unknown_key_error("trl.DPOConfig", key, sorted(fields), f"training.{key}")
-        if "float" in str(fields[key].type):
-            try:
-                if isinstance(value, str):
-                    value = float(value)
-                elif isinstance(value, list):
-                    value = [float(v) if isinstance(v, str) else v for v in value]
-            except ValueError:
-                raise ConfigError(f"training.{key}: expected a number, got {value!r}.") from None
-        out[key] = value
-    return out
-
-
 def build_dpo_args(cfg: DPOStageConfig, work_dir: Path, on_gpu: bool):
     """``trl.DPOConfig`` from the stage defaults + ``cfg.training``; invalid values raise ConfigError."""
     from trl import DPOConfig
 
-    kw = {**training_defaults(on_gpu, _world_size()), **check_training_keys(cfg.training)}
+    kw = {**training_defaults(on_gpu, _world_size()), **check_dpo_training(cfg.training)}
     report_to = kw.get("report_to")
     if report_to == "wandb" or (isinstance(report_to, list) and "wandb" in report_to) or report_to == "all":
         os.environ.setdefault("WANDB_MODE", "offline")  # never block on a network we may not have
@@ -147,7 +104,8 @@ def build_lora_config(lora: dict | None):
     known = sorted(f.name for f in dataclasses.fields(LoraConfig) if f.init)
     for key in lora:
         if key not in known:
-            raise _unknown_key_error("peft.LoraConfig", key, known, f"lora.{key}")
+            raise ConfigError(f"lora.{key}: unknown peft.LoraConfig key {key!r}.{did_you_mean(key, known)} "
+                              "See the fields with: python -c 'import peft; help(peft.LoraConfig)'.")
     try:
         return LoraConfig(**{"task_type": "CAUSAL_LM", **lora})
     except (ValueError, TypeError) as e:

@@ -115,6 +115,12 @@ def load_yaml(path: str | os.PathLike) -> dict:
     return data
 
 
+def did_you_mean(key: str, known) -> str:
+    """`` Did you mean 'x'?`` for the closest of ``known`` to ``key`` (difflib), or ``""``."""
+    close = difflib.get_close_matches(str(key), sorted(known), n=1)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
 def format_validation_error(err: ValidationError, cls: type[BaseModel], source: str) -> str:
     """Turn pydantic's error into lines that name the key, what is wrong and the fix."""
     lines = [f"invalid config for {cls.__name__} (from {source}):"]
@@ -128,9 +134,7 @@ def format_validation_error(err: ValidationError, cls: type[BaseModel], source: 
                 ann = getattr(f, "annotation", None) if f else None
                 model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else model
             known = sorted(model.model_fields)
-            close = difflib.get_close_matches(str(e["loc"][-1]), known, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            lines.append(f"  - unknown key {key!r}.{hint} Known keys: {', '.join(known)}.")
+            lines.append(f"  - unknown key {key!r}.{did_you_mean(e['loc'][-1], known)} Known keys: {', '.join(known)}.")
         else:
             got = e.get("input")
             got_s = repr(got) if not isinstance(got, (dict, list)) or len(repr(got)) < 80 else type(got).__name__

@@ -20,6 +20,7 @@ import os
 import shlex
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from .jsonl import DataError, read_json, read_jsonl, write_json, write_jsonl, at
 from .paths import PROJECT_ROOT, default_data_dir, default_model_dir, setup_cache_env
 from .rundir import fingerprint, is_done, mark_done
 from .stage_configs import DPOStageConfig, GenerateConfig, LoopConfig, PairsConfig, RewardConfig, SFTStageConfig
+from .trl_args import check_dpo_training
 
 # Stage name -> (env, config class). The order is the order of one iteration.
 STAGES = {
@@ -77,38 +79,8 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
             d = stage_dict(cfg, Path("/dry-run"), i, stage)
             cls.from_dict(d, f"{src}, iteration {i}, stage {stage}")
             if stage == "dpo":
-                check_dpo_training(d["training"], f"{src}, iteration {i}, dpo.training")
+                check_dpo_training(d["training"], f"{src}, iteration {i}: dpo.training")
     return cfg
-
-
-def check_dpo_training(training: dict, where: str) -> None:
-    """Check ``dpo.training`` keys (and number types) against ``trl.DPOConfig`` before any stage
-    runs, so a typo fails at start-up, not after generation. Skipped where TRL is not installed.
-
-    Raises:
-        ConfigError: unknown key (with the closest field) or a non-number for a number field.
-    """
-    import contextlib
-    import io
-
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):  # bitsandbytes' import-time notice on CPU
-            from trl import DPOConfig
-    except ImportError:
-        return
-    import dataclasses
-    import difflib
-
-    fields = {f.name: f for f in dataclasses.fields(DPOConfig)}
-    for key, value in training.items():
-        if key not in fields:
-            close = difflib.get_close_matches(key, list(fields), n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"{where}: unknown trl.DPOConfig key {key!r}.{hint}")
-        ftype = str(fields[key].type)
-        if ftype in ("float", "int", "<class 'float'>", "<class 'int'>") and (
-                isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ConfigError(f"{where}: {key} must be a number, got {value!r}.")
 
 
 def sft_dict(cfg: LoopConfig, run_dir: Path) -> dict:
@@ -204,9 +176,7 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
     cfg = resolve(config_path, overrides)
     run_dir = Path(cfg.output_root) / cfg.run_name
     run_dir = run_dir.resolve()
-    with atomic_open(run_dir / "config.yaml") as f:
-        f.write(f"# resolved from {config_path or 'defaults'} {' '.join(overrides)}\n")
-        f.write(cfg.to_yaml())
+    _write_run_config(run_dir, cfg.to_yaml(), f"# resolved from {config_path or 'defaults'} {' '.join(overrides)}\n")
     train_sets: dict[str, list[dict]] = {}  # prompt source -> rows (a source may change per iteration)
     warnings: list[str] = []
     eval_ids = _eval_ids(cfg)
@@ -249,6 +219,27 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
     for k, v in shell.items():
         print(f"{k}={shlex.quote(str(v))}")
     return run_dir
+
+
+def _write_run_config(run_dir: Path, body: str, header: str) -> None:
+    """Write ``<run>/config.yaml``; when a rerun resolves to a different config, the previous file
+    is kept as ``config_history/config.<UTC time of its write>.yaml`` first, so every config that
+    produced a finished stage stays on record."""
+    path = run_dir / "config.yaml"
+    if path.is_file() and path.read_text(encoding="utf-8").split("\n", 1)[-1] != body:
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(path.stat().st_mtime))
+        kept = run_dir / "config_history" / f"config.{stamp}.yaml"
+        n = 1
+        while kept.exists():
+            n += 1
+            kept = kept.with_name(f"config.{stamp}.{n}.yaml")
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, kept)
+        print(f"note: the resolved config differs from the last run's; the previous one is kept as "
+              f"{kept.relative_to(run_dir)}", file=sys.stderr)
+    with atomic_open(path) as f:
+        f.write(header)
+        f.write(body)
 
 
 def _eval_ids(cfg: LoopConfig) -> set[str]:

@@ -32,7 +32,6 @@ Order of work (top to bottom in :func:`main`):
 
 from __future__ import annotations
 
-import difflib
 import fnmatch
 import os
 import re
@@ -48,7 +47,7 @@ if __package__ in (None, ""):  # run as a script: make the shared package import
 
 import yaml
 
-from online_rlhf.config import ConfigError, run_main
+from online_rlhf.config import ConfigError, did_you_mean, run_main
 from online_rlhf.jsonl import DataError, iter_jsonl, read_json, write_json
 from online_rlhf.paths import PROJECT_ROOT, resolve_model, setup_cache_env
 from online_rlhf.records import ROLES, check_messages
@@ -149,8 +148,8 @@ def check_axolotl_keys(keys: dict) -> None:
     if bad:
         hints = []
         for k in bad:
-            close = difflib.get_close_matches(k, sorted(known), n=1)
-            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            hint = did_you_mean(k, known).strip()
+            hints.append(f"{k!r}" + (f" ({hint})" if hint else ""))
         raise ConfigError(f"unknown Axolotl config key(s): {', '.join(hints)}. Axolotl 0.19 would ignore them; "
                           "see https://docs.axolotl.ai/docs/config-reference.html")
 

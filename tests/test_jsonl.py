@@ -1,6 +1,5 @@
 """Atomic JSONL writes and line-numbered read errors."""
 
-import json
 import os
 
 import pytest

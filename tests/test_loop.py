@@ -1,7 +1,6 @@
 """The loop's bookkeeping: config resolution (dry validation), plan, freshness markers, metrics, report."""
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
@@ -184,7 +183,7 @@ def test_dpo_training_typo_fails_at_start(small_cfg):
     pytest.importorskip("trl")
     with pytest.raises(ConfigError, match=r"unknown trl.DPOConfig key 'bta'.*'beta'"):
         loop.resolve(None, small_cfg + ["dpo.training.bta=0.05"])
-    with pytest.raises(ConfigError, match="beta must be a number"):
+    with pytest.raises(ConfigError, match=r"dpo\.training\.beta: expected a number"):
         loop.resolve(None, small_cfg + ["dpo.training.beta=abc"])
 
 
@@ -196,3 +195,43 @@ def test_plan_warns_on_train_eval_overlap_and_reuse(tmp_path, capsys):
     assert any("also held-out prompts" in w for w in warnings)
     assert any("iteration 2" in w and "already used in iteration(s) 1" in w for w in warnings)
     assert "WARNING" in capsys.readouterr().err
+
+
+def test_rerun_with_changed_config_keeps_the_previous_one(small_cfg, capsys):
+    run = loop.plan(None, small_cfg)
+    first = (run / "config.yaml").read_text()
+    loop.plan(None, small_cfg)  # same config: nothing kept
+    assert not (run / "config_history").exists()
+    loop.plan(None, small_cfg + ["dpo.training.beta=0.3"])
+    kept = list((run / "config_history").iterdir())
+    assert len(kept) == 1 and kept[0].read_text() == first
+    assert "beta: 0.3" in (run / "config.yaml").read_text() and "config_history/" in capsys.readouterr().err
+    loop.plan(None, small_cfg)  # back again: the 0.3 config is kept too, under its own name
+    assert len(list((run / "config_history").iterdir())) == 2
+
+
+def test_report_logs_iterations_to_wandb_offline(small_cfg, monkeypatch):
+    """``wandb: true``: report() logs one step per iteration into a real offline wandb run."""
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logged = []
+    real_log = wandb.sdk.wandb_run.Run.log
+
+    def spy(self, data, step=None, **kw):  # records, then lets wandb log for real
+        logged.append((step, dict(data)))
+        return real_log(self, data, step=step, **kw)
+
+    monkeypatch.setattr(wandb.sdk.wandb_run.Run, "log", spy)
+    run_dir = loop.plan(None, small_cfg + ["wandb=true"])
+    _eval_file(run_dir / "iter_0" / "eval.jsonl", [0.0, 0.5])
+    _eval_file(run_dir / "iter_1" / "eval.jsonl", [1.0, 0.5])
+    write_jsonl(run_dir / "iter_1" / "generated.jsonl", [{"id": "p0", "finish_reasons": ["stop", "stop"]}])
+    write_jsonl(run_dir / "iter_1" / "pairs.jsonl", [{"id": "p0"}, {"id": "p1"}, {"id": "p2"}])
+    loop.metrics(run_dir, 0)
+    loop.metrics(run_dir, 1)
+    loop.report(run_dir)
+    assert [step for step, _ in logged] == [0, 1]
+    assert logged[0][1]["eval/reward_mean"] == pytest.approx(0.25) and logged[1][1]["train/pairs"] == 3
+    runs = list((run_dir / "wandb").glob("offline-run-*-loop-t/run-loop-t.wandb"))
+    assert len(runs) == 1 and runs[0].stat().st_size > 0

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from online_rlhf.jsonl import DataError, read_json, read_jsonl, write_jsonl
+from online_rlhf.jsonl import DataError, read_json, write_jsonl
 from online_rlhf.pairs import build_pairs, make_pair
 from online_rlhf.records import validate_pair
 

@@ -74,7 +74,7 @@ def test_cli_stops_on_bad_row_before_axolotl_runs(tmp_path):
 # --- config -------------------------------------------------------------------------------------
 
 def test_misspelt_axolotl_key_is_an_error():
-    with pytest.raises(ConfigError, match="'learning_rat' \\(did you mean 'learning_rate'\\?\\)"):
+    with pytest.raises(ConfigError, match="'learning_rat' \\(Did you mean 'learning_rate'\\?\\)"):
         run_sft.check_axolotl_keys({"learning_rat": 1e-5, "sequence_len": 256})
 
 

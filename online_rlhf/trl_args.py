@@ -1,0 +1,70 @@
+"""Checks of the ``training`` section of the DPO stage against ``trl.DPOConfig``.
+
+Used by ``dpo_iteration/run_dpo.py`` before it loads a model, and by the loop's plan
+(``online_rlhf/loop.py``) before any stage runs, so a typo in ``dpo.training`` fails at start-up
+instead of after an iteration of generation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+
+from .config import ConfigError, did_you_mean
+
+# DPOConfig fields the stage sets itself; a user value for them is refused with the fix.
+STAGE_OWNED = {
+    "output_dir": "set the stage's output_dir instead (training runs in <output_dir>.work, saves via <output_dir>.tmp)",
+    "model_init_kwargs": "the stage loads the models itself; use torch_dtype / attn_implementation",
+}
+
+
+def _dpo_fields() -> dict | None:
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # bitsandbytes' import-time notice on CPU
+            from trl import DPOConfig
+    except ImportError:
+        return None
+    return {f.name: f for f in dataclasses.fields(DPOConfig) if f.init}
+
+
+def check_dpo_training(training: dict, where: str = "training") -> dict:
+    """Check ``training`` keys and number values against ``trl.DPOConfig``; return a checked copy.
+
+    YAML 1.1 reads ``1e-3`` (no dot) as a string: for a float field such a string becomes the float
+    it spells (also inside a list, e.g. ``loss_weights``), so ``training.learning_rate=1e-3`` means
+    what it says. Where TRL is not installed (the loop's plan in another env) the keys are returned
+    unchecked; the DPO stage itself always has TRL.
+
+    Args:
+        training: ``{DPOConfig field: value}`` from the stage config.
+        where: prefix naming the section in error messages, e.g. ``"loop.yaml, iteration 2: dpo.training"``.
+    Raises:
+        ConfigError: a key that is not a DPOConfig field (with the closest field name), a key the
+            stage sets itself, text for a float field that is not a number, or a non-integer for an
+            int field.
+    """
+    fields = _dpo_fields()
+    if fields is None:
+        return dict(training)
+    out = {}
+    for key, value in training.items():
+        if key in STAGE_OWNED:
+            raise ConfigError(f"{where}.{key}: {STAGE_OWNED[key]}.")
+        if key not in fields:
+            raise ConfigError(f"{where}: unknown trl.DPOConfig key {key!r}.{did_you_mean(key, fields)} "
+                              "See the fields with: python -c 'import trl; help(trl.DPOConfig)'.")
+        ftype = str(fields[key].type)
+        if "float" in ftype:
+            try:
+                if isinstance(value, str):
+                    value = float(value)
+                elif isinstance(value, list):
+                    value = [float(v) if isinstance(v, str) else v for v in value]
+            except ValueError:
+                raise ConfigError(f"{where}.{key}: expected a number, got {value!r}.") from None
+        elif ftype in ("int", "<class 'int'>") and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(f"{where}.{key}: expected an integer, got {value!r}.")
+        out[key] = value
+    return out
