@@ -143,7 +143,8 @@ def math_rewards(record: dict, responses: list[str]) -> list[float]:
 
     Raises:
         Unscorable: no ``answer`` (``missing_field:answer``) or a gold answer math-verify cannot
-            parse (``gold_unparsable``).
+            parse into a math object (``gold_unparsable``): e.g. ``"???"`` parses to the bare string
+            only, and would otherwise score every response 0 instead of being counted.
     """
     from math_verify import parse, verify
 
@@ -154,7 +155,7 @@ def math_rewards(record: dict, responses: list[str]) -> list[float]:
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     gold = parse(gold_text if gold_text.startswith("$") or "\\boxed" in gold_text else f"${gold_text}$",
                  parsing_timeout=timeout)
-    if not gold:
+    if not any(not isinstance(g, str) for g in gold):  # math-verify returns [sympy object, text]
         raise Unscorable("gold_unparsable")
     out = []
     for resp in responses:

@@ -185,6 +185,14 @@ def test_math_verifier_without_answer_is_unscorable():
     assert rewards == [None] and stats["unscorable"] == {"missing_field:answer": 1}
 
 
+def test_math_verifier_gold_without_math_is_unscorable():
+    recs = [generated({"id": i, "prompt": [{"role": "user", "content": "?"}], "answer": a}, ["???", "7"])
+            for i, a in (("a", "???"), ("b", ""), ("c", "#### 7"))]
+    rewards, stats = verifiers.score(recs, cfg(verifier="math"))
+    assert rewards == [None, None, [0.0, 1.0]]
+    assert stats["unscorable"] == {"gold_unparsable": 1, "missing_field:answer": 1}
+
+
 def test_nltk_never_downloads():
     import nltk
 
