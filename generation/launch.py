@@ -16,12 +16,17 @@ Devices:
   set); W x tensor_parallel_size must not exceed the GPUs.
 - CPU: W > 1 shards split the allowed cores into W contiguous blocks; shard r binds vLLM's
   OpenMP threads to its block (``VLLM_CPU_OMP_THREADS_BIND=a-b``, ``OMP_NUM_THREADS`` = block
-  size). W = 1 keeps vLLM's ``auto`` binding, which on x86 reserves one core for the engine's
-  scheduler (on a 2-core box: compute on 1 core). A ``VLLM_CPU_OMP_THREADS_BIND`` you set
-  yourself is passed to every shard unchanged; on the 2-core dev box under load ``0-1`` gave
-  196 tok/s vs 173 for ``auto`` (SmolLM2-135M, 16 prompts x 4 x 128 tokens; FINDINGS.md saw
-  ``auto`` win when other jobs ran), start-up the same (~40 s). Each shard holds its own KV cache (``kv_cache_gb`` GiB) and
-  model copy: on CPU, W = 1 is usually best (one engine already uses every core).
+  size). Each shard holds its own KV cache (``kv_cache_gb`` GiB) and model copy: on CPU, W = 1
+  is usually best.
+- CPU, W = 1: the engine runs inside the shard process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+  with ``OMP_NUM_THREADS`` threads (1 unless you set it). Measured on the 2-core box (SmolLM2-135M,
+  32 prompts x K=4 x 160 tokens): engine start 5 s instead of 17 s, and the same samples on every
+  run with the same seed (vLLM's separate engine process batches by timing, so its samples vary);
+  decoding ~290 tok/s either way (vLLM's own mode reserves a core for its scheduler and computes
+  on the other). ``OMP_NUM_THREADS=2`` doubles decoding on an idle box (530 tok/s) but stalls
+  when another job takes a core (OpenMP threads wait for each other), hence the default of 1.
+  ``VLLM_ENABLE_V1_MULTIPROCESSING`` or ``VLLM_CPU_OMP_THREADS_BIND`` set by you turns this off:
+  your values are passed to every shard unchanged.
 """
 
 from __future__ import annotations
@@ -89,8 +94,10 @@ def shard_envs(num_shards: int, tensor_parallel_size: int, gpus: list[str] | Non
                               f"GPUs; {len(gpus)} visible ({','.join(gpus)}). Lower num_shards.")
         tp = tensor_parallel_size
         return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[r * tp:(r + 1) * tp])} for r in range(num_shards)]
-    if num_shards == 1 or os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or "VLLM_ENABLE_V1_MULTIPROCESSING" in os.environ:
         return [{} for _ in range(num_shards)]
+    if num_shards == 1:
+        return [{"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}]
     cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
     if num_shards > len(cores):
         print(f"[launch] warning: {num_shards} shards on {len(cores)} cores; shards share cores.", file=sys.stderr)

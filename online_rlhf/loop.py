@@ -358,6 +358,9 @@ def metrics(run_dir: Path, i: int) -> dict:
         pairs_stats = _stats(it / "pairs.jsonl.stats.json")
         row.update({
             "train_prompts": len(gen),
+            # mean reward of this iteration's K rollouts per train prompt (sampled from the policy of
+            # iteration i-1, on prompts it has not trained on): the on-policy reward, before DPO.
+            "rollout_reward_mean": _stats(it / "rewards.jsonl.stats.json").get("reward", {}).get("mean"),
             "train_truncation_rate": _rate([f for r in gen for f in r["finish_reasons"]]),
             "pairs": sum(1 for _ in open(it / "pairs.jsonl", encoding="utf-8")),
             "pairs_skipped": pairs_stats.get("skipped", {}),
@@ -394,15 +397,18 @@ def report(run_dir: Path) -> Path:
     lines = [f"# Run `{run_dir.name}`", "",
              f"Policy `{cfg['policy']}`, reward `{cfg['reward'].get('source', 'verifier')}`, "
              f"{cfg['iterations']} iterations, reference `{cfg['ref_model']}`.", "",
-             "| iteration | held-out reward (95% CI) | n | pairs | train trunc. | eval tokens | wall s |",
-             "|---|---|---|---|---|---|---|"]
+             "| iteration | held-out reward (95% CI) | n | rollout reward | pairs | train trunc. | eval tokens | wall s |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lo, hi = r["eval_reward_ci95"]
         secs = sum(v for v in r["stage_seconds"].values() if v)
+        rollout = r.get("rollout_reward_mean")
         lines.append(f"| {r['iteration']} | {r['eval_reward_mean']:.4f} ({lo:.4f}–{hi:.4f}) | {r['eval_prompts']} | "
-                     f"{r.get('pairs', '–')} | {r.get('train_truncation_rate', '–')} | "
+                     f"{'–' if rollout is None else f'{rollout:.4f}'} | {r.get('pairs', '–')} | {r.get('train_truncation_rate', '–')} | "
                      f"{r['eval_mean_response_tokens']} | {secs:.0f} |")
-    lines += ["", "Stage seconds per iteration:", ""]
+    lines += ["", "Held-out: greedy responses to the eval prompts after the iteration's DPO. Rollout: mean reward "
+              "of the iteration's K samples per train prompt, drawn from the previous iteration's policy.",
+              "", "Stage seconds per iteration:", ""]
     for r in rows:
         lines.append(f"- iteration {r['iteration']}: " + ", ".join(f"{k} {v:.0f}" for k, v in r["stage_seconds"].items() if v))
     lines += ["", "![report](report.png)", ""]
@@ -455,7 +461,8 @@ def _log_wandb(rows: list[dict], run_dir: Path, cfg: dict) -> None:
     run = wandb.init(project="online-rlhf", name=run_dir.name, id=f"loop-{run_dir.name}", resume="allow",
                      config=cfg, dir=str(run_dir))
     for r in rows:
-        run.log({"eval/reward_mean": r["eval_reward_mean"], "train/pairs": r.get("pairs", 0),
+        rollout = {"train/rollout_reward_mean": r["rollout_reward_mean"]} if r.get("rollout_reward_mean") is not None else {}
+        run.log({"eval/reward_mean": r["eval_reward_mean"], "train/pairs": r.get("pairs", 0), **rollout,
                  **{f"time/{k}": v for k, v in r["stage_seconds"].items() if v}}, step=r["iteration"])
     run.finish()
 

@@ -289,7 +289,8 @@ def test_cpu_blocks_split_cores_evenly():
 
 
 def test_shard_envs_give_each_shard_its_own_gpus_or_cores(monkeypatch):
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    for var in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)
     assert launch.shard_envs(2, 2, gpus=["0", "1", "2", "3"]) == [{"CUDA_VISIBLE_DEVICES": "0,1"},
                                                                   {"CUDA_VISIBLE_DEVICES": "2,3"}]
     with pytest.raises(ConfigError, match="needs 3 GPUs"):
@@ -297,7 +298,14 @@ def test_shard_envs_give_each_shard_its_own_gpus_or_cores(monkeypatch):
     assert launch.shard_envs(2, 1, gpus=[], cores=[0, 1, 2, 3]) == [
         {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": "2"},
         {"VLLM_CPU_OMP_THREADS_BIND": "2-3", "OMP_NUM_THREADS": "2"}]
+    # one CPU shard: engine in-process, one OpenMP thread unless the user chose a number
+    assert launch.shard_envs(1, 1, gpus=[], cores=[0, 1]) == [{"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                                                               "OMP_NUM_THREADS": "1"}]
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert launch.shard_envs(1, 1, gpus=[], cores=[0, 1])[0]["OMP_NUM_THREADS"] == "2"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the user's choice wins, for every shard
     assert launch.shard_envs(1, 1, gpus=[], cores=[0, 1]) == [{}]
+    assert launch.shard_envs(2, 1, gpus=[], cores=[0, 1]) == [{}, {}]
 
 
 def test_launcher_names_the_failed_shard_log(tmp_path):
@@ -386,3 +394,21 @@ def test_vllm_rerun_skips_complete_shards_and_redoes_a_truncated_one(vllm_run):
     # shard 0 was kept as is. (Shard 1 is not compared: with the same engine seed, vLLM-CPU's
     # responses still depend on how requests were batched, which depends on timing.)
     assert [r for r in again if r["id"] in ("p0", "p2", "p4")] == [r for r in first if r["id"] in ("p0", "p2", "p4")]
+
+
+@pytest.mark.vllm
+def test_vllm_one_cpu_shard_runs_in_process_and_repeats_its_samples(vllm_run, tmp_path):
+    """W=1 on CPU: the engine runs in the shard process, so the same seed gives the same samples."""
+    env = {k: v for k, v in vllm_run.env.items() if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND")}
+    runs = []
+    for n in (1, 2):
+        out = tmp_path / f"run{n}" / "generated.jsonl"
+        argv = [a if not a.startswith(("output=", "num_shards=")) else
+                (f"output={out}" if a.startswith("output=") else "num_shards=1") for a in vllm_run.argv]
+        proc = subprocess.run(argv + ["seed=7"], capture_output=True, text=True, timeout=900, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        log = (out.parent / "generated" / "shard_00.log").read_text()
+        assert "EngineCore" not in log  # no separate engine-core process was started
+        runs.append(read_jsonl(out))
+    assert [r["responses"] for r in runs[0]] == [r["responses"] for r in runs[1]]
+    assert len({s for r in runs[0] for s in r["responses"]}) > 1  # sampled, not one repeated string

@@ -8,7 +8,7 @@ import yaml
 
 from online_rlhf import loop
 from online_rlhf.config import ConfigError
-from online_rlhf.jsonl import read_json, read_jsonl, write_jsonl
+from online_rlhf.jsonl import read_json, read_jsonl, write_json, write_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -130,14 +130,16 @@ def test_metrics_and_report(small_cfg):
     _eval_file(it / "eval.jsonl", [1.0, 1.0, 1.0, 0.0])
     write_jsonl(it / "generated.jsonl", [{"id": "p0", "finish_reasons": ["stop", "length"]}])
     write_jsonl(it / "pairs.jsonl", [{"id": "p0"}, {"id": "p1"}])
+    write_json(it / "rewards.jsonl.stats.json", {"reward": {"mean": 0.3125}})
     loop.metrics(run_dir, 1)
     loop.metrics(run_dir, 1)  # rerun replaces the row, never duplicates it
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["iteration"] for r in rows] == [0, 1]
     assert rows[1]["pairs"] == 2 and rows[1]["eval_reward_mean"] == pytest.approx(0.75)
+    assert rows[1]["rollout_reward_mean"] == 0.3125 and "rollout_reward_mean" not in rows[0]
     md = loop.report(run_dir)
     text = md.read_text()
-    assert "| 0 | 0.5000" in text and "| 1 | 0.7500" in text
+    assert "| 0 | 0.5000" in text and "| 1 | 0.7500" in text and "| 0.3125 | 2 |" in text
     assert (run_dir / "report.png").read_bytes()[:4] == b"\x89PNG"
     assert (it / "stats.json").is_file()
 
