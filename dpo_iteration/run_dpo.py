@@ -50,7 +50,6 @@ from online_rlhf.records import validate_pair
 from online_rlhf.stage_configs import DPOStageConfig
 from online_rlhf.trl_args import check_dpo_training
 
-# training keys the stage sets itself: the value would be overwritten or conflict.
 _HALF = {"float16", "bfloat16"}
 # config.json keys put back from the input policy before saving (the Trainer may change them,
 # e.g. use_cache=False under gradient checkpointing).
