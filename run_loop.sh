@@ -53,17 +53,19 @@ INFER="$ROOT/.venv-infer/bin/python"
 ACCELERATE="$ROOT/.venv-train/bin/accelerate"
 "$TRAIN" scripts/prepare_default.py >/dev/null       # embedded model + prompts; cached after the first run
 
+# The config is checked and the run directory found before anything is written to it.
+RUN_DIR="$("$TRAIN" -m online_rlhf.loop run-dir "$CONFIG" "${OVERRIDES[@]}")"
+mkdir -p -- "$RUN_DIR"
+# One loop per run directory: the lock is inherited by every stage process, so a stage left
+# running by a killed loop also keeps a second loop out until it ends (and --fresh waits for it too).
+exec 9>"$RUN_DIR/.lock"
+flock -n 9 || { echo "run_loop.sh: $RUN_DIR is in use by another run_loop.sh (or a stage it left running); wait for it or stop it." >&2; exit 1; }
 if [[ "$FRESH" == 1 ]]; then
-  RUN_DIR_OLD="$("$TRAIN" -m online_rlhf.loop plan "$CONFIG" "${OVERRIDES[@]}" | sed -n 's/^RUN_DIR=//p')"
-  say "fresh start: removing $RUN_DIR_OLD"
-  rm -rf -- "$RUN_DIR_OLD"
+  say "fresh start: removing the contents of $RUN_DIR"
+  find "$RUN_DIR" -mindepth 1 -maxdepth 1 ! -name .lock -exec rm -rf -- {} +
 fi
 PLAN="$("$TRAIN" -m online_rlhf.loop plan "$CONFIG" "${OVERRIDES[@]}")"
 eval "$PLAN"    # RUN_DIR ITERATIONS LAUNCH_PROFILE NUM_PROCESSES GENERATION_SHARDS SFT_ENABLED REWARD_SOURCE
-# One loop per run directory: the lock is inherited by every stage process, so a stage left
-# running by a killed loop also keeps a second loop out until it ends.
-exec 9>"$RUN_DIR/.lock"
-flock -n 9 || { echo "run_loop.sh: $RUN_DIR is in use by another run_loop.sh (or a stage it left running); wait for it or stop it." >&2; exit 1; }
 say "run directory: $RUN_DIR ($ITERATIONS iterations, launch profile $LAUNCH_PROFILE)"
 
 CHILD=""

@@ -474,9 +474,14 @@ def main(argv: list[str]) -> int:
         return 2
     cmd, args = argv[0], argv[1:]
     try:
-        if cmd == "plan":
+        if cmd in ("plan", "run-dir"):
             cfg_path = args[0] if args and "=" not in args[0] else None
-            plan(cfg_path, args[1:] if cfg_path else args)
+            overrides = args[1:] if cfg_path else args
+            if cmd == "plan":
+                plan(cfg_path, overrides)
+            else:  # where the run lives, nothing written (run_loop.sh locks it before any change)
+                cfg = resolve(cfg_path, overrides)
+                print((Path(cfg.output_root) / cfg.run_name).resolve())
         elif cmd == "check":
             return 0 if check(Path(args[0]), int(args[1]), args[2]) else 1
         elif cmd == "mark":
@@ -484,8 +489,10 @@ def main(argv: list[str]) -> int:
         elif cmd == "metrics":
             row = metrics(Path(args[0]), int(args[1]))
             lo, hi = row["eval_reward_ci95"]
+            rollout = row.get("rollout_reward_mean")
             print(f"iteration {row['iteration']}: held-out reward {row['eval_reward_mean']:.4f} "
-                  f"(95% CI {lo:.4f}-{hi:.4f}, n={row['eval_prompts']}), pairs {row.get('pairs', '-')}")
+                  f"(95% CI {lo:.4f}-{hi:.4f}, n={row['eval_prompts']}), "
+                  + ("" if rollout is None else f"rollout reward {rollout:.4f}, ") + f"pairs {row.get('pairs', '-')}")
         elif cmd == "report":
             print(report(Path(args[0])))
         else:

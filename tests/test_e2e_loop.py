@@ -177,3 +177,18 @@ def test_second_loop_on_a_busy_run_dir_is_refused(tiny_policy, tmp_path):
         p = _run_loop(args, timeout=300)
     assert p.returncode == 1 and "in use by another run_loop.sh" in p.stderr
     assert not (tmp_path / "busy" / "iter_0" / "eval_generate.done").exists()
+    # --fresh must not wipe a run directory another loop is using, nor write into it
+    (tmp_path / "busy" / "iter_0").mkdir()
+    (tmp_path / "busy" / "iter_0" / "kept.txt").write_text("still here")
+    with open(tmp_path / "busy" / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        p = _run_loop([*args, "--fresh"], timeout=300)
+    assert p.returncode == 1 and "in use by another run_loop.sh" in p.stderr
+    assert (tmp_path / "busy" / "iter_0" / "kept.txt").read_text() == "still here"
+    assert not (tmp_path / "busy" / "config.yaml").exists()
+    # free again: --fresh clears it (the plan then stops on a bad held-out prompt file, before any stage)
+    bad = tmp_path / "bad_eval.jsonl"
+    bad.write_text('{"id": "e0", "prompt": "fine"}\n{not json\n')
+    p = _run_loop([*args, f"eval_prompts={bad}", "--fresh"], timeout=300)
+    assert p.returncode != 0 and f"{bad}:2" in p.stderr, p.stderr[-2000:]
+    assert "fresh start" in p.stdout and not (tmp_path / "busy" / "iter_0" / "kept.txt").exists()
