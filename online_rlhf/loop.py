@@ -77,7 +77,10 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
             if i == 0 and not stage.startswith("eval"):
                 continue
             d = stage_dict(cfg, Path("/dry-run"), i, stage)
-            cls.from_dict(d, f"{src}, iteration {i}, stage {stage}")
+            stage_cfg = cls.from_dict(d, f"{src}, iteration {i}, stage {stage}")
+            if stage == "generate" and stage_cfg.k < 2:
+                raise ConfigError(f"{src}, iteration {i}: generation.k={stage_cfg.k}, but a chosen/rejected pair needs "
+                                  "at least 2 responses per train prompt; set generation.k >= 2 (4-8 is usual).")
             if stage == "dpo":
                 check_dpo_training(d["training"], f"{src}, iteration {i}: dpo.training")
     return cfg
@@ -129,7 +132,7 @@ def stage_dict(cfg: LoopConfig, run_dir: Path, i: int, stage: str) -> dict:
         model = policy_of(c, run_dir, i + 1)
         gen = {k: v for k, v in c.generation.items() if k not in ("k", "temperature", "top_p")}
         return {"model": model, "seed": c.seed, **gen, **c.evaluation,
-                "prompts": _prompt_source(c.eval_prompts, "eval"), "prompt_field": c.prompt_field,
+                "prompts": _prompt_source(c.eval_prompts, "eval"), "prompt_field": c.eval_prompt_field or c.prompt_field,
                 "limit": c.eval_limit, "output": str(it / "eval_generated.jsonl")}
     if stage == "rewards":
         return {**c.reward, "input": str(it / "generated.jsonl"), "output": str(it / "rewards.jsonl")}
@@ -246,7 +249,7 @@ def _eval_ids(cfg: LoopConfig) -> set[str]:
     from .records import load_prompts
 
     rows = load_prompts(_prompt_source(cfg.eval_prompts, "eval"), split=cfg.evaluation.get("prompt_split", "train"),
-                        prompt_field=cfg.prompt_field, limit=cfg.eval_limit)
+                        prompt_field=cfg.eval_prompt_field or cfg.prompt_field, limit=cfg.eval_limit)
     return {_prompt_key(r) for r in rows}
 
 
@@ -396,7 +399,7 @@ def report(run_dir: Path) -> Path:
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
     lines = [f"# Run `{run_dir.name}`", "",
              f"Policy `{cfg['policy']}`, reward `{cfg['reward'].get('source', 'verifier')}`, "
-             f"{cfg['iterations']} iterations, reference `{cfg['ref_model']}`.", "",
+             f"{cfg['iterations']} iteration{'s' * (cfg['iterations'] != 1)}, reference `{cfg['ref_model']}`.", "",
              "| iteration | held-out reward (95% CI) | n | rollout reward | pairs | train trunc. | eval tokens | wall s |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -4,9 +4,10 @@ validated dry (no model loaded). Each stage script builds its config with ``Cls.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from .config import StageConfig
 
@@ -17,7 +18,7 @@ class GenerateConfig(StageConfig):
     model: str = Field("default", description="policy checkpoint: local dir, HF Hub id, or 'default' (embedded SmolLM2-135M-Instruct)")
     prompts: str = Field(..., description="prompt set: local .jsonl/.json/.parquet or HF Hub dataset id")
     prompt_split: str = Field("train", description="split when `prompts` is a Hub dataset")
-    prompt_field: Optional[str] = Field(None, description="text column when the set has neither 'messages' nor 'prompt'")
+    prompt_field: Optional[str] = Field(None, description="prompt column (text or message list) when the set has neither 'messages' nor 'prompt'")
     limit: Optional[int] = Field(None, ge=1, description="use only the first N prompts")
     output: str = Field(..., description="output JSONL of this shard (generated records)")
     shard_index: int = Field(0, ge=0, description="which shard this process writes (0-based)")
@@ -95,6 +96,13 @@ class PairsConfig(StageConfig):
     truncated_penalty: float = Field(1.0, ge=0.0, description="penalize: subtract this from a truncated response's reward")
     seed: int = Field(42, description="seed of max_random / random")
 
+    @model_validator(mode="after")
+    def _output_is_not_input(self):
+        out = Path(self.output).resolve()
+        if out == Path(self.input).resolve() or (self.stats_output and Path(self.stats_output).resolve() == Path(self.input).resolve()):
+            raise ValueError(f"output={self.output} would overwrite the input rewards file; write the pairs to another file")
+        return self
+
 
 class DPOStageConfig(StageConfig):
     """dpo_iteration/run_dpo.py: TRL DPOTrainer on pairs.jsonl; saves an HF checkpoint."""
@@ -122,7 +130,8 @@ class LoopConfig(StageConfig):
     sft: dict[str, Any] = Field(default_factory=lambda: {"enabled": False}, description="enabled: run sft/ first; config: Axolotl YAML; overrides")
     train_prompts: str = Field("default", description="train prompt set ('default' = IFBench train split)")
     eval_prompts: str = Field("default", description="held-out prompt set ('default' = IFBench held-out split)")
-    prompt_field: Optional[str] = Field(None, description="text column of both prompt sets, if not messages/prompt")
+    prompt_field: Optional[str] = Field(None, description="prompt column (text or message list) of the train set, if not messages/prompt; also of the held-out set unless eval_prompt_field is set")
+    eval_prompt_field: Optional[str] = Field(None, description="prompt column of the held-out set (default: prompt_field)")
     train_limit: Optional[int] = Field(None, ge=1, description="first N train prompts per iteration")
     eval_limit: Optional[int] = Field(None, ge=1, description="first N held-out prompts")
     prompts_per_iteration: Optional[int] = Field(None, ge=1, description="iteration i takes the i-th slice of this many train prompts (wrapping); None = all (or train_limit)")
@@ -138,6 +147,15 @@ class LoopConfig(StageConfig):
     ref_model: Literal["initial", "previous"] = Field("initial", description="DPO reference: the starting (SFT) policy, or last iteration's policy")
     per_iteration: dict[int, dict[str, Any]] = Field(default_factory=dict, description="{i: {section: {key: value}}} overrides for iteration i")
     wandb: bool = Field(False, description="log the loop's metrics to wandb (offline unless WANDB_MODE is set)")
+
+    @field_validator("run_name")
+    @classmethod
+    def _one_folder_name(cls, v: str) -> str:
+        # run_loop.sh --fresh clears <output_root>/<run_name>: it must be a folder inside output_root.
+        if not v or v in (".", "..") or any(c in v for c in "/\\\0"):
+            raise ValueError(f"run_name must be one folder name inside output_root (no '/', not '.' or '..'), "
+                             f"got {v!r}; put the parent folder in output_root")
+        return v
 
 
 class SFTStageConfig(StageConfig):

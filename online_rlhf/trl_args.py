@@ -42,8 +42,9 @@ def check_dpo_training(training: dict, where: str = "training") -> dict:
         where: prefix naming the section in error messages, e.g. ``"loop.yaml, iteration 2: dpo.training"``.
     Raises:
         ConfigError: a key that is not a DPOConfig field (with the closest field name), a key the
-            stage sets itself, text for a float field that is not a number, or a non-integer for an
-            int field.
+            stage sets itself, or a value of the wrong type: text that is not a number for a float
+            field, a non-integer for an int field, a non-boolean for a bool field (``None`` is
+            accepted where the field is optional).
     """
     fields = _dpo_fields()
     if fields is None:
@@ -55,16 +56,34 @@ def check_dpo_training(training: dict, where: str = "training") -> dict:
         if key not in fields:
             raise ConfigError(f"{where}: unknown trl.DPOConfig key {key!r}.{did_you_mean(key, fields)} "
                               "See the fields with: python -c 'import trl; help(trl.DPOConfig)'.")
-        ftype = str(fields[key].type)
-        if "float" in ftype:
-            try:
-                if isinstance(value, str):
-                    value = float(value)
-                elif isinstance(value, list):
-                    value = [float(v) if isinstance(v, str) else v for v in value]
-            except ValueError:
-                raise ConfigError(f"{where}.{key}: expected a number, got {value!r}.") from None
-        elif ftype in ("int", "<class 'int'>") and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ConfigError(f"{where}.{key}: expected an integer, got {value!r}.")
-        out[key] = value
+        out[key] = _checked_value(f"{where}.{key}", str(fields[key].type), value)
     return out
+
+
+def _checked_value(where: str, ftype: str, value):
+    """``value`` checked against a DPOConfig field type written as text (``"<class 'int'>"``,
+    ``"int | None"``, ``"list[float] | None"``...); numbers spelled as text become floats."""
+    if value is None and "None" in ftype:
+        return value
+    if ftype.startswith("list[") or ftype.startswith("typing.List"):
+        if "float" in ftype and isinstance(value, list):
+            try:
+                return [float(v) if isinstance(v, str) else v for v in value]
+            except ValueError:
+                raise ConfigError(f"{where}: expected a list of numbers, got {value!r}.") from None
+        return value
+    if any(t in ftype for t in ("str", "dict", "Any")):  # unions with text or mappings: TRL checks them
+        return value
+    if "float" in ftype:
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise ConfigError(f"{where}: expected a number, got {value!r}.") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}.")
+    elif "int" in ftype and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{where}: expected an integer, got {value!r}.")
+    elif "bool" in ftype and not isinstance(value, bool):
+        raise ConfigError(f"{where}: expected true or false, got {value!r}.")
+    return value

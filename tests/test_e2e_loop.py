@@ -167,6 +167,14 @@ def test_default_model_one_short_iteration(tmp_path):
     assert all(0.0 <= r["eval_reward_mean"] <= 1.0 for r in rows)
 
 
+def test_fresh_refuses_to_clear_a_folder_that_is_not_a_run_dir(tmp_path):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "thesis.tex").write_text("precious")
+    p = _run_loop(["configs/loop.yaml", f"output_root={tmp_path}", "run_name=notes", "--fresh"], timeout=300)
+    assert p.returncode == 2 and "not a run directory" in p.stderr, p.stderr[-2000:]
+    assert (tmp_path / "notes" / "thesis.tex").read_text() == "precious"
+
+
 def test_second_loop_on_a_busy_run_dir_is_refused(tiny_policy, tmp_path):
     import fcntl
 
@@ -186,7 +194,9 @@ def test_second_loop_on_a_busy_run_dir_is_refused(tiny_policy, tmp_path):
     assert p.returncode == 1 and "in use by another run_loop.sh" in p.stderr
     assert (tmp_path / "busy" / "iter_0" / "kept.txt").read_text() == "still here"
     assert not (tmp_path / "busy" / "config.yaml").exists()
-    # free again: --fresh clears it (the plan then stops on a bad held-out prompt file, before any stage)
+    # free again, and a run dir (it has a config.yaml): --fresh clears it (the plan then stops on a
+    # bad held-out prompt file, before any stage)
+    (tmp_path / "busy" / "config.yaml").write_text("# an earlier run\n")
     bad = tmp_path / "bad_eval.jsonl"
     bad.write_text('{"id": "e0", "prompt": "fine"}\n{not json\n')
     p = _run_loop([*args, f"eval_prompts={bad}", "--fresh"], timeout=300)

@@ -41,6 +41,8 @@ def test_rlhflow_gpu_config_validates_dry():
     assert set(cfg.dpo["training"]) <= dpo_fields, set(cfg.dpo["training"]) - dpo_fields
     it3 = loop.iteration_config(cfg, 3)
     assert it3.train_prompts.endswith("iter3-20K") and cfg.train_prompts.endswith("iter1-20K")
+    assert loop.stage_dict(cfg, Path("/r"), 1, "eval_generate")["prompt_field"] == "instruction"
+    assert loop.resolve(str(ROOT / "configs/rlhflow_llama3_8b.yaml"), []).prompt_field == "context_messages"
     d = loop.stage_dict(cfg, Path("/r"), 3, "dpo")
     assert d["reference"] == "RLHFlow/LLaMA3-SFT" and d["policy"] == "/r/iter_2/model"
 
@@ -187,6 +189,19 @@ def test_dpo_training_typo_fails_at_start(small_cfg):
         loop.resolve(None, small_cfg + ["dpo.training.bta=0.05"])
     with pytest.raises(ConfigError, match=r"dpo\.training\.beta: expected a number"):
         loop.resolve(None, small_cfg + ["dpo.training.beta=abc"])
+    with pytest.raises(ConfigError, match=r"iteration 2: dpo\.training\.max_length: expected an integer, got 'abc'"):
+        loop.resolve(None, small_cfg + ["per_iteration={2: {dpo: {training: {max_length: abc}}}}"])
+
+
+@pytest.mark.parametrize("name", ["..", ".", "", "a/b", "/etc"])
+def test_run_name_must_be_one_folder_inside_output_root(small_cfg, name):
+    with pytest.raises(ConfigError, match="run_name must be one folder name inside output_root"):
+        loop.resolve(None, small_cfg + [f"run_name={name}"])
+
+
+def test_one_sample_per_prompt_is_refused_at_start(small_cfg):
+    with pytest.raises(ConfigError, match=r"iteration 2: generation\.k=1, but a chosen/rejected pair needs at least 2"):
+        loop.resolve(None, small_cfg + ["per_iteration={2: {generation: {k: 1}}}"])
 
 
 def test_plan_warns_on_train_eval_overlap_and_reuse(tmp_path, capsys):
