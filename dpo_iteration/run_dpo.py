@@ -476,8 +476,10 @@ def main(cfg: DPOStageConfig) -> dict:
     }
     if is_main:
         write_json(stats_path, stats)
-        print(f"dpo: {len(kept)}/{read_info['in']} pairs, {stats['steps']} steps, loss "
-              f"{stats['train_loss_first']} -> {stats['train_loss_last']}, saved {out_dir} ({stats_path})")
+        loss = (f"loss {stats['train_loss_first']} (one step: log(2) = 0.6931 is the loss before any update)"
+                if stats["steps"] == 1 else f"loss {stats['train_loss_first']} -> {stats['train_loss_last']}")
+        print(f"dpo: {len(kept)}/{read_info['in']} pairs, {stats['steps']} step{'s' * (stats['steps'] != 1)}, {loss}, "
+              f"saved {out_dir} ({stats_path})")
     return stats
 
 

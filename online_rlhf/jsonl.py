@@ -128,11 +128,12 @@ def read_json(path: str | os.PathLike) -> Any:
 
 
 def check_finite(value: Any, where: str) -> float:
-    """Return ``value`` as a float; raise DataError naming ``where`` if it is NaN, inf or not a number."""
-    try:
-        x = float(value)
-    except (TypeError, ValueError):
-        raise DataError(f"{where}: reward {value!r} is not a number.") from None
+    """Return ``value`` as a float; raise DataError naming ``where`` if it is NaN, inf or not a number
+    (text such as ``"1.0"`` and booleans are not numbers here: they mean a broken reward source)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise DataError(f"{where}: reward {value!r} is not a number (got {type(value).__name__}); rewards must be "
+                        "JSON numbers.")
+    x = float(value)
     if not math.isfinite(x):
         raise DataError(f"{where}: reward is {x} (not finite). Fix the reward source; such a record cannot be ranked.")
     return x

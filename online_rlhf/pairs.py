@@ -27,6 +27,7 @@ import random
 from collections import Counter
 from typing import Iterable
 
+from .jsonl import DataError
 from .records import validate_rewards
 
 STRATEGIES = ("max_min", "max_random", "random")
@@ -138,15 +139,22 @@ def build_pairs(records: Iterable[tuple[str, dict]], strategy: str = "max_min", 
     the chosen/rejected reward and margin means.
 
     Raises:
-        DataError: a malformed record or a NaN/inf reward (names the record).
+        DataError: a malformed record, a NaN/inf or non-number reward, or an id seen twice (names the record).
     """
     pairs: list[dict] = []
     skipped: Counter = Counter()
     resp_counts: Counter = Counter()
     all_rewards: list[float] = []
     n_in = 0
+    seen: dict = {}  # id -> where it was first seen
     for where, rec in records:
         n_in += 1
+        rid = rec.get("id")
+        if isinstance(rid, (str, int)) and not isinstance(rid, bool):
+            if rid in seen:
+                raise DataError(f"{where}: id {rid!r} was already used at {seen[rid]}; each prompt must appear once "
+                                "(merge its responses into one record, or give the records distinct ids).")
+            seen[rid] = where
         if rec.get("rewards", ...) is None:
             skipped["unscored"] += 1
             continue

@@ -46,8 +46,10 @@ def check_messages(messages: Any, where: str) -> list[dict]:
 def normalize_prompt_record(rec: dict, index: int, where: str, prompt_field: str | None = None) -> dict:
     """Turn one input row into ``{id, prompt: [messages], ...task fields}``.
 
-    ``prompt_field`` names the text column when it is neither ``messages`` nor ``prompt`` (e.g.
-    ``question`` for GSM8K). Trailing assistant turns are removed (the policy writes that turn).
+    ``prompt_field`` names the prompt column when it is neither ``messages`` nor ``prompt``: a text
+    column (e.g. ``question`` for GSM8K, ``instruction`` for AlpacaEval) or a message-list column
+    (e.g. ``context_messages`` in RLHFlow's prompt sets). Trailing assistant turns are removed (the
+    policy writes that turn).
     The id is ``rec["id"]`` as a string, else the row index.
 
     Raises:
@@ -57,10 +59,14 @@ def normalize_prompt_record(rec: dict, index: int, where: str, prompt_field: str
             prompt_field in rec or not ("messages" in rec or "prompt" in rec)):
         if prompt_field not in rec:
             raise DataError(f"{where}: no column {prompt_field!r} (prompt_field). Columns: {', '.join(rec)}.")
-        text = rec[prompt_field]
-        if not isinstance(text, str):
-            raise DataError(f"{where}: column {prompt_field!r} must be a string.")
-        messages = [{"role": "user", "content": text}]
+        value = rec[prompt_field]
+        if isinstance(value, list):
+            messages = check_messages(value, f"{where}, column {prompt_field!r}")
+        elif isinstance(value, str):
+            messages = [{"role": "user", "content": value}]
+        else:
+            raise DataError(f"{where}: column {prompt_field!r} must be a string or a list of {{role, content}} "
+                            f"messages, got {type(value).__name__}.")
         skip = {prompt_field}
     elif "messages" in rec and prompt_field != "prompt":
         messages = check_messages(rec["messages"], where)
@@ -117,7 +123,7 @@ def load_prompts(source: str | os.PathLike, split: str = "train", prompt_field: 
         elif path.suffix in (".jsonl", ".json", ".parquet", ".csv") or os.sep in source and not _hub_like(source):
             raise FileNotFoundError(f"{source}: no such prompt file.")
         else:
-            ds = datasets.load_dataset(source, split=split)
+            ds = _load_hub_prompts(datasets, source, split)
         rows = ((f"{source} row {i}", i, dict(r)) for i, r in enumerate(ds))
     out: list[dict] = []
     seen: dict[str, str] = {}
@@ -138,6 +144,21 @@ def _looks_jsonl(path: Path) -> bool:
     with open(path, encoding="utf-8") as f:
         first = f.read(1).strip()
     return first == "{"
+
+
+def _load_hub_prompts(datasets, source: str, split: str):
+    """``datasets.load_dataset(source, split=split)`` with the failures a user can fix said plainly."""
+    try:
+        return datasets.load_dataset(source, split=split)
+    except ValueError as e:  # e.g. an unknown split: datasets names the ones that exist
+        raise DataError(f"prompt set {source!r}, split {split!r}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - hub/network errors come in many classes (httpx, OSError, RuntimeError...)
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1"
+        hint = ("HF_HUB_OFFLINE=1 is set and it is not in the local cache" if offline else
+                "is the Hub reachable from here, and is the id right?")
+        raise DataError(f"prompt set {source!r} could not be loaded from the Hugging Face Hub ({type(e).__name__}: "
+                        f"{str(e)[:200]}); {hint} Download it where there is network (or give a local .jsonl "
+                        "of {id, prompt} rows) and point train_prompts/eval_prompts at it.") from None
 
 
 def _hub_like(s: str) -> bool:
@@ -161,6 +182,9 @@ def validate_rewards(rec: dict, where: str) -> list[float]:
     """Check a rewards record; return its rewards as finite floats (NaN/inf raise DataError)."""
     validate_generated(rec, where)
     rw = rec.get("rewards")
+    if "rewards" not in rec:
+        raise DataError(f"{where}: record has no 'rewards': this looks like generation output. Score it first: "
+                        "annotate_data/get_rewards.py input=<generated.jsonl> output=<rewards.jsonl>.")
     if not isinstance(rw, list) or len(rw) != len(rec["responses"]):
         raise DataError(f"{where}: 'rewards' must be a list with one value per response ({len(rec['responses'])}).")
     return [check_finite(x, f"{where} (id={rec['id']!r}, response {j})") for j, x in enumerate(rw)]

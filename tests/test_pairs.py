@@ -149,6 +149,34 @@ def test_stage_output_loads_with_datasets(tmp_path):
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["a", "c"]
 
 
+@pytest.mark.parametrize("bad", ["1.0", True, None, [1.0]])
+def test_reward_that_is_not_a_json_number_raises(bad):
+    with pytest.raises(DataError, match=r"rewards\.jsonl:3.*not a number"):
+        build_pairs([("rewards.jsonl:3", rec([0.0, bad]))])
+
+
+def test_record_without_rewards_says_to_score_it_first():
+    r = rec([0.0, 1.0])
+    del r["rewards"]
+    with pytest.raises(DataError, match=r"gen\.jsonl:1: record has no 'rewards'.*get_rewards\.py"):
+        build_pairs([("gen.jsonl:1", r)])
+
+
+def test_duplicate_id_raises_naming_both_lines():
+    with pytest.raises(DataError, match=r"r\.jsonl:5: id 'p0' was already used at r\.jsonl:2"):
+        build_pairs([("r.jsonl:2", rec([0.0, 1.0])), ("r.jsonl:5", rec([1.0, 0.0]))])
+
+
+def test_stage_refuses_to_overwrite_its_input(tmp_path):
+    src = tmp_path / "rewards.jsonl"
+    write_jsonl(src, [rec([0.0, 1.0])])
+    before = src.read_text()
+    res = subprocess.run([sys.executable, str(ROOT / "annotate_data" / "make_pairs.py"), f"input={src}",
+                          f"output={tmp_path}/./rewards.jsonl"], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 2 and "would overwrite the input" in res.stderr
+    assert src.read_text() == before and not (tmp_path / "rewards.jsonl.stats.json").exists()
+
+
 def test_stage_nan_reward_exits_2_naming_line(tmp_path):
     src = tmp_path / "rewards.jsonl"
     src.write_text(json.dumps(rec([0.0, 1.0])) + "\n" + json.dumps(rec([0.0, 1.0], rid="x")).replace("1.0", "NaN") + "\n")

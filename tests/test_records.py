@@ -30,6 +30,23 @@ def test_prompt_field_for_other_columns(tmp_path):
     assert r["prompt"] == [{"role": "user", "content": "2+2?"}] and r["answer"] == "#### 4"
 
 
+def test_prompt_field_may_hold_a_message_list(tmp_path):
+    """RLHFlow's prompt sets keep the conversation in ``context_messages``."""
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    p = _write(tmp_path / "r.jsonl", [{"context_messages": conv}, {"context_messages": 5}])
+    with pytest.raises(DataError, match=r"r\.jsonl:2: column 'context_messages' must be a string or a list"):
+        load_prompts(p, prompt_field="context_messages")
+    (r,) = load_prompts(p, prompt_field="context_messages", limit=1)
+    assert r["prompt"] == conv and "context_messages" not in r
+
+
+def test_unreachable_hub_prompt_set_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(DataError, match=r"'nobody-here/no-such-prompts' could not be loaded.*local \.jsonl"):
+        load_prompts("nobody-here/no-such-prompts")
+
+
 def test_missing_prompt_column_names_line(tmp_path):
     p = _write(tmp_path / "p.jsonl", [{"prompt": "ok"}, {"text": "x"}])
     with pytest.raises(DataError, match=r"p\.jsonl:2: no prompt"):
