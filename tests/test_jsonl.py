@@ -54,11 +54,12 @@ def test_nan_is_refused_with_record_id(tmp_path):
 
 
 def test_check_finite():
-    assert check_finite("1.5", "r") == 1.5
+    assert check_finite(1.5, "r") == 1.5 and check_finite(2, "r") == 2.0
     with pytest.raises(DataError, match="rec 3"):
         check_finite(float("inf"), "rec 3")
-    with pytest.raises(DataError, match="not a number"):
-        check_finite("abc", "rec 3")
+    for text_or_flag in ("abc", "1.5", True):  # a broken reward source, not a number
+        with pytest.raises(DataError, match="not a number"):
+            check_finite(text_or_flag, "rec 3")
 
 
 def test_atomic_open_binary(tmp_path):
