@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import os
 import shutil
 import sys
@@ -368,8 +369,14 @@ def main(cfg: DPOStageConfig) -> dict:
     # 2. pairs
     pairs, read_info = load_pairs(cfg.pairs)
     if read_info["in"] == 0:
-        raise DataError(f"{cfg.pairs}: the pairs file is empty, nothing to train on. Check the pair-selection "
-                        "stats of this iteration (all prompts tied or unscorable?).")
+        why = ""
+        stats_file = Path(f"{cfg.pairs}.stats.json")
+        if stats_file.is_file():
+            skipped = json.loads(stats_file.read_text(encoding="utf-8")).get("skipped") or {}
+            why = f" make_pairs skipped: {', '.join(f'{k} {v}' for k, v in sorted(skipped.items())) or 'nothing'}."
+        raise DataError(f"{cfg.pairs}: the pairs file is empty, nothing to train on.{why} More prompts "
+                        "(prompts_per_iteration) or samples (generation.k), a smaller pairs.min_margin, or "
+                        "pairs.truncated=penalize instead of exclude give more pairs.")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(policy_path, trust_remote_code=trust)

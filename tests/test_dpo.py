@@ -112,6 +112,10 @@ def test_empty_pairs_file_is_a_clear_error(tmp_path, models):
     pairs.write_text("\n")
     with pytest.raises(DataError, match="pairs file is empty"):
         run_dpo.main(_cfg(tmp_path, models["p0"], pairs))
+    # with make_pairs' stats beside it, the error says why and what to change
+    (tmp_path / "pairs.jsonl.stats.json").write_text('{"skipped": {"tie": 5, "too_few_valid": 1}}')
+    with pytest.raises(DataError, match=r"make_pairs skipped: tie 5, too_few_valid 1\. .*generation\.k"):
+        run_dpo.main(_cfg(tmp_path, models["p0"], pairs))
 
 
 def test_all_pairs_invalid_is_a_clear_error(tmp_path, models):
