@@ -61,8 +61,10 @@ mkdir -p -- "$RUN_DIR"
 exec 9>"$RUN_DIR/.lock"
 flock -n 9 || { echo "run_loop.sh: $RUN_DIR is in use by another run_loop.sh (or a stage it left running); wait for it or stop it." >&2; exit 1; }
 if [[ "$FRESH" == 1 ]]; then
-  if [[ ! -f "$RUN_DIR/config.yaml" && -n "$(find "$RUN_DIR" -mindepth 1 -maxdepth 1 ! -name .lock -print -quit)" ]]; then
-    echo "run_loop.sh: --fresh refuses to clear $RUN_DIR: it holds files but no config.yaml, so it is not a run directory. Choose another output_root/run_name, or empty it yourself." >&2
+  # Only a folder this loop made: empty, or with the config.yaml that `loop plan` writes.
+  if [[ -n "$(find "$RUN_DIR" -mindepth 1 -maxdepth 1 ! -name .lock -print -quit)" ]] &&
+     ! head -n 1 "$RUN_DIR/config.yaml" 2>/dev/null | grep -Eq '^# (online_rlhf run config|resolved from )'; then
+    echo "run_loop.sh: --fresh refuses to clear $RUN_DIR: it holds files but no run config.yaml written by this loop, so it is not a run directory. Choose another output_root/run_name, or empty it yourself." >&2
     exit 2
   fi
   say "fresh start: removing the contents of $RUN_DIR"

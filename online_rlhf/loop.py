@@ -28,10 +28,13 @@ import yaml
 
 from .config import ConfigError, apply_overrides, deep_merge, load_yaml
 from .jsonl import DataError, read_json, read_jsonl, write_json, write_jsonl, atomic_open
-from .paths import PROJECT_ROOT, default_data_dir, default_model_dir, setup_cache_env
+from .paths import PROJECT_ROOT, default_data_dir, default_model_dir, looks_like_path, setup_cache_env
 from .rundir import fingerprint, is_done, mark_done
 from .stage_configs import DPOStageConfig, GenerateConfig, LoopConfig, PairsConfig, RewardConfig, SFTStageConfig
 from .trl_args import check_dpo_training
+
+# First line of <run>/config.yaml; run_loop.sh --fresh only clears a folder whose config.yaml has it.
+RUN_CONFIG_HEADER = "# online_rlhf run config, resolved from"
 
 # Stage name -> (env, config class). The order is the order of one iteration.
 STAGES = {
@@ -69,6 +72,9 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
         for section in cfg.per_iteration[i]:
             if section in _RUN_LEVEL or section not in LoopConfig.model_fields:
                 raise ConfigError(f"{src}: per_iteration.{i}.{section} cannot be set per iteration.")
+    if cfg.policy != "default" and looks_like_path(cfg.policy) and not Path(cfg.policy).exists():
+        raise ConfigError(f"{src}: policy={cfg.policy}: no such directory. Give a checkpoint folder, an HF Hub id "
+                          "(owner/name) or 'default'.")
     if cfg.sft.get("enabled"):
         SFTStageConfig.from_dict(sft_dict(cfg, Path("/dry-run")), f"{src}, stage sft")
     # Dry validation: build every stage config of every iteration without touching models.
@@ -179,7 +185,6 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
     cfg = resolve(config_path, overrides)
     run_dir = Path(cfg.output_root) / cfg.run_name
     run_dir = run_dir.resolve()
-    _write_run_config(run_dir, cfg.to_yaml(), f"# resolved from {config_path or 'defaults'} {' '.join(overrides)}\n")
     train_sets: dict[str, list[dict]] = {}  # prompt source -> rows (a source may change per iteration)
     warnings: list[str] = []
     eval_ids = _eval_ids(cfg)
@@ -219,6 +224,8 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
     for w in warnings:
         print(f"WARNING: {w}", file=sys.stderr)
     write_json(run_dir / "plan_warnings.json", warnings)
+    # Last, so that a plan refused on the way (e.g. a bad prompt file) leaves the run's config as it was.
+    _write_run_config(run_dir, cfg.to_yaml(), f"{RUN_CONFIG_HEADER} {config_path or 'defaults'} {' '.join(overrides)}\n")
     for k, v in shell.items():
         print(f"{k}={shlex.quote(str(v))}")
     return run_dir
@@ -316,10 +323,19 @@ def _marker(run_dir: Path, i: int, stage: str) -> Path:
 
 
 def check(run_dir: Path, i: int, stage: str) -> bool:
-    """True when the stage's ``.done`` exists, its hash matches and its outputs exist."""
+    """True when the stage's ``.done`` exists, its hash matches and its outputs exist (a checkpoint
+    folder only counts with its weights: ``*.safetensors`` or ``pytorch_model*.bin``)."""
     e = _stage_entry(run_dir, i, stage)
     return is_done(_marker(run_dir, i, stage), stage_hash(run_dir, i, stage)) and all(
-        Path(o).exists() for o in e["outputs"])
+        _output_present(Path(o)) for o in e["outputs"])
+
+
+def _output_present(path: Path) -> bool:
+    if not path.exists():
+        return False
+    if path.is_dir() and (path / "config.json").is_file():
+        return any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin"))
+    return True
 
 
 def mark(run_dir: Path, i: int, stage: str, seconds: float) -> None:

@@ -22,8 +22,8 @@ order or sharding of the records.
 
 from __future__ import annotations
 
-import math
 import random
+import statistics
 from collections import Counter
 from typing import Iterable
 
@@ -125,8 +125,8 @@ def make_pair(rec: dict, where: str, strategy: str = "max_min", min_margin: floa
 def _summary(xs: list[float]) -> dict:
     if not xs:
         return {"mean": None, "std": None, "min": None, "max": None}
-    m = sum(xs) / len(xs)
-    return {"mean": m, "std": math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs)), "min": min(xs), "max": max(xs)}
+    # statistics works in exact fractions: no overflow for huge (finite) rewards such as +-1e300
+    return {"mean": statistics.fmean(xs), "std": statistics.pstdev(xs), "min": min(xs), "max": max(xs)}
 
 
 def build_pairs(records: Iterable[tuple[str, dict]], strategy: str = "max_min", min_margin: float = 0.0,

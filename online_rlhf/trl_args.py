@@ -57,7 +57,18 @@ def check_dpo_training(training: dict, where: str = "training") -> dict:
             raise ConfigError(f"{where}: unknown trl.DPOConfig key {key!r}.{did_you_mean(key, fields)} "
                               "See the fields with: python -c 'import trl; help(trl.DPOConfig)'.")
         out[key] = _checked_value(f"{where}.{key}", str(fields[key].type), value)
+    for key, (low, strict) in _LOWER_BOUNDS.items():
+        v = out.get(key)
+        if isinstance(v, (int, float)) and (v <= low if strict else v < low):
+            if key == "num_train_epochs" and isinstance(out.get("max_steps"), int) and out["max_steps"] > 0:
+                continue  # max_steps decides the length then
+            raise ConfigError(f"{where}.{key}: must be {'>' if strict else '>='} {low}, got {v!r}.")
     return out
+
+
+# Values that can only be mistakes: no training, no reference anchor, or nothing per step.
+_LOWER_BOUNDS = {"learning_rate": (0, True), "beta": (0, True), "num_train_epochs": (0, True),
+                 "per_device_train_batch_size": (1, False), "gradient_accumulation_steps": (1, False)}
 
 
 def _checked_value(where: str, ftype: str, value):

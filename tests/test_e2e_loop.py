@@ -170,6 +170,7 @@ def test_default_model_one_short_iteration(tmp_path):
 def test_fresh_refuses_to_clear_a_folder_that_is_not_a_run_dir(tmp_path):
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "thesis.tex").write_text("precious")
+    (tmp_path / "notes" / "config.yaml").write_text("name: my other project\n")  # not a run's config
     p = _run_loop(["configs/loop.yaml", f"output_root={tmp_path}", "run_name=notes", "--fresh"], timeout=300)
     assert p.returncode == 2 and "not a run directory" in p.stderr, p.stderr[-2000:]
     assert (tmp_path / "notes" / "thesis.tex").read_text() == "precious"
@@ -196,7 +197,7 @@ def test_second_loop_on_a_busy_run_dir_is_refused(tiny_policy, tmp_path):
     assert not (tmp_path / "busy" / "config.yaml").exists()
     # free again, and a run dir (it has a config.yaml): --fresh clears it (the plan then stops on a
     # bad held-out prompt file, before any stage)
-    (tmp_path / "busy" / "config.yaml").write_text("# an earlier run\n")
+    (tmp_path / "busy" / "config.yaml").write_text("# online_rlhf run config, resolved from an earlier run\n")
     bad = tmp_path / "bad_eval.jsonl"
     bad.write_text('{"id": "e0", "prompt": "fine"}\n{not json\n')
     p = _run_loop([*args, f"eval_prompts={bad}", "--fresh"], timeout=300)

@@ -22,8 +22,19 @@ def _prompts(path: Path, n: int) -> Path:
 def small_cfg(tmp_path):
     train = _prompts(tmp_path / "train.jsonl", 10)
     evals = _prompts(tmp_path / "eval.jsonl", 4)
+    policy = tmp_path / "models" / "start"
+    policy.mkdir(parents=True)
     return [f"train_prompts={train}", f"eval_prompts={evals}", f"output_root={tmp_path / 'runs'}",
-            "run_name=t", "policy=/models/start", "iterations=2"]
+            "run_name=t", f"policy={policy}", "iterations=2"]
+
+
+def _policy(cfg_args: list[str]) -> str:
+    return next(a.split("=", 1)[1] for a in cfg_args if a.startswith("policy="))
+
+
+def test_missing_local_policy_is_refused_at_start(small_cfg, tmp_path):
+    with pytest.raises(ConfigError, match=r"policy=.*no_such_ckpt: no such directory"):
+        loop.resolve(None, small_cfg + [f"policy={tmp_path / 'no_such_ckpt'}"])
 
 
 def test_default_config_resolves():
@@ -72,11 +83,11 @@ def test_per_iteration_override_reaches_only_that_iteration(small_cfg):
 
 def test_policy_chain_and_reference_choice(small_cfg):
     cfg = loop.resolve(None, small_cfg)
-    assert loop.stage_dict(cfg, Path("/r"), 1, "generate")["model"] == "/models/start"
+    assert loop.stage_dict(cfg, Path("/r"), 1, "generate")["model"] == _policy(small_cfg)
     assert loop.stage_dict(cfg, Path("/r"), 2, "generate")["model"] == "/r/iter_1/model"
-    assert loop.stage_dict(cfg, Path("/r"), 0, "eval_generate")["model"] == "/models/start"
+    assert loop.stage_dict(cfg, Path("/r"), 0, "eval_generate")["model"] == _policy(small_cfg)
     assert loop.stage_dict(cfg, Path("/r"), 2, "eval_generate")["model"] == "/r/iter_2/model"
-    assert loop.stage_dict(cfg, Path("/r"), 2, "dpo")["reference"] == "/models/start"
+    assert loop.stage_dict(cfg, Path("/r"), 2, "dpo")["reference"] == _policy(small_cfg)
     prev = loop.resolve(None, small_cfg + ["ref_model=previous"])
     assert loop.stage_dict(prev, Path("/r"), 2, "dpo")["reference"] is None  # = the policy being trained
 
@@ -157,10 +168,10 @@ def test_sft_stage_is_planned_and_feeds_iteration_1(small_cfg, tmp_path):
     write_jsonl(data, [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}])
     run_dir = loop.plan(None, small_cfg + ["sft.enabled=true", f"sft.dataset={data}"])
     entry = read_json(run_dir / "iter_0" / "plan.json")["sft"]
-    assert entry["outputs"] == [str(run_dir / "sft" / "model")] and entry["inputs"][0] == "/models/start"
+    assert entry["outputs"] == [str(run_dir / "sft" / "model")] and entry["inputs"][0] == _policy(small_cfg)
     gen1 = yaml.safe_load(Path(read_json(run_dir / "iter_1" / "plan.json")["generate"]["config"]).read_text())
     assert gen1["model"] == str(run_dir / "sft" / "model")
-    assert yaml.safe_load(Path(entry["config"]).read_text())["base_model"] == "/models/start"
+    assert yaml.safe_load(Path(entry["config"]).read_text())["base_model"] == _policy(small_cfg)
 
 
 def test_sft_enabled_without_dataset_is_a_config_error(small_cfg):
@@ -191,6 +202,11 @@ def test_dpo_training_typo_fails_at_start(small_cfg):
         loop.resolve(None, small_cfg + ["dpo.training.beta=abc"])
     with pytest.raises(ConfigError, match=r"iteration 2: dpo\.training\.max_length: expected an integer, got 'abc'"):
         loop.resolve(None, small_cfg + ["per_iteration={2: {dpo: {training: {max_length: abc}}}}"])
+    for bad, msg in (("learning_rate=-1", r"learning_rate: must be > 0"), ("num_train_epochs=0", "must be > 0"),
+                     ("per_device_train_batch_size=0", "must be >= 1"), ("beta=0", r"beta: must be > 0")):
+        with pytest.raises(ConfigError, match=msg):
+            loop.resolve(None, small_cfg + [f"dpo.training.{bad}"])
+    loop.resolve(None, small_cfg + ["dpo.training.num_train_epochs=0", "dpo.training.max_steps=3"])  # max_steps rules
 
 
 @pytest.mark.parametrize("name", ["..", ".", "", "a/b", "/etc"])
@@ -207,7 +223,7 @@ def test_one_sample_per_prompt_is_refused_at_start(small_cfg):
 def test_plan_warns_on_train_eval_overlap_and_reuse(tmp_path, capsys):
     same = _prompts(tmp_path / "same.jsonl", 6)
     run_dir = loop.plan(None, [f"train_prompts={same}", f"eval_prompts={same}", f"output_root={tmp_path / 'r'}",
-                               "run_name=o", "policy=/m", "iterations=3", "prompts_per_iteration=4"])
+                               "run_name=o", f"policy={tmp_path}", "iterations=3", "prompts_per_iteration=4"])
     warnings = read_json(run_dir / "plan_warnings.json")
     assert any("also held-out prompts" in w for w in warnings)
     assert any("iteration 2" in w and "already used in iteration(s) 1" in w for w in warnings)
@@ -252,3 +268,12 @@ def test_report_logs_iterations_to_wandb_offline(small_cfg, monkeypatch):
     assert logged[0][1]["eval/reward_mean"] == pytest.approx(0.25) and logged[1][1]["train/pairs"] == 3
     runs = list((run_dir / "wandb").glob("offline-run-*-loop-t/run-loop-t.wandb"))
     assert len(runs) == 1 and runs[0].stat().st_size > 0
+
+
+def test_a_checkpoint_without_weights_is_not_a_finished_output(tmp_path):
+    ckpt = tmp_path / "model"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    assert not loop._output_present(ckpt)  # weights deleted: DPO must run again on resume
+    (ckpt / "model.safetensors").write_bytes(b"x")
+    assert loop._output_present(ckpt) and loop._output_present(tmp_path) and not loop._output_present(tmp_path / "no")

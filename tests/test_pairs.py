@@ -155,6 +155,11 @@ def test_reward_that_is_not_a_json_number_raises(bad):
         build_pairs([("rewards.jsonl:3", rec([0.0, bad]))])
 
 
+def test_huge_finite_rewards_do_not_overflow_the_stats():
+    pairs, stats = pairs_of([rec([1e300, -1e300])])
+    assert len(pairs) == 1 and stats["reward"]["std"] == pytest.approx(1e300)
+
+
 def test_record_without_rewards_says_to_score_it_first():
     r = rec([0.0, 1.0])
     del r["rewards"]
