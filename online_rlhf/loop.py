@@ -72,7 +72,7 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
         for section in cfg.per_iteration[i]:
             if section in _RUN_LEVEL or section not in LoopConfig.model_fields:
                 raise ConfigError(f"{src}: per_iteration.{i}.{section} cannot be set per iteration.")
-    if cfg.policy != "default" and looks_like_path(cfg.policy) and not Path(cfg.policy).exists():
+    if cfg.policy != "default" and looks_like_path(cfg.policy) and not Path(cfg.policy).expanduser().exists():
         raise ConfigError(f"{src}: policy={cfg.policy}: no such directory. Give a checkpoint folder, an HF Hub id "
                           "(owner/name) or 'default'.")
     if cfg.sft.get("enabled"):

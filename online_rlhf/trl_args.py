@@ -44,7 +44,9 @@ def check_dpo_training(training: dict, where: str = "training") -> dict:
         ConfigError: a key that is not a DPOConfig field (with the closest field name), a key the
             stage sets itself, or a value of the wrong type: text that is not a number for a float
             field, a non-integer for an int field, a non-boolean for a bool field (``None`` is
-            accepted where the field is optional).
+            accepted where the field is optional); or a value that cannot train: learning_rate,
+            beta or num_train_epochs <= 0 (epochs may be 0 when max_steps > 0), a batch size or
+            gradient_accumulation_steps < 1.
     """
     fields = _dpo_fields()
     if fields is None:
