@@ -42,7 +42,11 @@ def setup_cache_env() -> None:
 
 
 def resolve_model(name: str) -> str:
-    """``"default"`` -> the embedded default checkpoint dir; anything else (Hub id or path) as is."""
+    """``"default"`` -> the embedded default checkpoint dir; a path (``~`` expanded) or Hub id as is.
+
+    Raises:
+        FileNotFoundError: the default is not prepared, or a local path does not exist.
+    """
     if name == "default":
         d = default_model_dir()
         if not (d / "config.json").is_file():
@@ -50,11 +54,13 @@ def resolve_model(name: str) -> str:
                 f"the default policy is not prepared at {d}. Run: .venv-train/bin/python scripts/prepare_default.py"
             )
         return str(d)
-    if looks_like_path(name) and not Path(name).exists():
-        raise FileNotFoundError(
-            f"model {name!r}: no such directory. Give an existing checkpoint directory, an HF Hub id "
-            "(namespace/name), or 'default'."
-        )
+    if looks_like_path(name):
+        if not Path(name).expanduser().exists():
+            raise FileNotFoundError(
+                f"model {name!r}: no such directory. Give an existing checkpoint directory, an HF Hub id "
+                "(namespace/name), or 'default'."
+            )
+        return str(Path(name).expanduser())
     return name
 
 

@@ -115,3 +115,13 @@ def test_missing_local_model_dir_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such directory"):
         resolve_model(str(tmp_path / "nope_model"))
     assert resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_resolve_model_expands_home(tmp_path, monkeypatch):
+    from online_rlhf.paths import resolve_model
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "ckpt").mkdir()
+    assert resolve_model("~/ckpt") == str(tmp_path / "ckpt")
+    with pytest.raises(FileNotFoundError, match="~/gone"):
+        resolve_model("~/gone")
