@@ -38,6 +38,10 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from online_rlhf.jsonl import DataError, read_json  # noqa: E402
+
 CATEGORIES = {  # key -> label, in print order
     "startup_loading": "process start-up and model loading",
     "vllm_startup": "vLLM engine start-up",
@@ -61,11 +65,11 @@ class BreakdownError(ValueError):
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return read_json(path)
     except FileNotFoundError:
         raise BreakdownError(f"{path}: missing. Is this a finished iteration of a run_loop.sh run directory?") from None
-    except json.JSONDecodeError as e:
-        raise BreakdownError(f"{path}: not JSON ({e}).") from None
+    except DataError as e:
+        raise BreakdownError(str(e)) from None
 
 
 def _num(d: dict, key: str, where: Path) -> float:

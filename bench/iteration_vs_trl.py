@@ -55,6 +55,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from online_rlhf.jsonl import read_json, read_jsonl  # noqa: E402
+
 TRAIN_PY = ROOT / ".venv-train" / "bin" / "python"
 TRUNCATION_PENALTY = 0.5  # configs/loop.yaml: pairs.truncated_penalty (truncated: penalize)
 
@@ -126,22 +128,21 @@ def trl_worker(args: argparse.Namespace) -> None:
         save_strategy="no", dataloader_num_workers=0, disable_tqdm=False)
     timers = {"generate": 0.0, "rewards": 0.0}
 
+    def timed(key: str, method):
+        """``method`` wrapped to add its seconds to ``timers[key]``."""
+        def wrapper(self, *a, **kw):
+            t = time.perf_counter()
+            try:
+                return method(self, *a, **kw)
+            finally:
+                timers[key] += time.perf_counter() - t
+        return wrapper
+
     class TimedOnlineDPOTrainer(OnlineDPOTrainer):
         """Records the seconds TRL spends in transformers generate and in the reward function."""
 
-        def _generate(self, *a, **kw):
-            t = time.perf_counter()
-            try:
-                return super()._generate(*a, **kw)
-            finally:
-                timers["generate"] += time.perf_counter() - t
-
-        def _calculate_rewards_from_functions(self, *a, **kw):
-            t = time.perf_counter()
-            try:
-                return super()._calculate_rewards_from_functions(*a, **kw)
-            finally:
-                timers["rewards"] += time.perf_counter() - t
+        _generate = timed("generate", OnlineDPOTrainer._generate)
+        _calculate_rewards_from_functions = timed("rewards", OnlineDPOTrainer._calculate_rewards_from_functions)
 
     t0 = time.perf_counter()
     trainer = TimedOnlineDPOTrainer(model=model, reward_funcs=make_verifier_reward(by_id), args=config,
@@ -236,12 +237,11 @@ def run_ours(args: argparse.Namespace, work: Path) -> dict:
     if missing:
         raise SystemExit(f"run_loop.sh output lacks the status lines {missing}; see {log_path}")
     it = out_root / name / "iter_1"
-    markers = {s: json.loads((it / f"{s}.done").read_text())["seconds"]
-               for s in ("generate", "rewards", "pairs", "dpo")}
-    ids = [json.loads(x)["id"] for x in (it / "prompts.jsonl").read_text(encoding="utf-8").splitlines() if x.strip()]
-    pairs = sum(1 for x in (it / "pairs.jsonl").read_text(encoding="utf-8").splitlines() if x.strip())
-    dpo_stats = json.loads((it / "model.stats.json").read_text())
-    gen_stats = json.loads((it / "generated.jsonl.stats.json").read_text())
+    markers = {s: read_json(it / f"{s}.done")["seconds"] for s in ("generate", "rewards", "pairs", "dpo")}
+    ids = [r["id"] for r in read_jsonl(it / "prompts.jsonl")]
+    pairs = len(read_jsonl(it / "pairs.jsonl"))
+    dpo_stats = read_json(it / "model.stats.json")
+    gen_stats = read_json(it / "generated.jsonl.stats.json")
     return {
         "wall_s": stamps["dpo_end"][1] - stamps["generate_start"][1],
         "marker_sum_s": sum(markers.values()), "markers": markers, "run_loop_total_s": total,
