@@ -6,7 +6,7 @@
 # Usage: bash run_loop.sh [CONFIG] [key=value ...] [--fresh]
 #   CONFIG defaults to configs/loop.yaml (the embedded default: SmolLM2-135M + IFBench verifier).
 #   Rerunning the same command resumes at the first stage whose .done marker is missing or stale.
-#   --fresh (or fresh=true) deletes the run directory first.
+#   --fresh (or fresh=true) empties the run directory first (only one this loop made).
 #   Relative paths you pass (CONFIG, train_prompts=, eval_prompts=, policy=, sft.dataset=,
 #   reward.reward_model=, output_root=) are taken from where you run the command; without
 #   output_root=, runs go to this project's runs/.

@@ -28,7 +28,7 @@ import yaml
 
 from .config import ConfigError, apply_overrides, deep_merge, load_yaml
 from .jsonl import DataError, read_json, read_jsonl, write_json, write_jsonl, atomic_open
-from .paths import PROJECT_ROOT, default_data_dir, default_model_dir, looks_like_path, setup_cache_env
+from .paths import PROJECT_ROOT, default_data_dir, default_model_dir, resolve_model, setup_cache_env
 from .rundir import fingerprint, is_done, mark_done
 from .stage_configs import DPOStageConfig, GenerateConfig, LoopConfig, PairsConfig, RewardConfig, SFTStageConfig
 from .trl_args import check_dpo_training
@@ -72,9 +72,12 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
         for section in cfg.per_iteration[i]:
             if section in _RUN_LEVEL or section not in LoopConfig.model_fields:
                 raise ConfigError(f"{src}: per_iteration.{i}.{section} cannot be set per iteration.")
-    if cfg.policy != "default" and looks_like_path(cfg.policy) and not Path(cfg.policy).expanduser().exists():
-        raise ConfigError(f"{src}: policy={cfg.policy}: no such directory. Give a checkpoint folder, an HF Hub id "
-                          "(owner/name) or 'default'.")
+    if cfg.policy != "default":  # the default is prepared by run_loop.sh before the plan runs
+        try:
+            resolve_model(cfg.policy)
+        except FileNotFoundError:
+            raise ConfigError(f"{src}: policy={cfg.policy}: no such directory. Give a checkpoint folder, an HF Hub id "
+                              "(owner/name) or 'default'.") from None
     if cfg.sft.get("enabled"):
         SFTStageConfig.from_dict(sft_dict(cfg, Path("/dry-run")), f"{src}, stage sft")
     # Dry validation: build every stage config of every iteration without touching models.
@@ -187,7 +190,7 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
     run_dir = run_dir.resolve()
     train_sets: dict[str, list[dict]] = {}  # prompt source -> rows (a source may change per iteration)
     warnings: list[str] = []
-    eval_ids = _eval_ids(cfg)
+    eval_ids = _eval_ids(cfg, run_dir)
     seen_train: dict[str, int] = {}  # train prompt id -> first iteration that used it
     for i in range(0, cfg.iterations + 1):
         it = run_dir / f"iter_{i}"
@@ -252,12 +255,12 @@ def _write_run_config(run_dir: Path, body: str, header: str) -> None:
         f.write(body)
 
 
-def _eval_ids(cfg: LoopConfig) -> set[str]:
+def _eval_ids(cfg: LoopConfig, run_dir: Path) -> set[str]:
+    """Keys of the held-out prompts, loaded exactly as the eval_generate stage will load them."""
     from .records import load_prompts
 
-    rows = load_prompts(_prompt_source(cfg.eval_prompts, "eval"), split=cfg.evaluation.get("prompt_split", "train"),
-                        prompt_field=cfg.eval_prompt_field or cfg.prompt_field, limit=cfg.eval_limit)
-    return {_prompt_key(r) for r in rows}
+    g = GenerateConfig.from_dict(stage_dict(cfg, run_dir, 0, "eval_generate"))
+    return {_prompt_key(r) for r in load_prompts(g.prompts, g.prompt_split, g.prompt_field, g.limit)}
 
 
 def _prompt_key(rec: dict) -> str:
