@@ -118,14 +118,14 @@ rewards_cmd() {
     "$TRAIN" annotate_data/get_rewards.py --config "$1"
   fi
 }
-dpo_cmd() {
-  OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$ACCELERATE" launch --config_file "configs/accelerate/$LAUNCH_PROFILE.yaml" \
+dpo_cmd() {   # threads: the stage splits the usable cores between its processes (OMP_NUM_THREADS wins)
+  "$ACCELERATE" launch --config_file "configs/accelerate/$LAUNCH_PROFILE.yaml" \
     --num_processes "$NUM_PROCESSES" dpo_iteration/run_dpo.py --config "$1"
 }
 cfg() { echo "$RUN_DIR/iter_$1/configs/$2.yaml"; }
 
 if [[ "$SFT_ENABLED" == 1 ]]; then
-  run_stage 0 sft           train  env OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$TRAIN" sft/run_sft.py --config "$(cfg 0 sft)"
+  run_stage 0 sft           train  "$TRAIN" sft/run_sft.py --config "$(cfg 0 sft)"
 fi
 run_stage 0 eval_generate   infer  "$INFER" generation/launch.py --config "$(cfg 0 eval_generate)" num_shards="$GENERATION_SHARDS"
 run_stage 0 eval_rewards    train  rewards_cmd "$(cfg 0 eval_rewards)"

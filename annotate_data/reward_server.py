@@ -36,7 +36,7 @@ class ServeConfig(StageConfig):
     port: int = Field(8000, ge=0, le=65535, description="TCP port")
     batch_size: int = Field(8, ge=1, description="reward model batch size inside one request")
     max_length: int = Field(4096, ge=8, description="input budget in tokens; longer inputs lose prompt tokens from the left")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto: the hardware's choice (online_rlhf.hardware.compute_dtype): bf16 on GPU (fp16 where bf16 is missing), on CPU bf16 only with native bf16, else fp32")
     max_items: int = Field(4096, ge=1, description="most (prompt, response) items accepted in one request")
 
 

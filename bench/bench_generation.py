@@ -48,7 +48,8 @@ class BenchConfig(StageConfig):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
     max_model_len: int = Field(2048, ge=16, description="prompts over max_model_len - max_tokens tokens are dropped (both engines)")
     seed: int = Field(42, description="seed of both engines")
-    vllm_dtype: str = Field("bfloat16", description="vLLM dtype")
+    vllm_dtype: str = Field("auto", description="vLLM dtype (auto: the generation stage's choice for this hardware)")
+    vllm_enforce_eager: bool = Field(True, description="vLLM eager mode (false: torch.compile, slow first start)")
     kv_cache_gb: float = Field(2.0, gt=0, description="vLLM-CPU KV cache GiB")
     vllm_threads_bind: Optional[str] = Field(None, description="VLLM_CPU_OMP_THREADS_BIND for this run (auto, nobind, 0-1, ...); None = as set")
     hf_dtypes: list[str] = Field(["float32", "bfloat16"], description="transformers dtypes to calibrate")
@@ -126,7 +127,8 @@ def bench_vllm(cfg: BenchConfig, model_path: str, prompt_ids: list[list[int]], e
 
     gcfg = GenerateConfig(model=model_path, prompts=cfg.prompts, output="-", k=cfg.k, max_tokens=cfg.max_tokens,
                           temperature=cfg.temperature, top_p=cfg.top_p, max_model_len=cfg.max_model_len,
-                          dtype=cfg.vllm_dtype, kv_cache_gb=cfg.kv_cache_gb, seed=cfg.seed)
+                          dtype=cfg.vllm_dtype, kv_cache_gb=cfg.kv_cache_gb, seed=cfg.seed,
+                          enforce_eager=cfg.vllm_enforce_eager)
     if cfg.vllm_threads_bind:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.vllm_threads_bind
     t0 = time.perf_counter()

@@ -45,6 +45,7 @@ if __package__ in (None, ""):  # run as a script: make the shared package import
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from online_rlhf.config import ConfigError, did_you_mean, run_main
+from online_rlhf.hardware import compute_dtype, describe, stage_threads
 from online_rlhf.jsonl import DataError, iter_jsonl, write_json, write_jsonl
 from online_rlhf.paths import resolve_model, setup_cache_env
 from online_rlhf.records import validate_pair
@@ -65,7 +66,9 @@ def _world_size() -> int:
 def training_defaults(on_gpu: bool, world_size: int) -> dict:
     """The stage's defaults under ``cfg.training`` (the user's keys win).
 
-    - ``bf16=False`` on CPU: TRL defaults to bf16 mixed precision, which fails on CPU.
+    - Mixed precision from the hardware (:func:`online_rlhf.hardware.compute_dtype`): on CPU,
+      ``bf16=True`` (autocast, fp32 master weights) only with native bf16 (AVX512-BF16/AMX),
+      else ``bf16=False`` (emulated bf16 is ~100x slower); on a GPU without bf16, ``fp16=True``.
     - ``precompute_ref_log_probs=True``: one reference pass over the pairs before training
       instead of one per step (see bench/bench_dpo_ref.py).
     - ``report_to="none"``; ``save_strategy="no"`` (the stage saves once, at the end);
@@ -74,8 +77,12 @@ def training_defaults(on_gpu: bool, world_size: int) -> dict:
     """
     d = {"precompute_ref_log_probs": True, "report_to": "none", "save_strategy": "no", "logging_steps": 1,
          "seed": 42, "dataloader_pin_memory": on_gpu}
-    if not on_gpu:
-        d["bf16"] = False
+    mixed = compute_dtype("cuda" if on_gpu else "cpu")
+    if on_gpu:
+        if mixed == "float16":  # a GPU without bf16 (e.g. V100): fp16 mixed precision instead of TRL's bf16
+            d.update(bf16=False, fp16=True)
+    else:
+        d["bf16"] = mixed == "bfloat16"  # bf16 autocast over fp32 weights only where the CPU has native bf16
         if world_size > 1:
             d["ddp_backend"] = "gloo"
     return d
@@ -86,6 +93,8 @@ def build_dpo_args(cfg: DPOStageConfig, work_dir: Path, on_gpu: bool):
     from trl import DPOConfig
 
     kw = {**training_defaults(on_gpu, _world_size()), **check_dpo_training(cfg.training)}
+    if not on_gpu and kw.get("bf16"):
+        compute_dtype("cpu", "bfloat16")  # warns when the CPU has no native bf16
     report_to = kw.get("report_to")
     if report_to == "wandb" or (isinstance(report_to, list) and "wandb" in report_to) or report_to == "all":
         os.environ.setdefault("WANDB_MODE", "offline")  # never block on a network we may not have
@@ -346,6 +355,8 @@ def main(cfg: DPOStageConfig) -> dict:
     import torch
 
     on_gpu = torch.cuda.is_available()
+    if not on_gpu:  # a stage alone on the machine: every usable core, split between the ranks
+        torch.set_num_threads(stage_threads(_world_size()))
     out_dir = Path(cfg.output_dir).resolve()
     tmp_dir, work_dir = Path(f"{out_dir}.tmp"), Path(f"{out_dir}.work")
     stats_path = Path(cfg.stats_output) if cfg.stats_output else Path(f"{out_dir}.stats.json")
@@ -471,6 +482,8 @@ def main(cfg: DPOStageConfig) -> dict:
         "dtype": {"policy_stored": pol_stored, "reference_stored": ref_stored, "loaded": pol_dtype,
                   "bf16": bool(args.bf16), "fp16": bool(args.fp16)},
         "lora": cfg.lora,
+        "hardware": describe("cuda" if on_gpu else "cpu",
+                             pol_dtype + (" + bf16 autocast" if args.bf16 else " + fp16 autocast" if args.fp16 else "")),
         "num_processes": trainer.accelerator.num_processes,
         "deepspeed_zero_stage": args.deepspeed_plugin.zero_stage if args.deepspeed_plugin else None,
         "steps": trainer.state.global_step,

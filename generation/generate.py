@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from online_rlhf.config import ConfigError, run_main
+from online_rlhf.hardware import compute_dtype, describe, describe_line
 from online_rlhf.jsonl import DataError, iter_jsonl, read_json, write_json, write_jsonl
 from online_rlhf.paths import resolve_model, setup_cache_env
 from online_rlhf.records import load_prompts
@@ -220,20 +221,31 @@ def summarize(records: Sequence[dict]) -> dict:
     }
 
 
-def build_engine(cfg: GenerateConfig, model_path: str, seed: int):
-    """Start vLLM for the policy. On CPU the KV cache is ``kv_cache_gb`` GiB (an explicit
-    ``VLLM_CPU_KVCACHE_SPACE``, in whole GiB, wins); without an explicit size vLLM-CPU would
-    reserve ``gpu_memory_utilization`` of the machine's RAM."""
-    from vllm import LLM
+def engine_dtype(cfg: GenerateConfig) -> tuple[str, str]:
+    """``(device type, dtype)`` the engine runs in: ``cfg.dtype``, or for ``auto`` the hardware's
+    choice (:func:`online_rlhf.hardware.compute_dtype`). vLLM's own ``auto`` would take the
+    checkpoint's dtype and, for a float32 checkpoint on CPU, downcast it to bf16, which is
+    emulated and very slow on CPUs without native bf16."""
     from vllm.platforms import current_platform
 
+    device = "cpu" if current_platform.is_cpu() else "cuda"
+    return device, compute_dtype(device, cfg.dtype)
+
+
+def build_engine(cfg: GenerateConfig, model_path: str, seed: int):
+    """Start vLLM for the policy in :func:`engine_dtype`. On CPU the KV cache is ``kv_cache_gb``
+    GiB (an explicit ``VLLM_CPU_KVCACHE_SPACE``, in whole GiB, wins); without an explicit size
+    vLLM-CPU would reserve ``gpu_memory_utilization`` of the machine's RAM."""
+    from vllm import LLM
+
+    device, dtype = engine_dtype(cfg)
     kwargs: dict[str, Any] = {}
-    if current_platform.is_cpu():
+    if device == "cpu":
         if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gb * (1 << 30))
     else:
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
-    return LLM(model=model_path, tokenizer=model_path, seed=seed, dtype=cfg.dtype,
+    return LLM(model=model_path, tokenizer=model_path, seed=seed, dtype=dtype,
                max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager,
                tensor_parallel_size=cfg.tensor_parallel_size, **kwargs)
 
@@ -321,12 +333,14 @@ def main(cfg: GenerateConfig) -> dict:
         "engine_startup_s": None if startup_s is None else round(startup_s, 2),
         "generation_s": None if generation_s is None else round(generation_s, 2),
         "generated_tokens_per_s": round(summary["generated_tokens"] / generation_s, 1) if generation_s else None,
+        "hardware": describe(*engine_dtype(cfg)),
     }
     write_jsonl(output, records)
     write_json(stats_path, stats)  # written last: the resume check needs both
     print(f"[generate] {tag}: {len(records)} records x {cfg.k} responses -> {output}; "
           f"skipped {stats['skipped'] or 'none'}; finish {summary['finish_reasons']}; "
-          f"start-up {stats['engine_startup_s']} s, {stats['generated_tokens_per_s']} tok/s.")
+          f"start-up {stats['engine_startup_s']} s, {stats['generated_tokens_per_s']} tok/s "
+          f"on {describe_line(stats['hardware'])}.")
     return stats
 
 

@@ -18,13 +18,13 @@ Devices:
   OpenMP threads to its block (``VLLM_CPU_OMP_THREADS_BIND=a-b``, ``OMP_NUM_THREADS`` = block
   size). Each shard holds its own KV cache (``kv_cache_gb`` GiB) and model copy: on CPU, W = 1
   is usually best.
-- CPU, W = 1: the engine runs inside the shard process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
-  with ``OMP_NUM_THREADS`` threads (1 unless you set it). Measured on the 2-core box (SmolLM2-135M,
-  32 prompts x K=4 x 160 tokens): engine start 5 s instead of 17 s, and the same samples on every
-  run with the same seed (vLLM's separate engine process batches by timing, so its samples vary);
-  decoding ~290 tok/s either way (vLLM's own mode reserves a core for its scheduler and computes
-  on the other). ``OMP_NUM_THREADS=2`` doubles decoding on an idle box (530 tok/s) but stalls
-  when another job takes a core (OpenMP threads wait for each other), hence the default of 1.
+- CPU, W = 1: the engine runs inside the shard process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
+  a 5 s engine start instead of 17 s, and the same samples on every run with the same seed, since
+  vLLM's separate engine process batches by timing) with one OpenMP thread per core that is free
+  when the stage starts (``online_rlhf.hardware.stage_threads``; ``OMP_NUM_THREADS`` set by you
+  wins). Threads that share a core with another job wait for each other at every small op, so a
+  busy core is left out; OpenMP spin-waiting is shortened (``GOMP_SPINCOUNT``) so that a job
+  arriving later slows decoding down instead of stalling it.
   ``VLLM_ENABLE_V1_MULTIPROCESSING`` or ``VLLM_CPU_OMP_THREADS_BIND`` set by you turns this off:
   your values are passed to every shard unchanged.
 """
@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from merge_data import merge_shards, shard_path, shards_dir_of  # noqa: E402
 from online_rlhf.config import ConfigError, run_main  # noqa: E402
+from online_rlhf.hardware import stage_threads  # noqa: E402
 from online_rlhf.jsonl import atomic_open  # noqa: E402
 from online_rlhf.paths import setup_cache_env  # noqa: E402
 from online_rlhf.stage_configs import GenerateConfig  # noqa: E402
@@ -97,7 +98,7 @@ def shard_envs(num_shards: int, tensor_parallel_size: int, gpus: list[str] | Non
     if os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or "VLLM_ENABLE_V1_MULTIPROCESSING" in os.environ:
         return [{} for _ in range(num_shards)]
     if num_shards == 1:
-        return [{"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}]
+        return [{"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(stage_threads())}]
     cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
     if num_shards > len(cores):
         print(f"[launch] warning: {num_shards} shards on {len(cores)} cores; shards share cores.", file=sys.stderr)

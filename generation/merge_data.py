@@ -122,8 +122,10 @@ def merge_shards(cfg: GenerateConfig) -> dict:
         "engine_startup_s": max(start_s) if start_s else None,
         "generation_s": max(gen_s) if gen_s else None,
         "generated_tokens_per_s": round(summary["generated_tokens"] / max(gen_s), 1) if gen_s else None,
+        # device, dtype, threads and CPU of the first shard that ran an engine (all shards share them)
+        "hardware": next((s["hardware"] for s in shard_stats if s.get("hardware")), None),
         "shards": [{k: s.get(k) for k in ("shard_index", "shard_prompts", "records_out", "skipped",
-                                          "engine_startup_s", "generation_s", "generated_tokens_per_s")}
+                                          "engine_startup_s", "generation_s", "generated_tokens_per_s", "hardware")}
                    for s in shard_stats],
     }
     write_jsonl(cfg.output, records)

@@ -396,11 +396,37 @@ def metrics(run_dir: Path, i: int) -> dict:
                                    if (it / f"{name}.stats.json").exists()})
     row["stage_seconds"] = {s: _stats(_marker(run_dir, i, s)).get("seconds") for s in STAGES
                             if _marker(run_dir, i, s).exists()}
+    row["hardware"] = _hardware(it)
     rows = [r for r in (read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else [])
             if r["iteration"] != i]
     rows = sorted([*rows, row], key=lambda r: r["iteration"])
     write_jsonl(run_dir / "metrics.jsonl", rows)
     return row
+
+
+def _hardware(it: Path) -> dict:
+    """``{stage stats file: {device, dtype, threads, cpu_model, cpu_capability, cpu_native_bf16}}``
+    for the stages of iteration folder ``it`` that recorded what they ran on."""
+    out = {}
+    for name in ("generated.jsonl", "rewards.jsonl", "model", "eval_generated.jsonl", "eval.jsonl"):
+        hw = _stats(it / f"{name}.stats.json").get("hardware")
+        if hw:
+            out[name.split(".")[0]] = hw
+    return out
+
+
+def _hardware_lines(rows: list[dict]) -> list[str]:
+    """Report lines: the CPU once, then each stage's device, dtype and threads (last iteration's)."""
+    seen = {}
+    for r in rows:
+        seen.update(r.get("hardware") or {})
+    if not seen:
+        return []
+    first = next(iter(seen.values()))
+    lines = ["", f"Hardware: {first.get('cpu_model')} (torch capability {first.get('cpu_capability')}, "
+                 f"native bf16: {'yes' if first.get('cpu_native_bf16') else 'no'}).", ""]
+    lines += [f"- {stage}: {hw.get('device')} {hw.get('dtype')}, {hw.get('threads')} thread(s)" for stage, hw in seen.items()]
+    return lines
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -433,6 +459,7 @@ def report(run_dir: Path) -> Path:
               "", "Stage seconds per iteration:", ""]
     for r in rows:
         lines.append(f"- iteration {r['iteration']}: " + ", ".join(f"{k} {v:.0f}" for k, v in r["stage_seconds"].items() if v))
+    lines += _hardware_lines(rows)
     lines += ["", "![report](report.png)", ""]
     with atomic_open(run_dir / "report.md") as f:
         f.write("\n".join(lines))

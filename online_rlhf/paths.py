@@ -30,7 +30,8 @@ def default_data_dir() -> Path:
 
 
 def setup_cache_env() -> None:
-    """Point HF, torch extensions, vLLM, NLTK and wandb caches into the project cache (setdefault)."""
+    """Point HF, torch extensions, vLLM, NLTK and wandb caches into the project cache (setdefault),
+    and set the OpenMP defaults of :func:`online_rlhf.hardware.setdefault_thread_env`."""
     c = cache_dir()
     for var, sub in (("HF_HOME", "hf"), ("TORCH_EXTENSIONS_DIR", "torch_extensions"),
                      ("VLLM_CACHE_ROOT", "vllm"), ("NLTK_DATA", "nltk_data"), ("WANDB_DIR", "wandb"),
@@ -39,6 +40,9 @@ def setup_cache_env() -> None:
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("AXOLOTL_DO_NOT_TRACK", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from .hardware import setdefault_thread_env
+
+    setdefault_thread_env()
 
 
 def resolve_model(name: str) -> str:

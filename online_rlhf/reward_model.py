@@ -19,7 +19,9 @@ label (e.g. FsfairX-LLaMA3-RM, Skywork-Reward): the scalar it outputs at the las
 - **Data parallel**: under ``accelerate launch`` with N processes, each process scores a
   contiguous slice of the (record, response) items; results are gathered back in input order.
   On CPU: ``ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 ...``.
-- **dtype** ``auto``: bf16 on GPU, fp32 on CPU.
+- **dtype** ``auto``: :func:`online_rlhf.hardware.compute_dtype` (bf16 on GPUs that have it,
+  else fp16; on CPU bf16 only with native bf16, else fp32). Threads: the usable cores split
+  between the processes (``OMP_NUM_THREADS`` wins).
 """
 
 from __future__ import annotations
@@ -34,12 +36,12 @@ REASON_TEMPLATE = "chat_template_error"
 
 
 def resolve_dtype(dtype: str, device_type: str):
-    """``auto`` -> bf16 on CUDA, fp32 elsewhere; otherwise the named torch dtype."""
+    """The torch dtype of :func:`online_rlhf.hardware.compute_dtype` (``auto`` follows the hardware)."""
     import torch
 
-    if dtype == "auto":
-        return torch.bfloat16 if device_type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    from .hardware import compute_dtype
+
+    return getattr(torch, compute_dtype(device_type, dtype))
 
 
 class RewardModel:
@@ -48,7 +50,7 @@ class RewardModel:
     Args:
         path: checkpoint dir or Hub id of an ``AutoModelForSequenceClassification`` with one label,
             a tokenizer and a chat template.
-        dtype: ``auto`` | ``float32`` | ``bfloat16`` | ``float16`` (auto: bf16 on GPU, fp32 on CPU).
+        dtype: ``auto`` | ``float32`` | ``bfloat16`` | ``float16`` (auto: see :func:`resolve_dtype`).
         device: torch device (default: CUDA if available, else CPU).
         max_length: input budget in tokens (capped at the model's ``max_position_embeddings``).
     Raises:
@@ -276,9 +278,14 @@ def score(records: list[dict], cfg) -> tuple[list[Optional[list[float]]], dict]:
         (counted in ``stats["skipped"]``). Stats also hold ``truncated_inputs``,
         ``response_truncated``, ``num_processes``, ``dtype``, ``batch_size``, ``max_length``.
     """
+    import torch
     from accelerate.utils import gather_object
 
+    from .hardware import describe, stage_threads
+
     state = distributed_state()
+    if state.device.type == "cpu":
+        torch.set_num_threads(stage_threads(state.num_processes))
     rm = RewardModel(cfg.reward_model, dtype=cfg.dtype, device=state.device, max_length=cfg.max_length)
     items = [(ri, j) for ri, rec in enumerate(records) for j in range(len(rec["responses"]))]
     with state.split_between_processes(items) as mine:
@@ -300,7 +307,8 @@ def score(records: list[dict], cfg) -> tuple[list[Optional[list[float]]], dict]:
     stats: dict[str, Any] = {"skipped": {}, "truncated_inputs": 0, "response_truncated": 0,
                              "num_processes": state.num_processes, "dtype": str(rm.dtype).replace("torch.", ""),
                              "batch_size": cfg.batch_size if rm.exact_head else 1, "max_length": rm.max_length,
-                             "exact_batched_pooling": rm.exact_head}
+                             "exact_batched_pooling": rm.exact_head,
+                             "hardware": describe(rm.device.type, str(rm.dtype).replace("torch.", ""))}
     for s in all_stats:
         stats["truncated_inputs"] += s["truncated_inputs"]
         stats["response_truncated"] += s["response_truncated"]

