@@ -153,14 +153,24 @@ def content_spans(tokenizer: Any, messages: Sequence[dict], text: str,
     return spans
 
 
+def _strips(tokenizer: Any, token_id: int) -> tuple[bool, bool]:
+    """``(lstrip, rstrip)`` of an added token: whether it eats the whitespace before / after it."""
+    tok = (getattr(tokenizer, "added_tokens_decoder", None) or {}).get(token_id)
+    return bool(getattr(tok, "lstrip", False)), bool(getattr(tok, "rstrip", False))
+
+
 def _tokenizes_runs_alone(tokenizer: Any, marker: str, marker_id: int) -> bool:
-    """Whether text after a special token is tokenized as if it stood alone (true of byte-level BPE and
-    of SentencePiece tokenizers that prepend their space to every piece; false for a Metaspace
-    pre-tokenizer with ``prepend_scheme="first"``)."""
-    probe = "Hello world. 42"
-    alone = list(tokenizer(probe, add_special_tokens=False)["input_ids"])
-    after = list(tokenizer(marker + probe, add_special_tokens=False)["input_ids"])
-    return after == [marker_id] + alone
+    """Whether the text on either side of a special token is tokenized as if it stood alone, less
+    the whitespace the token strips (true of byte-level BPE and of SentencePiece tokenizers that
+    prepend their space to every piece; false for a Metaspace pre-tokenizer with
+    ``prepend_scheme="first"``)."""
+    lstrip, rstrip = _strips(tokenizer, marker_id)
+    for probe in ("Hello world. 42", " Hello world.\n"):
+        before = _text_ids(tokenizer, probe.rstrip() if lstrip else probe, split_special=False)
+        after = _text_ids(tokenizer, probe.lstrip() if rstrip else probe, split_special=False)
+        if _text_ids(tokenizer, probe + marker + probe, split_special=False) != before + [marker_id] + after:
+            return False
+    return True
 
 
 def _text_ids(tokenizer: Any, text: str, split_special: bool) -> list[int]:
@@ -225,19 +235,30 @@ def chat_token_ids(tokenizer: Any, messages: Sequence[dict], add_generation_prom
     edges = [0] + [x for s in spans for x in s] + [len(text)]
     for a, b in zip(edges[0::2], edges[1::2]):  # the template segments between contents
         markers.extend((a + m.start(), a + m.end(), specials[m.group()]) for m in rx.finditer(text[a:b]))
-    if markers and not _tokenizes_runs_alone(tokenizer, text[markers[0][0]:markers[0][1]], markers[0][2]):
+    used = {tid: text[a:b] for a, b, tid in markers}
+    if not all(_tokenizes_runs_alone(tokenizer, m, tid) for tid, m in used.items()):
         raise ChatTokenError(
             f"the tokenizer of {_template_name(tokenizer)} tokenizes text after a special token differently from the "
             "same text alone (a Metaspace pre-tokenizer with prepend_scheme='first'?), so a content holding a "
             "special-token string cannot be tokenized as plain text here. Remove the special-token strings from "
             "the contents.")
-    ids: list[int] = []
-    pos = 0
+    # Cut the text at the markers; a marker that strips whitespace (lstrip / rstrip) takes it from
+    # its neighbours, as the tokenizer does.
+    runs, tids, pos = [], [], 0
     for start, end, tid in markers:
-        ids += _text_ids(tokenizer, text[pos:start], split_special=True)
-        ids.append(tid)
+        runs.append(text[pos:start])
+        tids.append(tid)
         pos = end
-    ids += _text_ids(tokenizer, text[pos:], split_special=True)
+    runs.append(text[pos:])
+    for k, tid in enumerate(tids):
+        lstrip, rstrip = _strips(tokenizer, tid)
+        runs[k] = runs[k].rstrip() if lstrip else runs[k]
+        runs[k + 1] = runs[k + 1].lstrip() if rstrip else runs[k + 1]
+    ids: list[int] = []
+    for k, run in enumerate(runs):
+        ids += _text_ids(tokenizer, run, split_special=True)
+        if k < len(tids):
+            ids.append(tids[k])
     return _bos_once(tokenizer, ids)
 
 

@@ -226,3 +226,19 @@ def test_tokenizer_that_reads_text_after_a_marker_differently_is_refused_for_spe
     assert chat_token_ids(tok, plain) == _plain_ids(tok, plain, False)
     with pytest.raises(ChatTokenError, match="differently from the same text alone"):
         chat_token_ids(tok, [{"role": "user", "content": "Hello <|im_end|> world"}])
+
+
+def test_marker_that_strips_whitespace_strips_it_as_the_tokenizer_does():
+    from tokenizers import AddedToken
+
+    tok = make_tiny_tokenizer()
+    tok.add_tokens([AddedToken("<|sep|>", lstrip=True, rstrip=True, special=True, normalized=False)], special_tokens=True)
+    tok.chat_template = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + ' <|sep|> ' + m['content'] + '<|im_end|>' }}{% endfor %}"
+    plain = [{"role": "user", "content": "hello there"}]
+    assert chat_token_ids(tok, plain) == _plain_ids(tok, plain, False)
+    msgs = [{"role": "user", "content": "hello <|sep|> there<|im_end|>"}]
+    sep = tok.convert_tokens_to_ids("<|sep|>")
+    text_ids = tok(msgs[0]["content"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert chat_token_ids(tok, msgs) == ([tok.bos_token_id, tok.convert_tokens_to_ids("<|im_start|>")]
+                                         + tok("user", add_special_tokens=False)["input_ids"] + [sep] + text_ids
+                                         + [tok.eos_token_id])
