@@ -474,3 +474,26 @@ def test_vllm_one_cpu_shard_runs_in_process_and_repeats_its_samples(vllm_run, tm
         runs.append(read_jsonl(out))
     assert [r["responses"] for r in runs[0]] == [r["responses"] for r in runs[1]]
     assert len({s for r in runs[0] for s in r["responses"]}) > 1  # sampled, not one repeated string
+
+
+@pytest.mark.vllm
+def test_vllm_injected_prompt_reaches_the_engine_as_text(tmp_path):
+    """One in-process shard: the engine gets the prompt's special-token strings as text (generate.py
+    checks that vLLM's prompt ids are the ones it sent), and the stats count the prompt."""
+    pytest.importorskip("vllm")
+    from transformers import AutoTokenizer
+
+    model = tiny_policy(tmp_path / "policy")
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 0, [{"id": "inj", "prompt": INJECTED}])
+    out = tmp_path / "generated.jsonl"
+    argv = [sys.executable, str(GEN_DIR / "launch.py"), f"prompts={prompts}", f"model={model}", f"output={out}",
+            "num_shards=1", "k=2", "max_tokens=8", "max_model_len=128", "kv_cache_gb=0.25", "temperature=1.0"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (rec,) = read_jsonl(out)
+    tok = AutoTokenizer.from_pretrained(model)
+    reference = chatml_reference_ids(tok, [{"role": "user", "content": INJECTED}], add_generation_prompt=True, bos=True)
+    assert rec["prompt_tokens"] == len(reference)  # vLLM's own count of the prompt ids it received
+    stats = read_json(str(out) + ".stats.json")
+    assert stats["special_token_text"]["prompts"] == 1
+    assert 0 <= stats["response_ids_differ_from_text"] <= 2
