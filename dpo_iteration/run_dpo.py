@@ -3,24 +3,35 @@
     accelerate launch --config_file configs/accelerate/cpu.yaml dpo_iteration/run_dpo.py \
         --config configs/dpo.yaml policy=default pairs=runs/x/iter_1/pairs.jsonl output_dir=runs/x/iter_1/model
 
-Reads one pairs file (``{prompt, chosen, rejected}`` as message lists, DESIGN.md "Records"), writes
+Reads one pairs file (``{prompt, chosen, rejected}`` as message lists, online_rlhf/records.py), writes
 one checkpoint directory (safetensors + tokenizer + chat template + generation_config, with the
 input policy's bos/eos/pad) and a stats JSON (``<output_dir>.stats.json`` unless ``stats_output``).
 
 Order of work (torchtune-recipe style, top to bottom in :func:`main`):
   1. validate the config: every ``training`` key is a ``trl.DPOConfig`` field, every ``lora`` key a
      ``peft.LoraConfig`` field, dtypes of policy and reference agree -- before any weight is loaded;
-  2. read and check the pairs; drop (and count by reason) invalid pairs and pairs whose prompt
-     leaves no room for the response; count the sequences ``max_length`` will truncate;
+  2. read and check the pairs; tokenize them once with the policy's chat template
+     (:func:`tokenize_pairs`: message contents as plain text, so a ``<|im_end|>`` written inside a
+     response is text, not an EOS; BOS exactly once, as generation gave it); drop (and count by
+     reason) invalid pairs and pairs whose prompt leaves no room for the response; count the
+     sequences ``max_length`` will truncate and the pairs holding special-token strings
+     (``special_token_text`` in the stats and the log line);
   3. load policy, reference (only when it differs from the policy, or when reference log-probs
      are not precomputed) and tokenizer;
-  4. build ``DPOTrainer`` (tokenizes; precomputes reference log-probs once when
-     ``training.precompute_ref_log_probs`` is on, the stage default), train;
+  4. build ``DPOTrainer`` on those token ids (TRL does not tokenize again; precomputes reference
+     log-probs once when ``training.precompute_ref_log_probs`` is on, the stage default), train;
   5. save into ``<output_dir>.tmp`` (LoRA adapters merged first), rename to ``output_dir``.
 
 The reference model: ``reference=None`` (or the policy's own path) means "the policy as it is
 before this stage", i.e. the loop's ``ref_model: previous``; ``reference=<dir>`` (the loop's
 ``ref_model: initial``) loads that checkpoint as ``ref_model``. The stats record which one.
+
+Token ids: a response is trained on as the tokenization of its text (the record holds the text,
+not the sampled ids). That equals the sampled ids except where the sampler chose another split of
+the same text, or generated a special id vLLM leaves out of the text; the generation stage counts
+those responses (``response_ids_differ_from_text`` in its stats). The prompt gets a BOS when the
+policy's tokenizer adds one and the template does not write it, as generation does (TRL's own
+tokenization leaves it out; SmolLM2 and Llama-3 are unaffected).
 
 Truncation in TRL 1.9: there is no ``max_prompt_length``; the collator cuts prompt+response to
 ``max_length`` keeping the start (``truncation_mode="keep_start"``), and the trainer silently drops
@@ -44,6 +55,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the shared package importable from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from online_rlhf.chat_tokens import ChatTokenError, messages_have_special_text, prompt_response_ids
 from online_rlhf.config import ConfigError, did_you_mean, run_main
 from online_rlhf.hardware import compute_dtype, describe, stage_threads
 from online_rlhf.jsonl import DataError, iter_jsonl, write_json, write_jsonl
@@ -210,19 +222,54 @@ def load_pairs(path: str) -> tuple[list[dict], dict]:
     return pairs, {"in": n, "dropped": dict(dropped), "examples": examples}
 
 
-def _n_tokens(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> int:
-    # The same call TRL 1.9 makes when it tokenizes a conversational pair (trl.data_utils._tokenize).
-    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                        add_generation_prompt=add_generation_prompt)
-    return len(out["input_ids"])
+def tokenize_pairs(pairs: list[dict], tokenizer) -> tuple[list[dict], dict]:
+    """Token ids of each pair as the trainer will use them; message contents stay text.
+
+    ``online_rlhf.chat_tokens.prompt_response_ids`` with the policy's chat template: ``prompt_ids``
+    = the prompt with the generation prompt, BOS exactly once (the ids generation gave the policy);
+    ``chosen_ids`` / ``rejected_ids`` = the rest of prompt + response (the response text and the
+    template's end-of-turn marker). Only the template's own markers are special ids: a
+    ``<|im_end|>`` written inside a response or a prompt is the text's sub-tokens, not an EOS or a
+    new turn. (TRL's own tokenization, ``apply_chat_template(tokenize=True)``, parses them as
+    special tokens; the trainer here is given these ids instead, see :func:`_timed_trainer_class`.)
+
+    Returns:
+        (pairs with ``prompt_ids``, ``chosen_ids``, ``rejected_ids`` added, info) with info =
+        ``{"dropped": {"special_text_not_tokenizable": n}, "examples": {reason: ["file:line (why)"]}}``:
+        a pair is dropped only when a content holds a special-token string and the template rewrites
+        contents beyond stripping whitespace, or renders the prompt differently once a response follows.
+    """
+    out, dropped, examples = [], Counter(), {}
+    for p in pairs:
+        try:
+            prompt_ids, (chosen_ids, rejected_ids) = prompt_response_ids(tokenizer, p["prompt"], p["chosen"],
+                                                                         p["rejected"])
+        except ChatTokenError as e:
+            dropped["special_text_not_tokenizable"] += 1
+            ex = examples.setdefault("special_text_not_tokenizable", [])
+            if len(ex) < _MAX_EXAMPLES:
+                ex.append(f"{p['_where']} ({e})")
+            continue
+        out.append({**p, "prompt_ids": prompt_ids, "chosen_ids": chosen_ids, "rejected_ids": rejected_ids})
+    return out, {"dropped": dict(dropped), "examples": examples}
 
 
-def check_lengths(pairs: list[dict], tokenizer, max_length: int | None, max_prompt_length: int | None,
+def special_text_counts(pairs: list[dict], tokenizer) -> dict:
+    """How many pairs hold a special-token string of the policy's tokenizer in their prompt, chosen, rejected.
+
+    Returns:
+        ``{"prompts": n, "chosen": n, "rejected": n}`` (each side counted once per pair).
+    """
+    return {side: sum(1 for p in pairs if messages_have_special_text(tokenizer, p[key]))
+            for side, key in (("prompts", "prompt"), ("chosen", "chosen"), ("rejected", "rejected"))}
+
+
+def check_lengths(pairs: list[dict], max_length: int | None, max_prompt_length: int | None,
                   truncation_mode: str) -> tuple[list[dict], dict]:
     """Drop pairs whose prompt leaves no response token; count what ``max_length`` will truncate.
 
-    Token counts use the policy tokenizer and chat template exactly as TRL does: prompt =
-    template(prompt, add_generation_prompt), response = template(prompt + response) - prompt.
+    Token counts are the lengths of the ids the trainer gets (:func:`tokenize_pairs`):
+    ``prompt_ids``, ``chosen_ids``, ``rejected_ids``.
 
     A pair is dropped (reason ``prompt_too_long``) when its prompt is longer than
     ``max_prompt_length``, or, with ``keep_start`` truncation, when the prompt alone has
@@ -237,9 +284,7 @@ def check_lengths(pairs: list[dict], tokenizer, max_length: int | None, max_prom
     trunc = Counter()
     max_p = max_seq = 0
     for p in pairs:
-        n_p = _n_tokens(tokenizer, p["prompt"], add_generation_prompt=True)
-        n_c = _n_tokens(tokenizer, p["prompt"] + p["chosen"]) - n_p
-        n_r = _n_tokens(tokenizer, p["prompt"] + p["rejected"]) - n_p
+        n_p, n_c, n_r = len(p["prompt_ids"]), len(p["chosen_ids"]), len(p["rejected_ids"])
         max_p, max_seq = max(max_p, n_p), max(max_seq, n_p + n_c, n_p + n_r)
         too_long = (max_prompt_length is not None and n_p > max_prompt_length) or (
             max_length is not None and truncation_mode == "keep_start" and n_p >= max_length)
@@ -276,11 +321,26 @@ def _timed_trainer_class():
     from trl import DPOTrainer
 
     class TimedDPOTrainer(DPOTrainer):
-        """DPOTrainer that records the seconds spent precomputing reference log-probs (for the stats).
+        """DPOTrainer that trains on the stage's token ids and records the seconds spent precomputing
+        reference log-probs (for the stats).
 
-        Wraps TRL 1.9's ``_precompute_ref_logps`` (private; pinned version)."""
+        Overrides TRL 1.9's ``_prepare_dataset`` and wraps its ``_precompute_ref_logps`` (private;
+        pinned version). A dataset that already holds ``prompt_ids``, ``chosen_ids`` and
+        ``rejected_ids`` (:func:`tokenize_pairs`) is used as it is: TRL would otherwise tokenize
+        the text again with ``apply_chat_template(tokenize=True)``, which turns a special-token
+        string inside a message into a special token. TRL's drop of prompts that fill
+        ``max_length`` is kept (a no-op here: :func:`check_lengths` dropped them, counted).
+        """
 
         precompute_seconds = 0.0
+
+        def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+            if not {"prompt_ids", "chosen_ids", "rejected_ids"} <= set(dataset.column_names or ()):
+                return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+            if args.max_length is not None and args.truncation_mode == "keep_start":
+                dataset = dataset.filter(lambda ex: len(ex["prompt_ids"]) < args.max_length,
+                                         desc=f"Dropping fully truncated examples from {dataset_name} dataset")
+            return dataset
 
         def _precompute_ref_logps(self, *args, **kwargs):
             t = time.perf_counter()
@@ -393,9 +453,11 @@ def main(cfg: DPOStageConfig) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(policy_path, trust_remote_code=trust)
     if tokenizer.chat_template is None:
         raise ConfigError(f"{policy_path}: the tokenizer has no chat template; conversational pairs need one.")
-    kept, len_info = check_lengths(pairs, tokenizer, args.max_length, cfg.max_prompt_length, args.truncation_mode)
-    dropped = Counter(read_info["dropped"]) + Counter(len_info["dropped"])
-    examples = {**read_info["examples"], **len_info["examples"]}
+    tokenized, tok_info = tokenize_pairs(pairs, tokenizer)
+    kept, len_info = check_lengths(tokenized, args.max_length, cfg.max_prompt_length, args.truncation_mode)
+    dropped = Counter(read_info["dropped"]) + Counter(tok_info["dropped"]) + Counter(len_info["dropped"])
+    examples = {**read_info["examples"], **tok_info["examples"], **len_info["examples"]}
+    special = special_text_counts(kept, tokenizer)
     if not kept:
         raise DataError(f"{cfg.pairs}: none of the {read_info['in']} pairs can be trained on "
                         f"(dropped: {dict(dropped)}; e.g. {examples}). Fix the pairs, or raise "
@@ -410,7 +472,7 @@ def main(cfg: DPOStageConfig) -> dict:
             _rmtree(tmp_dir)
             _rmtree(work_dir)
             write_jsonl(work_dir / "pairs_kept.jsonl",
-                        ({k: p[k] for k in ("prompt", "chosen", "rejected")} for p in kept))
+                        ({k: p[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for p in kept))
         import datasets
 
         train_ds = datasets.load_dataset("json", data_files=str(work_dir / "pairs_kept.jsonl"), split="train",
@@ -436,6 +498,10 @@ def main(cfg: DPOStageConfig) -> dict:
     if len(trainer.train_dataset) != len(kept):  # TRL dropped something we did not count
         raise RuntimeError(f"TRL kept {len(trainer.train_dataset)} of {len(kept)} pairs; the stage's length "
                            "check disagrees with the trainer's (a TRL version change?).")
+    for col in ("prompt_ids", "chosen_ids", "rejected_ids"):  # TRL trains on the stage's ids, not its own
+        if [list(x) for x in trainer.train_dataset[col]] != [p[col] for p in kept]:
+            raise RuntimeError(f"the trainer's {col} differ from the stage's tokenization; TRL tokenized the pairs "
+                               "itself (a TRL version change? see _timed_trainer_class).")
     if args.precompute_ref_log_probs and trainer.ref_model is not None:
         trainer.ref_model = None  # its log-probs are in the dataset now; free the memory
         ref_model = None
@@ -476,6 +542,7 @@ def main(cfg: DPOStageConfig) -> dict:
         "pairs_dropped": dict(dropped),
         "dropped_examples": examples,
         "truncation": len_info["truncation"],
+        "special_token_text": special,
         "loss_type": list(args.loss_type),
         "beta": args.beta,
         "learning_rate": args.learning_rate,
@@ -499,7 +566,8 @@ def main(cfg: DPOStageConfig) -> dict:
         loss = (f"loss {stats['train_loss_first']} (one step: log(2) = 0.6931 is the loss before any update)"
                 if stats["steps"] == 1 else f"loss {stats['train_loss_first']} -> {stats['train_loss_last']}")
         print(f"dpo: {len(kept)}/{read_info['in']} pairs, {stats['steps']} step{'s' * (stats['steps'] != 1)}, {loss}, "
-              f"saved {out_dir} ({stats_path})")
+              f"special-token strings kept as text in {special['prompts']} prompts, {special['chosen']} chosen, "
+              f"{special['rejected']} rejected; saved {out_dir} ({stats_path})")
     return stats
 
 

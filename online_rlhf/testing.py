@@ -4,6 +4,9 @@
 (non-ASCII included) encodes; it has a ChatML chat template and ``<|im_end|>`` as eos/pad.
 ``make_tiny_policy`` saves a 2-layer Llama causal LM with that tokenizer (vLLM and TRL load it);
 ``make_tiny_reward_model`` saves a 1-label ``LlamaForSequenceClassification``.
+``chatml_reference_ids`` builds the token ids of a ChatML conversation piece by piece (marker ids
++ each text tokenized alone, special-token strings as text), the reference the token-id tests
+compare the stages with.
 """
 
 from __future__ import annotations
@@ -55,6 +58,41 @@ def make_tiny_tokenizer(bos_in_template: bool = False, vocab_size: int = 512, pa
                                  model_max_length=4096)
     hf.chat_template = template
     return hf
+
+
+def chatml_reference_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = False,
+                         bos: bool = False, system_default: str | None = None) -> list[int]:
+    """Token ids of a ChatML conversation built piece by piece, independently of the stages' code.
+
+    Each turn is ``<|im_start|>`` id + ``tokenizer(role + "\n")`` + ``tokenizer(content,
+    split_special_tokens=True)`` + ``<|im_end|>`` id + ``tokenizer("\n")``; the generation prompt is
+    ``<|im_start|>`` id + ``tokenizer("assistant\n")``. Texts are encoded without special tokens.
+    Matches the real template's tokenization when each content starts with a non-space character
+    (then the byte-level pre-tokenizer splits at the newline anyway).
+
+    Args:
+        tokenizer: a tokenizer with ``<|im_start|>`` and ``<|im_end|>`` special tokens.
+        messages: ``[{role, content}]``.
+        add_generation_prompt: append the assistant header.
+        bos: put ``tokenizer.bos_token_id`` first.
+        system_default: a system message inserted first when the first message is not a system one
+            (SmolLM2's template does this).
+    Returns:
+        list of int token ids.
+    """
+    start, end = tokenizer.convert_tokens_to_ids("<|im_start|>"), tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def text(t: str) -> list[int]:
+        return list(tokenizer(t, add_special_tokens=False, split_special_tokens=True)["input_ids"]) if t else []
+
+    if system_default is not None and messages and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_default}] + list(messages)
+    ids = [tokenizer.bos_token_id] if bos else []
+    for m in messages:
+        ids += [start] + text(m["role"] + "\n") + text(m["content"]) + [end] + text("\n")
+    if add_generation_prompt:
+        ids += [start] + text("assistant\n")
+    return ids
 
 
 def _llama_config(tokenizer, **kw):

@@ -15,6 +15,8 @@ in the conversational format sft/run_sft.py and Axolotl's ``chat_template`` load
 and ``<output>.stats.json``: prompts in, kept, dropped by reason (``no_eligible_response``,
 ``below_min_reward``), responses excluded by reason (``empty``, ``truncated``), reward of the
 kept responses. Ties for the best reward go to the first such response (sampling order).
+Responses are copied as text; sft/run_sft.py counts (and warns about) rows holding special-token
+strings such as ``<|im_end|>``, which Axolotl tokenizes as special tokens.
 """
 
 from __future__ import annotations

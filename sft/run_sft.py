@@ -27,7 +27,15 @@ Order of work (top to bottom in :func:`main`):
      copied: Axolotl saves one with ``do_sample=true``); ``use_cache`` is switched back on; then
      ``<output_dir>.tmp`` is renamed to ``output_dir``;
   6. ``<output_dir>.stats.json``: rows in, rows used, rows dropped by Axolotl by reason, steps,
-     loss first/last, seconds per step, wall seconds.
+     loss first/last, seconds per step, wall seconds, and ``special_token_text``.
+
+Special-token strings in the data are NOT kept as text here. Axolotl 0.19 tokenizes each row with
+``apply_chat_template(tokenize=True)``, which turns a ``<|im_end|>`` written inside a message into
+the special token: an assistant turn containing it is trained as if the turn ended there, and a
+user turn can open a new turn. The other stages tokenize contents as text
+(``online_rlhf.chat_tokens``); changing Axolotl's tokenizer path is out of this stage's reach, so
+it counts the rows that hold such strings (``special_token_text`` in the stats, per role) and
+warns before training. Remove those rows from the data set if that matters.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ if __package__ in (None, ""):  # run as a script: make the shared package import
 
 import yaml
 
+from online_rlhf.chat_tokens import has_special_text
 from online_rlhf.config import ConfigError, did_you_mean, run_main
 from online_rlhf.hardware import compute_dtype, describe, stage_threads
 from online_rlhf.jsonl import DataError, iter_jsonl, read_json, write_json
@@ -106,6 +115,25 @@ def validate_sft_dataset(path: str | os.PathLike, field: str = "messages") -> in
     if n == 0:
         raise DataError(f"{path}: the SFT data set is empty.")
     return n
+
+
+def special_text_rows(path: str | os.PathLike, tokenizer, field: str = "messages") -> dict:
+    """Rows of an SFT JSONL file whose messages hold a special-token string of ``tokenizer``.
+
+    Axolotl parses such strings as special tokens (module docstring); this only counts them. Call
+    it on a file :func:`validate_sft_dataset` accepted.
+
+    Returns:
+        ``{"rows": n rows with at least one, "messages": {"system": n, "user": n, "assistant": n}}``
+        (messages per role that hold one).
+    """
+    rows, by_role = 0, dict.fromkeys(ROLES, 0)
+    for _, rec in iter_jsonl(path):
+        hits = [m["role"] for m in rec[field] if has_special_text(tokenizer, m["content"])]
+        rows += bool(hits)
+        for role in hits:
+            by_role[role] += 1
+    return {"rows": rows, "messages": by_role}
 
 
 def dataset_entry(datasets, dataset: str) -> dict:
@@ -352,10 +380,17 @@ def main(cfg: SFTStageConfig) -> dict:
     rows_in = validate_sft_dataset(cfg.dataset, entry["field_messages"])
     from transformers import AutoTokenizer
 
-    eos = (extra.get("special_tokens") or {}).get("eos_token") or AutoTokenizer.from_pretrained(base).eos_token
+    base_tok = AutoTokenizer.from_pretrained(base)
+    eos = (extra.get("special_tokens") or {}).get("eos_token") or base_tok.eos_token
     if not eos:
         raise ConfigError(f"the base model {base} has no eos token; set special_tokens.eos_token.")
+    special = special_text_rows(cfg.dataset, base_tok, entry["field_messages"])
     print(f"[sft] {rows_in} rows in {cfg.dataset}; base {base}; eos = pad = {eos!r}", flush=True)
+    if special["rows"]:
+        print(f"[sft] warning: {special['rows']} rows hold special-token strings in their messages "
+              f"({special['messages']}); Axolotl tokenizes them as special tokens (e.g. an end of turn inside an "
+              "assistant turn), not as text. Remove those rows from the data set to avoid that.",
+              file=sys.stderr, flush=True)
 
     # 3. the resolved Axolotl config.
     ax = axolotl_config(cfg, base, eos, tmp, prepared)
@@ -387,7 +422,7 @@ def main(cfg: SFTStageConfig) -> dict:
     stats = {"stage": "sft", "base_model": base, "dataset": str(cfg.dataset), "output_dir": str(out),
              "axolotl_config": str(yaml_path), "rows_in": rows_in, "rows_used": rows_used, "dropped": dropped,
              **loss_summary(train_log), "wall_seconds": round(time.monotonic() - t0, 1),
-             "launcher": cfg.launcher, "sequence_len": ax.get("sequence_len"),
+             "launcher": cfg.launcher, "sequence_len": ax.get("sequence_len"), "special_token_text": special,
              "hardware": describe("cuda" if _on_gpu() else "cpu", _precision(ax),
                                   threads=None if _on_gpu() else stage_threads()),
              **summary}

@@ -71,6 +71,19 @@ def test_cli_stops_on_bad_row_before_axolotl_runs(tmp_path):
     assert not (tmp_path / "sft").exists()  # no Axolotl config, no output
 
 
+def test_rows_with_special_token_strings_are_counted_by_role(tmp_path):
+    from online_rlhf.testing import make_tiny_tokenizer
+
+    rows = [GOOD,
+            {"messages": [{"role": "user", "content": "hi<|im_end|>"}, {"role": "assistant", "content": "Sure.<|im_end|>x"}]},
+            {"messages": [{"role": "system", "content": "<|im_start|>"}, {"role": "user", "content": "a <| b |>"},
+                          {"role": "assistant", "content": "ok"}]}]
+    path = _write(tmp_path / "sft.jsonl", rows)
+    assert run_sft.validate_sft_dataset(path) == 3
+    assert run_sft.special_text_rows(path, make_tiny_tokenizer()) == {
+        "rows": 2, "messages": {"system": 1, "user": 1, "assistant": 1}}
+
+
 # --- config -------------------------------------------------------------------------------------
 
 def test_misspelt_axolotl_key_is_an_error():
@@ -155,6 +168,7 @@ def test_axolotl_sft_tiny_model(tmp_path):
     assert stats == read_json(f"{out}.stats.json")
     assert stats["rows_in"] == 32 and stats["rows_used"] == 31
     assert stats["dropped"] == {"outside_length_range": 1}
+    assert stats["special_token_text"] == {"rows": 0, "messages": {"system": 0, "user": 0, "assistant": 0}}
     assert stats["steps"] == 8
     assert stats["train_loss_last"] < stats["train_loss_first"] - 0.3
     assert sorted(p.name for p in out.parent.iterdir()) == ["model", "model.axolotl.yaml", "model.stats.json"]
