@@ -26,6 +26,7 @@ What happens, top to bottom:
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -33,6 +34,7 @@ from typing import Any, Sequence
 
 from online_rlhf.config import ConfigError, run_main
 from online_rlhf.jsonl import DataError, iter_jsonl, read_json, write_json, write_jsonl
+from online_rlhf.pairs import distinct_texts, low_diversity_warning
 from online_rlhf.paths import resolve_model, setup_cache_env
 from online_rlhf.records import load_prompts
 from online_rlhf.rundir import fingerprint
@@ -202,12 +204,17 @@ def summarize(records: Sequence[dict]) -> dict:
     Returns:
         dict with ``records``, ``responses``, ``finish_reasons`` (counts), ``empty_responses``,
         ``generated_tokens``, ``mean_response_tokens``, ``prompts_all_distinct`` (prompts whose K
-        responses are pairwise different) and ``mean_distinct_responses`` (per prompt).
+        responses are pairwise different), ``mean_distinct_responses`` (per prompt),
+        ``prompts_fewer_than_2_distinct`` (prompts with K >= 2 but fewer than 2 different non-empty
+        texts: no pair possible) and ``warnings`` (when those are most prompts).
     """
     finish = Counter(f for r in records for f in r["finish_reasons"])
     n_resp = sum(len(r["responses"]) for r in records)
     tokens = sum(sum(r.get("response_tokens", [])) for r in records)
     distinct = [len(set(r["responses"])) for r in records]
+    sampled = [r for r in records if len(r["responses"]) >= 2]
+    low = sum(distinct_texts(r["responses"]) < 2 for r in sampled)
+    warning = low_diversity_warning(len(sampled), low, "generation")
     return {
         "records": len(records),
         "responses": n_resp,
@@ -217,6 +224,8 @@ def summarize(records: Sequence[dict]) -> dict:
         "mean_response_tokens": round(tokens / n_resp, 2) if n_resp else None,
         "prompts_all_distinct": sum(1 for d, r in zip(distinct, records) if d == len(r["responses"])),
         "mean_distinct_responses": round(sum(distinct) / len(distinct), 3) if distinct else None,
+        "prompts_fewer_than_2_distinct": low,
+        "warnings": [warning] if warning else [],
     }
 
 
@@ -327,6 +336,8 @@ def main(cfg: GenerateConfig) -> dict:
     print(f"[generate] {tag}: {len(records)} records x {cfg.k} responses -> {output}; "
           f"skipped {stats['skipped'] or 'none'}; finish {summary['finish_reasons']}; "
           f"start-up {stats['engine_startup_s']} s, {stats['generated_tokens_per_s']} tok/s.")
+    for w in stats["warnings"]:
+        print(f"WARNING: {tag}: {w}", file=sys.stderr)
     return stats
 
 

@@ -362,11 +362,17 @@ def _stats(path: Path) -> dict:
 
 
 def metrics(run_dir: Path, i: int) -> dict:
-    """Write (or replace) iteration ``i``'s row of ``metrics.jsonl`` and return it."""
+    """Write (or replace) iteration ``i``'s row of ``metrics.jsonl`` and return it.
+
+    Unscored responses (``null`` rewards) are left out of the held-out means and counted
+    (``eval_unscored_responses``). ``warnings`` lists what the loop prints after the row, e.g. most
+    train prompts with fewer than 2 distinct responses (``train_prompts_fewer_than_2_distinct``).
+    """
     it = run_dir / f"iter_{i}"
     evals = read_jsonl(it / "eval.jsonl")
-    rewards = [float(r["rewards"][0]) for r in evals]  # held-out: first (greedy) response
-    all_rewards = [float(x) for r in evals for x in r["rewards"]]
+    firsts = [r["rewards"][0] for r in evals]  # held-out: first (greedy) response
+    rewards = [float(x) for x in firsts if x is not None]
+    all_rewards = [float(x) for r in evals for x in r["rewards"] if x is not None]
     m, lo, hi = mean_ci95(all_rewards if len(all_rewards) > len(rewards) else rewards)
     eval_gen = _stats(it / "eval_generated.jsonl.stats.json")
     row: dict[str, Any] = {
@@ -374,22 +380,12 @@ def metrics(run_dir: Path, i: int) -> dict:
         "eval_mean_response_tokens": _mean([t for r in evals for t in r.get("response_tokens", [])]),
         "eval_truncation_rate": _rate([f for r in evals for f in r["finish_reasons"]]),
         "eval_unscored": eval_gen.get("prompts_in", len(evals)) - len(evals),
+        "eval_unscored_responses": sum(x is None for r in evals for x in r["rewards"]),
+        "warnings": [],
     }
     if i >= 1:
-        gen = read_jsonl(it / "generated.jsonl")
-        pairs_stats = _stats(it / "pairs.jsonl.stats.json")
-        row.update({
-            "train_prompts": len(gen),
-            # mean reward of this iteration's K rollouts per train prompt (sampled from the policy of
-            # iteration i-1, on prompts it has not trained on): the on-policy reward, before DPO.
-            "rollout_reward_mean": _stats(it / "rewards.jsonl.stats.json").get("reward", {}).get("mean"),
-            "train_truncation_rate": _rate([f for r in gen for f in r["finish_reasons"]]),
-            "pairs": sum(1 for _ in open(it / "pairs.jsonl", encoding="utf-8")),
-            "pairs_skipped": pairs_stats.get("skipped", {}),
-            "dpo": {k: v for k, v in _stats(it / "model.stats.json").items()
-                    if k in ("train_loss_first", "train_loss_last", "rewards_accuracies_last", "steps")},
-        })
-    # One stats.json per iteration: every stage's counts, as DESIGN.md asks.
+        row.update(_train_metrics(it, i))
+    # One stats.json per iteration: every stage's counts.
     write_json(it / "stats.json", {name: _stats(it / f"{name}.stats.json") for name in
                                    ("generated.jsonl", "rewards.jsonl", "pairs.jsonl", "model",
                                     "eval_generated.jsonl", "eval.jsonl")
@@ -401,6 +397,30 @@ def metrics(run_dir: Path, i: int) -> dict:
     rows = sorted([*rows, row], key=lambda r: r["iteration"])
     write_jsonl(run_dir / "metrics.jsonl", rows)
     return row
+
+
+def _train_metrics(it: Path, i: int) -> dict:
+    """The train-side columns of iteration ``i``'s metrics row (generation, rewards, pairs, DPO)."""
+    from .pairs import distinct_texts, low_diversity_warning
+
+    gen = read_jsonl(it / "generated.jsonl")
+    pairs_stats = _stats(it / "pairs.jsonl.stats.json")
+    sampled = [r for r in gen if len(r.get("responses", [])) >= 2]
+    low = sum(distinct_texts(r["responses"]) < 2 for r in sampled)
+    warning = low_diversity_warning(len(sampled), low, f"iteration {i}, generated.jsonl")
+    return {
+        "train_prompts": len(gen),
+        # mean reward of this iteration's K rollouts per train prompt (sampled from the policy of
+        # iteration i-1, on prompts it has not trained on): the on-policy reward, before DPO.
+        "rollout_reward_mean": _stats(it / "rewards.jsonl.stats.json").get("reward", {}).get("mean"),
+        "train_truncation_rate": _rate([f for r in gen for f in r["finish_reasons"]]),
+        "train_prompts_fewer_than_2_distinct": low,
+        "pairs": sum(1 for _ in open(it / "pairs.jsonl", encoding="utf-8")),
+        "pairs_skipped": pairs_stats.get("skipped", {}),
+        "dpo": {k: v for k, v in _stats(it / "model.stats.json").items()
+                if k in ("train_loss_first", "train_loss_last", "rewards_accuracies_last", "steps")},
+        "warnings": [warning] if warning else [],
+    }
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -515,6 +535,8 @@ def main(argv: list[str]) -> int:
             print(f"iteration {row['iteration']}: held-out reward {row['eval_reward_mean']:.4f} "
                   f"(95% CI {lo:.4f}-{hi:.4f}, n={row['eval_prompts']}), "
                   + ("" if rollout is None else f"rollout reward {rollout:.4f}, ") + f"pairs {row.get('pairs', '-')}")
+            for w in row["warnings"]:
+                print(f"WARNING: {w}")
         elif cmd == "report":
             print(report(Path(args[0])))
         else:

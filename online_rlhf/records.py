@@ -4,7 +4,8 @@
   messages) or another text column named by ``prompt_field``; optional ``id``; any task fields.
 - generated: ``{id, prompt: [messages], responses: [K str], finish_reasons: [K str],
   response_tokens: [K int], ...task fields}``
-- rewards: generated + ``rewards: [K float]`` + ``reward_source``
+- rewards: generated + ``rewards: [K float | null]`` + ``reward_source`` (``null``: that response
+  could not be scored; readers leave it out)
 - pairs: ``{id, prompt: [messages], chosen: [messages], rejected: [messages], chosen_reward,
   rejected_reward}`` (TRL's conversational preference format)
 """
@@ -178,8 +179,15 @@ def validate_generated(rec: dict, where: str) -> None:
         raise DataError(f"{where}: 'finish_reasons' must have one entry per response ({len(resp)}).")
 
 
-def validate_rewards(rec: dict, where: str) -> list[float]:
-    """Check a rewards record; return its rewards as finite floats (NaN/inf raise DataError)."""
+def validate_rewards(rec: dict, where: str) -> list[float | None]:
+    """Check a rewards record; return its rewards, one per response.
+
+    Returns:
+        finite floats, with ``None`` where the reward stage could not score that response (``null``).
+    Raises:
+        DataError: no ``rewards``, the wrong number of them, or one that is NaN/inf/not a number
+        (names ``where``, the id and the response).
+    """
     validate_generated(rec, where)
     rw = rec.get("rewards")
     if "rewards" not in rec:
@@ -187,7 +195,8 @@ def validate_rewards(rec: dict, where: str) -> list[float]:
                         "annotate_data/get_rewards.py input=<generated.jsonl> output=<rewards.jsonl>.")
     if not isinstance(rw, list) or len(rw) != len(rec["responses"]):
         raise DataError(f"{where}: 'rewards' must be a list with one value per response ({len(rec['responses'])}).")
-    return [check_finite(x, f"{where} (id={rec['id']!r}, response {j})") for j, x in enumerate(rw)]
+    return [None if x is None else check_finite(x, f"{where} (id={rec['id']!r}, response {j})")
+            for j, x in enumerate(rw)]
 
 
 def validate_pair(rec: dict, where: str) -> None:

@@ -212,6 +212,24 @@ def test_resume_redoes_a_shard_made_with_another_config(policy, tmp_path, monkey
     assert len(calls) == 2
 
 
+def test_stats_warn_when_most_prompts_have_fewer_than_two_distinct_responses(policy, tmp_path, monkeypatch, capsys):
+    def same_text(cfg, model_path, prompt_ids, stop_ids, seed):  # temperature ~0: K copies of one answer
+        comp = [SimpleNamespace(text="the same answer", finish_reason="stop", token_ids=[5, 2])] * cfg.k
+        return [SimpleNamespace(prompt_token_ids=list(ids), outputs=comp) for ids in prompt_ids], 1.0, 2.0
+
+    monkeypatch.setattr(generate, "run_engine", same_text)
+    stats = generate.main(_cfg(tmp_path, write_prompts(tmp_path / "p.jsonl", 3), policy))
+    assert stats["prompts_fewer_than_2_distinct"] == 3
+    assert stats["warnings"] == [generate.low_diversity_warning(3, 3, "generation")]
+    assert "WARNING: shard 0/1: generation: 3 of 3 prompts have fewer than 2 distinct" in capsys.readouterr().err
+
+
+def test_one_response_per_prompt_is_not_low_diversity():
+    recs = [{"responses": ["only"], "finish_reasons": ["stop"], "response_tokens": [1]}] * 4  # held-out, k=1
+    summary = generate.summarize(recs)
+    assert summary["prompts_fewer_than_2_distinct"] == 0 and summary["warnings"] == []
+
+
 @pytest.mark.parametrize("rows,match", [([], "empty"), ([{"id": "a", "prompt": "   "}], "empty")])
 def test_empty_prompt_set_or_content_is_a_clear_error(policy, tmp_path, rows, match):
     path = tmp_path / "p.jsonl"

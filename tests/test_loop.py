@@ -157,6 +157,26 @@ def test_metrics_and_report(small_cfg):
     assert (it / "stats.json").is_file()
 
 
+def test_metrics_leave_out_unscored_and_warn_on_identical_train_responses(small_cfg, capsys):
+    run_dir = loop.plan(None, small_cfg)
+    it = run_dir / "iter_1"
+    write_jsonl(it / "eval.jsonl", [{"id": str(j), "prompt": [{"role": "user", "content": "q"}], "responses": ["a"],
+                                     "finish_reasons": ["stop"], "response_tokens": [3], "rewards": [r],
+                                     "reward_source": "remote"} for j, r in enumerate([1.0, None, 0.0])])
+    write_jsonl(it / "generated.jsonl", [{"id": f"p{j}", "responses": ["same"] * 4, "finish_reasons": ["stop"] * 4}
+                                         for j in range(3)] + [{"id": "p3", "responses": ["a", "b"],
+                                                                 "finish_reasons": ["stop"] * 2}])
+    write_jsonl(it / "pairs.jsonl", [{"id": "p3"}])
+    capsys.readouterr()
+    assert loop.main(["metrics", str(run_dir), "1"]) == 0
+    row = read_jsonl(run_dir / "metrics.jsonl")[0]
+    assert row["eval_reward_mean"] == pytest.approx(0.5) and row["eval_unscored_responses"] == 1
+    assert row["train_prompts_fewer_than_2_distinct"] == 3 and len(row["warnings"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("iteration 1: held-out reward 0.5000")
+    assert out[1].startswith("WARNING: iteration 1, generated.jsonl: 3 of 4 prompts have fewer than 2 distinct")
+
+
 def test_mean_ci95_edge_cases():
     m, lo, hi = loop.mean_ci95([1.0])
     assert (m, lo, hi) == (1.0, 1.0, 1.0)
