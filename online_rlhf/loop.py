@@ -31,7 +31,8 @@ from .jsonl import DataError, read_json, read_jsonl, write_json, write_jsonl, at
 from .paths import PROJECT_ROOT, default_data_dir, default_model_dir, resolve_model, setup_cache_env
 from .rundir import fingerprint, is_done, mark_done
 from .stage_configs import DPOStageConfig, GenerateConfig, LoopConfig, PairsConfig, RewardConfig, SFTStageConfig
-from .trl_args import check_dpo_training
+from .loop_keys import check_loop_keys
+from .trl_args import check_dpo_training, check_lora
 
 # First line of <run>/config.yaml; run_loop.sh --fresh only clears a folder whose config.yaml has it.
 RUN_CONFIG_HEADER = "# online_rlhf run config, resolved from"
@@ -59,8 +60,10 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
     """Load the loop config (``configs/loop.yaml`` layout), apply overrides, validate every stage.
 
     Raises:
-        ConfigError: unknown/invalid key in the loop config or in any stage section of any
-        iteration (after ``per_iteration`` overrides), naming the iteration and the key.
+        ConfigError: unknown/invalid key in the loop config or in any stage section, at the top level
+        or in ``per_iteration`` (named by its path as written, e.g. ``per_iteration.2.generaton``,
+        with the closest known key; see ``online_rlhf.loop_keys``), or a combination of values a stage
+        refuses (naming the iteration and the stage).
     """
     data = load_yaml(config_path) if config_path else {}
     data = apply_overrides(data, overrides)
@@ -69,9 +72,7 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
     for i in cfg.per_iteration:
         if not 1 <= i <= cfg.iterations:
             raise ConfigError(f"{src}: per_iteration has iteration {i}, but iterations={cfg.iterations}.")
-        for section in cfg.per_iteration[i]:
-            if section in _RUN_LEVEL or section not in LoopConfig.model_fields:
-                raise ConfigError(f"{src}: per_iteration.{i}.{section} cannot be set per iteration.")
+    check_loop_keys(data, src, _RUN_LEVEL)  # every section key, named as written, before any stage check
     if cfg.policy != "default":  # the default is prepared by run_loop.sh before the plan runs
         try:
             resolve_model(cfg.policy)
@@ -90,8 +91,9 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
             if stage == "generate" and stage_cfg.k < 2:
                 raise ConfigError(f"{src}, iteration {i}: generation.k={stage_cfg.k}, but a chosen/rejected pair needs "
                                   "at least 2 responses per train prompt; set generation.k >= 2 (4-8 is usual).")
-            if stage == "dpo":
+            if stage == "dpo":  # the merged section: also the keys of the dpo_config file
                 check_dpo_training(d["training"], f"{src}, iteration {i}: dpo.training")
+                check_lora(d.get("lora"), f"{src}, iteration {i}: dpo.lora", required=False)
     return cfg
 
 
@@ -111,11 +113,15 @@ def sft_dict(cfg: LoopConfig, run_dir: Path) -> dict:
 
 
 def iteration_config(cfg: LoopConfig, i: int) -> LoopConfig:
-    """The loop config as seen by iteration ``i`` (``per_iteration[i]`` merged in)."""
+    """The loop config as seen by iteration ``i`` (``per_iteration[i]`` merged in).
+
+    Raises:
+        ConfigError: a ``per_iteration.<i>`` value of the wrong type (names ``per_iteration.<i>``).
+    """
     if i not in cfg.per_iteration:
         return cfg
     merged = deep_merge(cfg.model_dump(), cfg.per_iteration[i])
-    return LoopConfig.model_validate(merged)
+    return LoopConfig.from_dict(merged, f"per_iteration.{i}")
 
 
 def starting_policy(cfg: LoopConfig, run_dir: Path) -> str:
