@@ -32,7 +32,7 @@ from .paths import PROJECT_ROOT, default_data_dir, default_model_dir, resolve_mo
 from .rundir import fingerprint, is_done, mark_done
 from .stage_configs import DPOStageConfig, GenerateConfig, LoopConfig, PairsConfig, RewardConfig, SFTStageConfig
 from .loop_keys import check_loop_keys
-from .trl_args import check_dpo_training, check_lora
+from .trl_args import check_axolotl_keys, check_dpo_training, check_lora
 
 # First line of <run>/config.yaml; run_loop.sh --fresh only clears a folder whose config.yaml has it.
 RUN_CONFIG_HEADER = "# online_rlhf run config, resolved from"
@@ -79,8 +79,10 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
         except FileNotFoundError:
             raise ConfigError(f"{src}: policy={cfg.policy}: no such directory. Give a checkpoint folder, an HF Hub id "
                               "(owner/name) or 'default'.") from None
-    if cfg.sft.get("enabled"):
-        SFTStageConfig.from_dict(sft_dict(cfg, Path("/dry-run")), f"{src}, stage sft")
+    if cfg.sft.get("enabled"):  # the stage file's Axolotl keys too (the loop's own are checked above)
+        sft = SFTStageConfig.from_dict(sft_dict(cfg, Path("/dry-run")), f"{src}, stage sft")
+        check_axolotl_keys(sft.model_extra or {}, prefix=f"{cfg.sft.get('config', 'configs/sft.yaml')}: ",
+                           also_known=set(SFTStageConfig.model_fields))
     # Dry validation: build every stage config of every iteration without touching models.
     for i in range(0, cfg.iterations + 1):
         for stage, (_, cls) in STAGES.items():

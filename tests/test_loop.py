@@ -115,6 +115,12 @@ def test_sft_axolotl_key_typo_fails_at_plan_time(small_cfg, tmp_path):
         loop.resolve(None, small_cfg + ["sft.learning_rat=1.0e-5"])  # checked even while sft is off
     with pytest.raises(ConfigError, match=r"sft\.base_model: cannot be set here; set policy"):
         loop.resolve(None, small_cfg + ["sft.base_model=/x"])
+    stage_file = tmp_path / "sft_stage.yaml"
+    stage_file.write_text("micro_batch_sise: 2\n")
+    data = tmp_path / "sft.jsonl"
+    write_jsonl(data, [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}])
+    with pytest.raises(ConfigError, match=rf"'{stage_file}: micro_batch_sise' \(Did you mean 'micro_batch_size'\?\)"):
+        loop.resolve(None, small_cfg + ["sft.enabled=true", f"sft.config={stage_file}", f"sft.dataset={data}"])
 
 
 def test_per_iteration_bad_iteration_is_refused(small_cfg):
