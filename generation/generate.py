@@ -21,6 +21,10 @@ What happens, top to bottom:
    depends on timing (seen in tests/test_generation.py); hence resume keeps finished shards;
 5. write ``{id, prompt, responses, finish_reasons, response_tokens, prompt_tokens, ...task
    fields}`` per prompt (atomically, in shard order) and a stats JSON with every count and timing.
+
+All of it happens while holding ``<output>.lock`` (``shard_00.lock``; an ``fcntl.flock`` that holds
+the pid): a second process for the same output refuses to start and names the first one's pid,
+so a shard left running can never overwrite a newer output.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from online_rlhf.config import ConfigError, run_main
 from online_rlhf.jsonl import DataError, iter_jsonl, read_json, write_json, write_jsonl
 from online_rlhf.pairs import distinct_texts, low_diversity_warning
 from online_rlhf.paths import resolve_model, setup_cache_env
+from online_rlhf.procs import LockHeld, exclusive_lock
 from online_rlhf.records import load_prompts
 from online_rlhf.rundir import fingerprint
 from online_rlhf.stage_configs import GenerateConfig
@@ -271,8 +276,28 @@ def run_engine(cfg: GenerateConfig, model_path: str, prompt_ids: list[list[int]]
     return outputs, startup_s, generation_s
 
 
+def lock_path_of(cfg: GenerateConfig) -> Path:
+    """The lock a running shard holds: ``<output without .jsonl>.lock`` (``shard_00.jsonl`` -> ``shard_00.lock``)."""
+    return Path(cfg.output).with_suffix(".lock")
+
+
 def main(cfg: GenerateConfig) -> dict:
-    """Generate this shard's records; returns the stats that were written."""
+    """Generate this shard's records, holding the shard's lock file the whole time (a second writer
+    of the same output is refused, naming the pid that holds it); returns the stats that were written.
+
+    Raises:
+        ConfigError: another process holds the lock, or the config is unusable.
+        DataError: a bad prompt set.
+    """
+    try:
+        with exclusive_lock(lock_path_of(cfg), f"shard output {cfg.output}"):
+            return generate_shard(cfg)
+    except LockHeld as e:
+        raise ConfigError(str(e)) from None
+
+
+def generate_shard(cfg: GenerateConfig) -> dict:
+    """Generate this shard's records (see the module docstring); returns the stats that were written."""
     setup_cache_env()
     from transformers import AutoTokenizer
 
