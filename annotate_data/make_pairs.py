@@ -7,8 +7,10 @@
 Reads rewards records ``{id, prompt, responses: [K], finish_reasons: [K], rewards: [K], ...}``;
 writes pairs ``{id, prompt, chosen: [assistant message], rejected: [assistant message],
 chosen_reward, rejected_reward}``, TRL's conversational preference format (DPOTrainer loads it
-as is). Every skipped prompt and dropped response is counted in the stats by reason (see
-``online_rlhf/pairs.py``). A NaN/inf reward stops the stage with the record named.
+as is). Every skipped prompt and dropped response is counted in the stats by reason, with example
+records per reason (see ``online_rlhf/pairs.py``); a ``null`` reward (unscored response) is left
+out and counted. A NaN/inf reward stops the stage with the record named. When most prompts have
+fewer than 2 distinct responses the stage warns (stderr and ``warnings`` in the stats).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from online_rlhf.stage_configs import PairsConfig  # noqa: E402
 
 
 def main(cfg: PairsConfig) -> dict:
+    """Build the pairs of ``cfg.input`` into ``cfg.output`` and write the stats JSON; returns the stats.
+    Warnings (e.g. most prompts have fewer than 2 distinct responses) go to stderr and the stats."""
     setup_cache_env()
     t0 = time.time()
     records = ((f"{cfg.input}:{ln}", rec) for ln, rec in iter_jsonl(cfg.input))
@@ -38,6 +42,8 @@ def main(cfg: PairsConfig) -> dict:
     write_json(cfg.stats_output or f"{cfg.output}.stats.json", stats)
     skipped = ", ".join(f"{k} {v}" for k, v in sorted(stats["skipped"].items())) or "none"
     print(f"make_pairs: {stats['records_in']} prompts -> {stats['pairs_out']} pairs (skipped: {skipped}) -> {cfg.output}")
+    for w in stats["warnings"]:
+        print(f"WARNING: {w}", file=sys.stderr)
     return stats
 
 

@@ -42,7 +42,6 @@ response token.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import os
@@ -56,13 +55,13 @@ if __package__ in (None, ""):  # run as a script: make the shared package import
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from online_rlhf.chat_tokens import ChatTokenError, messages_have_special_text, prompt_response_ids
-from online_rlhf.config import ConfigError, did_you_mean, run_main
+from online_rlhf.config import ConfigError, run_main
 from online_rlhf.hardware import compute_dtype, describe, stage_threads
 from online_rlhf.jsonl import DataError, iter_jsonl, write_json, write_jsonl
 from online_rlhf.paths import resolve_model, setup_cache_env
 from online_rlhf.records import validate_pair
 from online_rlhf.stage_configs import DPOStageConfig
-from online_rlhf.trl_args import check_dpo_training
+from online_rlhf.trl_args import check_dpo_training, check_lora
 
 _HALF = {"float16", "bfloat16"}
 # config.json keys put back from the input policy before saving (the Trainer may change them,
@@ -117,20 +116,9 @@ def build_dpo_args(cfg: DPOStageConfig, work_dir: Path, on_gpu: bool):
 
 
 def build_lora_config(lora: dict | None):
-    """``peft.LoraConfig`` from ``cfg.lora`` (task_type CAUSAL_LM by default); unknown keys raise ConfigError."""
-    if lora is None:
-        return None
-    from peft import LoraConfig
-
-    known = sorted(f.name for f in dataclasses.fields(LoraConfig) if f.init)
-    for key in lora:
-        if key not in known:
-            raise ConfigError(f"lora.{key}: unknown peft.LoraConfig key {key!r}.{did_you_mean(key, known)} "
-                              "See the fields with: python -c 'import peft; help(peft.LoraConfig)'.")
-    try:
-        return LoraConfig(**{"task_type": "CAUSAL_LM", **lora})
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"lora: peft.LoraConfig refused the values: {e}") from None
+    """``peft.LoraConfig`` from ``cfg.lora`` (task_type CAUSAL_LM by default); unknown keys raise ConfigError
+    (see ``online_rlhf.trl_args.check_lora``, which the loop's plan also runs)."""
+    return check_lora(lora, "lora")
 
 
 def stored_dtype(model: str, trust_remote_code: bool = False) -> str | None:

@@ -26,6 +26,10 @@ What happens, top to bottom:
    including ``special_token_text`` (prompts and responses holding a special-token string, kept as
    text) and ``response_ids_differ_from_text`` (responses whose sampled ids are not what their text
    tokenizes to; later stages see only the text).
+
+All of it happens while holding ``<output>.lock`` (``shard_00.lock``; an ``fcntl.flock`` that holds
+the pid): a second process for the same output refuses to start and names the first one's pid,
+so a shard left running can never overwrite a newer output.
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ from online_rlhf.chat_tokens import ChatTokenError, chat_token_ids, count_specia
 from online_rlhf.config import ConfigError, run_main
 from online_rlhf.hardware import compute_dtype, describe, describe_line
 from online_rlhf.jsonl import DataError, iter_jsonl, read_json, write_json, write_jsonl
+from online_rlhf.pairs import distinct_texts, low_diversity_warning
 from online_rlhf.paths import resolve_model, setup_cache_env
+from online_rlhf.procs import LockHeld, exclusive_lock
 from online_rlhf.records import load_prompts
 from online_rlhf.rundir import fingerprint
 from online_rlhf.stage_configs import GenerateConfig
@@ -206,12 +212,17 @@ def summarize(records: Sequence[dict]) -> dict:
     Returns:
         dict with ``records``, ``responses``, ``finish_reasons`` (counts), ``empty_responses``,
         ``generated_tokens``, ``mean_response_tokens``, ``prompts_all_distinct`` (prompts whose K
-        responses are pairwise different) and ``mean_distinct_responses`` (per prompt).
+        responses are pairwise different), ``mean_distinct_responses`` (per prompt),
+        ``prompts_fewer_than_2_distinct`` (prompts with K >= 2 but fewer than 2 different non-empty
+        texts: no pair possible) and ``warnings`` (when those are most prompts).
     """
     finish = Counter(f for r in records for f in r["finish_reasons"])
     n_resp = sum(len(r["responses"]) for r in records)
     tokens = sum(sum(r.get("response_tokens", [])) for r in records)
     distinct = [len(set(r["responses"])) for r in records]
+    sampled = [r for r in records if len(r["responses"]) >= 2]
+    low = sum(distinct_texts(r["responses"]) < 2 for r in sampled)
+    warning = low_diversity_warning(len(sampled), low, "generation")
     return {
         "records": len(records),
         "responses": n_resp,
@@ -221,6 +232,8 @@ def summarize(records: Sequence[dict]) -> dict:
         "mean_response_tokens": round(tokens / n_resp, 2) if n_resp else None,
         "prompts_all_distinct": sum(1 for d, r in zip(distinct, records) if d == len(r["responses"])),
         "mean_distinct_responses": round(sum(distinct) / len(distinct), 3) if distinct else None,
+        "prompts_fewer_than_2_distinct": low,
+        "warnings": [warning] if warning else [],
     }
 
 
@@ -311,8 +324,28 @@ def run_engine(cfg: GenerateConfig, model_path: str, prompt_ids: list[list[int]]
     return outputs, startup_s, generation_s
 
 
+def lock_path_of(cfg: GenerateConfig) -> Path:
+    """The lock a running shard holds: ``<output without .jsonl>.lock`` (``shard_00.jsonl`` -> ``shard_00.lock``)."""
+    return Path(cfg.output).with_suffix(".lock")
+
+
 def main(cfg: GenerateConfig) -> dict:
-    """Generate this shard's records; returns the stats that were written."""
+    """Generate this shard's records, holding the shard's lock file the whole time (a second writer
+    of the same output is refused, naming the pid that holds it); returns the stats that were written.
+
+    Raises:
+        ConfigError: another process holds the lock, or the config is unusable.
+        DataError: a bad prompt set.
+    """
+    try:
+        with exclusive_lock(lock_path_of(cfg), f"shard output {cfg.output}"):
+            return generate_shard(cfg)
+    except LockHeld as e:
+        raise ConfigError(str(e)) from None
+
+
+def generate_shard(cfg: GenerateConfig) -> dict:
+    """Generate this shard's records (see the module docstring); returns the stats that were written."""
     setup_cache_env()
     from transformers import AutoTokenizer
 
@@ -385,6 +418,8 @@ def main(cfg: GenerateConfig) -> dict:
           f"special-token strings kept as text in {special['prompts']} prompts, {special['responses']} responses; "
           f"start-up {stats['engine_startup_s']} s, {stats['generated_tokens_per_s']} tok/s "
           f"on {describe_line(stats['hardware'])}.")
+    for w in stats["warnings"]:
+        print(f"WARNING: {tag}: {w}", file=sys.stderr)
     return stats
 
 

@@ -10,6 +10,12 @@ output=<shards_dir>/shard_{r:02d}.jsonl`` with the resolved config (saved as
 A finished shard is not regenerated on a rerun (generate.py checks its output), so after a
 failure, rerunning this command redoes only the failed shards.
 
+Shards die with the launcher: each runs under ``online_rlhf.procs``' guard in its own process
+group, which the kernel signals when the launcher dies (even by ``kill -9``) and which then kills
+the shard and its vLLM engine processes. A SIGTERM to the launcher stops every shard the same way.
+A shard also holds ``shard_{r:02d}.lock`` while it runs (generate.py), so a shard left running
+anyway can never be joined by, or overwrite the output of, a second one.
+
 Devices:
 - GPUs (``torch.cuda.device_count() > 0``): shard r gets ``CUDA_VISIBLE_DEVICES`` =
   ``tensor_parallel_size`` GPUs of its own (from an existing ``CUDA_VISIBLE_DEVICES`` list, if
@@ -45,6 +51,7 @@ from online_rlhf.config import ConfigError, run_main  # noqa: E402
 from online_rlhf.hardware import stage_threads  # noqa: E402
 from online_rlhf.jsonl import atomic_open  # noqa: E402
 from online_rlhf.paths import setup_cache_env  # noqa: E402
+from online_rlhf.procs import start_guarded  # noqa: E402
 from online_rlhf.stage_configs import GenerateConfig  # noqa: E402
 
 GENERATE = Path(__file__).resolve().parent / "generate.py"
@@ -123,6 +130,27 @@ def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join([line for line in text.splitlines() if line.strip()][-lines:])
 
 
+def shard_command(config_path: Path, shards_dir: Path, r: int, w: int) -> list[str]:
+    """The command of shard ``r`` of ``w``: generate.py with the saved config and its own output."""
+    return [sys.executable, str(GENERATE), "--config", str(config_path), f"shard_index={r}",
+            f"num_shards={w}", f"output={shard_path(shards_dir, r)}", "stats_output=null"]
+
+
+def start_shard(cmd: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
+    """Start one shard process under ``online_rlhf.procs.start_guarded``: in its own process group,
+    and killed with every process it started when this launcher dies (even by ``kill -9``).
+
+    Its output is appended to ``log_path`` (earlier attempts stay readable) after a header with
+    the time, the extra environment and the command. Returns the guard's ``Popen`` (pid = group).
+    """
+    with open(log_path, "a", encoding="utf-8") as log:
+        env_s = " ".join(f"{k}={v}" for k, v in env.items())
+        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n$ {env_s} {' '.join(cmd)}\n")
+        log.flush()
+        return start_guarded(cmd, stdout=log, stderr=subprocess.STDOUT,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
+
+
 def run_shards(cfg: GenerateConfig) -> None:
     """Start every shard process, wait for all, and exit 1 naming each failed shard's log."""
     shards_dir, w = shards_dir_of(cfg), cfg.num_shards
@@ -139,7 +167,7 @@ def run_shards(cfg: GenerateConfig) -> None:
     def stop_all(signum=None, frame=None):
         for _, p, _ in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)  # the shard and its vLLM engine process
+                os.killpg(p.pid, signal.SIGTERM)  # the shard's guard kills the shard and its vLLM engine processes
         if signum is not None:
             raise SystemExit(128 + signum)
 
@@ -147,14 +175,7 @@ def run_shards(cfg: GenerateConfig) -> None:
     try:
         for r in range(w):
             log_path = shards_dir / f"shard_{r:02d}.log"
-            cmd = [sys.executable, str(GENERATE), "--config", str(config_path), f"shard_index={r}",
-                   f"num_shards={w}", f"output={shard_path(shards_dir, r)}", "stats_output=null"]
-            with open(log_path, "a", encoding="utf-8") as log:  # appended: earlier attempts stay readable
-                env_s = " ".join(f"{k}={v}" for k, v in envs[r].items())
-                log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n$ {env_s} {' '.join(cmd)}\n")
-                log.flush()
-                p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **envs[r]},
-                                     start_new_session=True)
+            p = start_shard(shard_command(config_path, shards_dir, r, w), log_path, envs[r])
             procs.append((r, p, log_path))
             print(f"[launch] shard {r}/{w} started (pid {p.pid}) {envs[r] or ''} log: {log_path}", flush=True)
         t0 = time.perf_counter()

@@ -135,6 +135,8 @@ def merge_shards(cfg: GenerateConfig) -> dict:
     write_jsonl(cfg.output, records)
     write_json(stats_path_of(cfg), stats)
     print(f"[merge] {w} shard(s) -> {cfg.output}: {len(records)} records, skipped {stats['skipped'] or 'none'}.")
+    for warning in stats["warnings"]:
+        print(f"WARNING: {warning}", file=sys.stderr)
     return stats
 
 

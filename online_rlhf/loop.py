@@ -31,7 +31,8 @@ from .jsonl import DataError, read_json, read_jsonl, write_json, write_jsonl, at
 from .paths import PROJECT_ROOT, default_data_dir, default_model_dir, resolve_model, setup_cache_env
 from .rundir import fingerprint, is_done, mark_done
 from .stage_configs import DPOStageConfig, GenerateConfig, LoopConfig, PairsConfig, RewardConfig, SFTStageConfig
-from .trl_args import check_dpo_training
+from .loop_keys import check_loop_keys
+from .trl_args import check_axolotl_keys, check_dpo_training, check_lora
 
 # First line of <run>/config.yaml; run_loop.sh --fresh only clears a folder whose config.yaml has it.
 RUN_CONFIG_HEADER = "# online_rlhf run config, resolved from"
@@ -59,8 +60,10 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
     """Load the loop config (``configs/loop.yaml`` layout), apply overrides, validate every stage.
 
     Raises:
-        ConfigError: unknown/invalid key in the loop config or in any stage section of any
-        iteration (after ``per_iteration`` overrides), naming the iteration and the key.
+        ConfigError: unknown/invalid key in the loop config or in any stage section, at the top level
+        or in ``per_iteration`` (named by its path as written, e.g. ``per_iteration.2.generaton``,
+        with the closest known key; see ``online_rlhf.loop_keys``), or a combination of values a stage
+        refuses (naming the iteration and the stage).
     """
     data = load_yaml(config_path) if config_path else {}
     data = apply_overrides(data, overrides)
@@ -69,17 +72,17 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
     for i in cfg.per_iteration:
         if not 1 <= i <= cfg.iterations:
             raise ConfigError(f"{src}: per_iteration has iteration {i}, but iterations={cfg.iterations}.")
-        for section in cfg.per_iteration[i]:
-            if section in _RUN_LEVEL or section not in LoopConfig.model_fields:
-                raise ConfigError(f"{src}: per_iteration.{i}.{section} cannot be set per iteration.")
+    check_loop_keys(data, src, _RUN_LEVEL)  # every section key, named as written, before any stage check
     if cfg.policy != "default":  # the default is prepared by run_loop.sh before the plan runs
         try:
             resolve_model(cfg.policy)
         except FileNotFoundError:
             raise ConfigError(f"{src}: policy={cfg.policy}: no such directory. Give a checkpoint folder, an HF Hub id "
                               "(owner/name) or 'default'.") from None
-    if cfg.sft.get("enabled"):
-        SFTStageConfig.from_dict(sft_dict(cfg, Path("/dry-run")), f"{src}, stage sft")
+    if cfg.sft.get("enabled"):  # the stage file's Axolotl keys too (the loop's own are checked above)
+        sft = SFTStageConfig.from_dict(sft_dict(cfg, Path("/dry-run")), f"{src}, stage sft")
+        check_axolotl_keys(sft.model_extra or {}, prefix=f"{cfg.sft.get('config', 'configs/sft.yaml')}: ",
+                           also_known=set(SFTStageConfig.model_fields))
     # Dry validation: build every stage config of every iteration without touching models.
     for i in range(0, cfg.iterations + 1):
         for stage, (_, cls) in STAGES.items():
@@ -90,8 +93,9 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
             if stage == "generate" and stage_cfg.k < 2:
                 raise ConfigError(f"{src}, iteration {i}: generation.k={stage_cfg.k}, but a chosen/rejected pair needs "
                                   "at least 2 responses per train prompt; set generation.k >= 2 (4-8 is usual).")
-            if stage == "dpo":
+            if stage == "dpo":  # the merged section: also the keys of the dpo_config file
                 check_dpo_training(d["training"], f"{src}, iteration {i}: dpo.training")
+                check_lora(d.get("lora"), f"{src}, iteration {i}: dpo.lora", required=False)
     return cfg
 
 
@@ -111,11 +115,15 @@ def sft_dict(cfg: LoopConfig, run_dir: Path) -> dict:
 
 
 def iteration_config(cfg: LoopConfig, i: int) -> LoopConfig:
-    """The loop config as seen by iteration ``i`` (``per_iteration[i]`` merged in)."""
+    """The loop config as seen by iteration ``i`` (``per_iteration[i]`` merged in).
+
+    Raises:
+        ConfigError: a ``per_iteration.<i>`` value of the wrong type (names ``per_iteration.<i>``).
+    """
     if i not in cfg.per_iteration:
         return cfg
     merged = deep_merge(cfg.model_dump(), cfg.per_iteration[i])
-    return LoopConfig.model_validate(merged)
+    return LoopConfig.from_dict(merged, f"per_iteration.{i}")
 
 
 def starting_policy(cfg: LoopConfig, run_dir: Path) -> str:
@@ -362,11 +370,17 @@ def _stats(path: Path) -> dict:
 
 
 def metrics(run_dir: Path, i: int) -> dict:
-    """Write (or replace) iteration ``i``'s row of ``metrics.jsonl`` and return it."""
+    """Write (or replace) iteration ``i``'s row of ``metrics.jsonl`` and return it.
+
+    Unscored responses (``null`` rewards) are left out of the held-out means and counted
+    (``eval_unscored_responses``). ``warnings`` lists what the loop prints after the row, e.g. most
+    train prompts with fewer than 2 distinct responses (``train_prompts_fewer_than_2_distinct``).
+    """
     it = run_dir / f"iter_{i}"
     evals = read_jsonl(it / "eval.jsonl")
-    rewards = [float(r["rewards"][0]) for r in evals]  # held-out: first (greedy) response
-    all_rewards = [float(x) for r in evals for x in r["rewards"]]
+    firsts = [r["rewards"][0] for r in evals]  # held-out: first (greedy) response
+    rewards = [float(x) for x in firsts if x is not None]
+    all_rewards = [float(x) for r in evals for x in r["rewards"] if x is not None]
     m, lo, hi = mean_ci95(all_rewards if len(all_rewards) > len(rewards) else rewards)
     eval_gen = _stats(it / "eval_generated.jsonl.stats.json")
     row: dict[str, Any] = {
@@ -374,22 +388,12 @@ def metrics(run_dir: Path, i: int) -> dict:
         "eval_mean_response_tokens": _mean([t for r in evals for t in r.get("response_tokens", [])]),
         "eval_truncation_rate": _rate([f for r in evals for f in r["finish_reasons"]]),
         "eval_unscored": eval_gen.get("prompts_in", len(evals)) - len(evals),
+        "eval_unscored_responses": sum(x is None for r in evals for x in r["rewards"]),
+        "warnings": [],
     }
     if i >= 1:
-        gen = read_jsonl(it / "generated.jsonl")
-        pairs_stats = _stats(it / "pairs.jsonl.stats.json")
-        row.update({
-            "train_prompts": len(gen),
-            # mean reward of this iteration's K rollouts per train prompt (sampled from the policy of
-            # iteration i-1, on prompts it has not trained on): the on-policy reward, before DPO.
-            "rollout_reward_mean": _stats(it / "rewards.jsonl.stats.json").get("reward", {}).get("mean"),
-            "train_truncation_rate": _rate([f for r in gen for f in r["finish_reasons"]]),
-            "pairs": sum(1 for _ in open(it / "pairs.jsonl", encoding="utf-8")),
-            "pairs_skipped": pairs_stats.get("skipped", {}),
-            "dpo": {k: v for k, v in _stats(it / "model.stats.json").items()
-                    if k in ("train_loss_first", "train_loss_last", "rewards_accuracies_last", "steps")},
-        })
-    # One stats.json per iteration: every stage's counts, as DESIGN.md asks.
+        row.update(_train_metrics(it, i))
+    # One stats.json per iteration: every stage's counts.
     write_json(it / "stats.json", {name: _stats(it / f"{name}.stats.json") for name in
                                    ("generated.jsonl", "rewards.jsonl", "pairs.jsonl", "model",
                                     "eval_generated.jsonl", "eval.jsonl")
@@ -427,6 +431,30 @@ def _hardware_lines(rows: list[dict]) -> list[str]:
                  f"native bf16: {'yes' if first.get('cpu_native_bf16') else 'no'}).", ""]
     lines += [f"- {stage}: {hw.get('device')} {hw.get('dtype')}, {hw.get('threads')} thread(s)" for stage, hw in seen.items()]
     return lines
+
+
+def _train_metrics(it: Path, i: int) -> dict:
+    """The train-side columns of iteration ``i``'s metrics row (generation, rewards, pairs, DPO)."""
+    from .pairs import distinct_texts, low_diversity_warning
+
+    gen = read_jsonl(it / "generated.jsonl")
+    pairs_stats = _stats(it / "pairs.jsonl.stats.json")
+    sampled = [r for r in gen if len(r.get("responses", [])) >= 2]
+    low = sum(distinct_texts(r["responses"]) < 2 for r in sampled)
+    warning = low_diversity_warning(len(sampled), low, f"iteration {i}, generated.jsonl")
+    return {
+        "train_prompts": len(gen),
+        # mean reward of this iteration's K rollouts per train prompt (sampled from the policy of
+        # iteration i-1, on prompts it has not trained on): the on-policy reward, before DPO.
+        "rollout_reward_mean": _stats(it / "rewards.jsonl.stats.json").get("reward", {}).get("mean"),
+        "train_truncation_rate": _rate([f for r in gen for f in r["finish_reasons"]]),
+        "train_prompts_fewer_than_2_distinct": low,
+        "pairs": sum(1 for _ in open(it / "pairs.jsonl", encoding="utf-8")),
+        "pairs_skipped": pairs_stats.get("skipped", {}),
+        "dpo": {k: v for k, v in _stats(it / "model.stats.json").items()
+                if k in ("train_loss_first", "train_loss_last", "rewards_accuracies_last", "steps")},
+        "warnings": [warning] if warning else [],
+    }
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -542,6 +570,8 @@ def main(argv: list[str]) -> int:
             print(f"iteration {row['iteration']}: held-out reward {row['eval_reward_mean']:.4f} "
                   f"(95% CI {lo:.4f}-{hi:.4f}, n={row['eval_prompts']}), "
                   + ("" if rollout is None else f"rollout reward {rollout:.4f}, ") + f"pairs {row.get('pairs', '-')}")
+            for w in row["warnings"]:
+                print(f"WARNING: {w}")
         elif cmd == "report":
             print(report(Path(args[0])))
         else:

@@ -7,14 +7,19 @@ Strategies (``PairsConfig.strategy``):
 - ``max_random``: the best vs a random lower-rewarded response.
 - ``random``: a random pair of responses with different rewards, ordered by reward.
 
-Before choosing, each response is checked: an empty (whitespace-only) response is invalid; a
-truncated one (``finish_reason == "length"``) is kept, excluded, or penalized (its reward minus
-``truncated_penalty``) per ``truncated``; responses with the same text (after ``strip()``) count
-once, with the mean of their rewards, so a pair never holds one text twice. A prompt is skipped,
-and counted by reason, when fewer than two distinct valid responses remain
-(``fewer_than_2_valid``), when all of them score the same (``tie``), or when the chosen-rejected
-margin is ``<= min_margin`` (``margin_below_min``). ``chosen_reward``/``rejected_reward`` are the
-rewards the choice was made on (after the truncation penalty).
+Before choosing, each response is checked: an empty (whitespace-only) response is invalid, and
+so is one the reward stage could not score (reward ``null``); a truncated one (``finish_reason ==
+"length"``) is kept, excluded, or penalized (its reward minus ``truncated_penalty``) per
+``truncated``; responses with the same text (after ``strip()``) count once, with the mean of their
+rewards, so a pair never holds one text twice. A prompt is skipped, and counted by reason, when
+its two or more non-empty responses are all the same text (``identical_responses``: no
+diversity, e.g. a temperature near 0), when fewer than two distinct valid responses remain
+otherwise (``fewer_than_2_valid``: the others empty, unscored or excluded as truncated), when
+all distinct ones score the same (``tie``), or when the chosen-rejected margin is
+``<= min_margin`` (``margin_below_min``).
+``chosen_reward``/``rejected_reward`` are the rewards the choice was made on (after the truncation
+penalty). When most prompts with two or more responses have fewer than two distinct texts, the
+stats carry a warning (:func:`low_diversity_warning`).
 
 Random choices use ``random.Random(f"{seed}:{id}")``: the same pair for a prompt whatever the
 order or sharding of the records.
@@ -31,23 +36,32 @@ from .jsonl import DataError
 from .records import validate_rewards
 
 STRATEGIES = ("max_min", "max_random", "random")
+MAX_EXAMPLES = 5  # example records kept per skip reason in the stats
 TRUNCATION = ("keep", "exclude", "penalize")
 
 
-def candidates(responses: list[str], rewards: list[float], finish_reasons: list[str], truncated: str = "exclude",
-               truncated_penalty: float = 1.0, counts: Counter | None = None) -> list[tuple[int, float]]:
-    """Distinct valid responses as ``(index of first occurrence, effective reward)``, in index order.
+def valid_responses(responses: list[str], rewards: list[float | None], finish_reasons: list[str],
+                    truncated: str = "exclude", truncated_penalty: float = 1.0,
+                    counts: Counter | None = None) -> list[tuple[int, str, float]]:
+    """The responses a pair may use, as ``(index, stripped text, effective reward)`` in index order.
 
-    ``counts`` (if given) is incremented per response: ``empty``, ``truncated``,
-    ``truncated_excluded``/``truncated_penalized``, ``duplicate``.
+    Left out: empty text, an unscored response (reward None), a truncated one when ``truncated ==
+    "exclude"``. ``counts`` (if given) is incremented per response: ``empty``, ``unscored``,
+    ``truncated``, ``truncated_excluded``/``truncated_penalized``.
+
+    Raises:
+        ValueError: an unknown ``truncated`` policy.
     """
     if truncated not in TRUNCATION:
         raise ValueError(f"truncated must be one of {TRUNCATION}, got {truncated!r}")
     counts = counts if counts is not None else Counter()
-    by_text: dict[str, list] = {}
+    out = []
     for j, (text, r, fin) in enumerate(zip(responses, rewards, finish_reasons)):
         if not text.strip():
             counts["empty"] += 1
+            continue
+        if r is None:
+            counts["unscored"] += 1
             continue
         if fin == "length":
             counts["truncated"] += 1
@@ -57,13 +71,45 @@ def candidates(responses: list[str], rewards: list[float], finish_reasons: list[
             if truncated == "penalize":
                 counts["truncated_penalized"] += 1
                 r = r - truncated_penalty
-        key = text.strip()
+        out.append((j, text.strip(), r))
+    return out
+
+
+def candidates(responses: list[str], rewards: list[float | None], finish_reasons: list[str], truncated: str = "exclude",
+               truncated_penalty: float = 1.0, counts: Counter | None = None) -> list[tuple[int, float]]:
+    """Distinct valid responses as ``(index of first occurrence, effective reward)``, in index order.
+
+    ``counts`` (if given) is incremented per response as in :func:`valid_responses`, plus
+    ``duplicate`` for each repeated text (it counts once, with the mean of its rewards).
+    """
+    counts = counts if counts is not None else Counter()
+    by_text: dict[str, list] = {}
+    for j, key, r in valid_responses(responses, rewards, finish_reasons, truncated, truncated_penalty, counts):
         if key in by_text:
             counts["duplicate"] += 1
             by_text[key][1].append(r)
         else:
             by_text[key] = [j, [r]]
     return [(j, sum(rs) / len(rs)) for j, rs in by_text.values()]
+
+
+def distinct_texts(responses: list[str]) -> int:
+    """Number of different non-empty responses (compared after ``strip()``, as pairs compare them)."""
+    return len({r.strip() for r in responses if r.strip()})
+
+
+def low_diversity_warning(n_prompts: int, n_low: int, where: str) -> str | None:
+    """A warning when most of ``n_prompts`` prompts (those sampled with K >= 2) have fewer than 2
+    distinct responses (``n_low``); None otherwise.
+
+    Such prompts give no pair: sampling is (nearly) deterministic, e.g. a temperature near 0 or a
+    policy that has collapsed to one answer.
+    """
+    if n_prompts == 0 or 2 * n_low <= n_prompts:
+        return None
+    return (f"{where}: {n_low} of {n_prompts} prompts have fewer than 2 distinct responses, so they give no "
+            "chosen/rejected pair. Sampling is (nearly) deterministic: raise generation.temperature (or top_p), "
+            "or check the policy for collapse.")
 
 
 def choose(cands: list[tuple[int, float]], strategy: str = "max_min", min_margin: float = 0.0,
@@ -97,7 +143,8 @@ def choose(cands: list[tuple[int, float]], strategy: str = "max_min", min_margin
 
 def make_pair(rec: dict, where: str, strategy: str = "max_min", min_margin: float = 0.0, truncated: str = "exclude",
               truncated_penalty: float = 1.0, seed: int = 42, counts: Counter | None = None) -> dict | str:
-    """One rewards record -> a pair ``{id, prompt, chosen, rejected, chosen_reward, rejected_reward}`` or a skip reason.
+    """One rewards record -> a pair ``{id, prompt, chosen, rejected, chosen_reward, rejected_reward}`` or a skip reason
+    (``identical_responses``, ``fewer_than_2_valid``, ``tie``, ``margin_below_min``: see the module docstring).
 
     ``chosen``/``rejected`` are one-message lists ``[{"role": "assistant", "content": ...}]`` (TRL's
     conversational preference format).
@@ -107,6 +154,9 @@ def make_pair(rec: dict, where: str, strategy: str = "max_min", min_margin: floa
     """
     rewards = validate_rewards(rec, where)
     cands = candidates(rec["responses"], rewards, rec["finish_reasons"], truncated, truncated_penalty, counts)
+    if len(cands) < 2:
+        nonempty = [r for r in rec["responses"] if r.strip()]
+        return "identical_responses" if len(nonempty) >= 2 and distinct_texts(nonempty) == 1 else "fewer_than_2_valid"
     picked = choose(cands, strategy, min_margin, random.Random(f"{seed}:{rec['id']}"))
     if isinstance(picked, str):
         return picked
@@ -129,57 +179,66 @@ def _summary(xs: list[float]) -> dict:
     return {"mean": statistics.fmean(xs), "std": statistics.pstdev(xs), "min": min(xs), "max": max(xs)}
 
 
+def _check_unique(seen: dict, rec: dict, where: str) -> None:
+    rid = rec.get("id")
+    if isinstance(rid, (str, int)) and not isinstance(rid, bool):
+        if rid in seen:
+            raise DataError(f"{where}: id {rid!r} was already used at {seen[rid]}; each prompt must appear once "
+                            "(merge its responses into one record, or give the records distinct ids).")
+        seen[rid] = where
+
+
 def build_pairs(records: Iterable[tuple[str, dict]], strategy: str = "max_min", min_margin: float = 0.0,
                 truncated: str = "exclude", truncated_penalty: float = 1.0, seed: int = 42) -> tuple[list[dict], dict]:
     """Pairs from ``(where, rewards record)`` items, and the stats of the selection.
 
     Records whose ``rewards`` is ``null`` (the reward stage could not score them) are skipped as
-    ``unscored``. Returns ``(pairs, stats)``; stats hold records in, pairs out, skipped by
-    reason, per-response counts, the truncation policy, the input reward mean/std/min/max, and
-    the chosen/rejected reward and margin means.
+    ``unscored``; ``null`` entries inside ``rewards`` are unscored responses (left out, counted).
 
+    Returns:
+        ``(pairs, stats)``; stats hold records in, pairs out, skipped by reason with up to
+        ``MAX_EXAMPLES`` ``"<where> (id=...)"`` per reason (``skipped_examples``), per-response
+        counts, prompts with fewer than 2 distinct responses, ``warnings`` (low diversity), the
+        truncation policy, the input reward mean/std/min/max, and the chosen/rejected reward and
+        margin means.
     Raises:
         DataError: a malformed record, a NaN/inf or non-number reward, or an id seen twice (names the record).
     """
     pairs: list[dict] = []
-    skipped: Counter = Counter()
-    resp_counts: Counter = Counter()
+    skipped, resp_counts = Counter(), Counter()
+    examples: dict[str, list[str]] = {}
     all_rewards: list[float] = []
-    n_in = 0
+    n_in = sampled = low = 0
     seen: dict = {}  # id -> where it was first seen
     for where, rec in records:
         n_in += 1
-        rid = rec.get("id")
-        if isinstance(rid, (str, int)) and not isinstance(rid, bool):
-            if rid in seen:
-                raise DataError(f"{where}: id {rid!r} was already used at {seen[rid]}; each prompt must appear once "
-                                "(merge its responses into one record, or give the records distinct ids).")
-            seen[rid] = where
-        if rec.get("rewards", ...) is None:
-            skipped["unscored"] += 1
-            continue
-        all_rewards.extend(validate_rewards(rec, where))
-        resp_counts["total"] += len(rec["responses"])
-        out = make_pair(rec, where, strategy, min_margin, truncated, truncated_penalty, seed, resp_counts)
+        _check_unique(seen, rec, where)
+        out = "unscored"
+        if rec.get("rewards", ...) is not None:
+            all_rewards.extend(x for x in validate_rewards(rec, where) if x is not None)
+            resp_counts["total"] += len(rec["responses"])
+            sampled += len(rec["responses"]) >= 2
+            low += len(rec["responses"]) >= 2 and distinct_texts(rec["responses"]) < 2
+            out = make_pair(rec, where, strategy, min_margin, truncated, truncated_penalty, seed, resp_counts)
         if isinstance(out, str):
             skipped[out] += 1
+            if len(examples.setdefault(out, [])) < MAX_EXAMPLES:
+                examples[out].append(f"{where} (id={rec.get('id')!r})")
         else:
             pairs.append(out)
+    warning = low_diversity_warning(sampled, low, "make_pairs")
+    stats = {"records_in": n_in, "pairs_out": len(pairs), "skipped": dict(skipped), "skipped_examples": examples,
+             "responses": dict(resp_counts), "prompts_fewer_than_2_distinct": low,
+             "warnings": [warning] if warning else [], **_selection_stats(pairs, all_rewards),
+             "strategy": strategy, "min_margin": min_margin,
+             "truncation": {"policy": truncated, "penalty": truncated_penalty if truncated == "penalize" else None},
+             "seed": seed}
+    return pairs, stats
+
+
+def _selection_stats(pairs: list[dict], all_rewards: list[float]) -> dict:
     chosen = [p["chosen_reward"] for p in pairs]
     rejected = [p["rejected_reward"] for p in pairs]
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
-    stats = {
-        "records_in": n_in,
-        "pairs_out": len(pairs),
-        "skipped": dict(skipped),
-        "responses": dict(resp_counts),
-        "strategy": strategy,
-        "min_margin": min_margin,
-        "truncation": {"policy": truncated, "penalty": truncated_penalty if truncated == "penalize" else None},
-        "seed": seed,
-        "reward": _summary(all_rewards),
-        "chosen_reward_mean": mean(chosen),
-        "rejected_reward_mean": mean(rejected),
-        "margin_mean": mean([c - r for c, r in zip(chosen, rejected)]),
-    }
-    return pairs, stats
+    return {"reward": _summary(all_rewards), "chosen_reward_mean": mean(chosen), "rejected_reward_mean": mean(rejected),
+            "margin_mean": mean([c - r for c, r in zip(chosen, rejected)])}

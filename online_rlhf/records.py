@@ -4,7 +4,8 @@
   messages) or another text column named by ``prompt_field``; optional ``id``; any task fields.
 - generated: ``{id, prompt: [messages], responses: [K str], finish_reasons: [K str],
   response_tokens: [K int], ...task fields}``
-- rewards: generated + ``rewards: [K float]`` + ``reward_source``
+- rewards: generated + ``rewards: [K float | null]`` + ``reward_source`` (``null``: that response
+  could not be scored; readers leave it out)
 - pairs: ``{id, prompt: [messages], chosen: [messages], rejected: [messages], chosen_reward,
   rejected_reward}`` (TRL's conversational preference format)
 """
@@ -43,6 +44,30 @@ def check_messages(messages: Any, where: str) -> list[dict]:
     return out
 
 
+GENERATED_ID_PREFIX = "row-"  # a row without an id gets "row-<0-based row number>"
+
+
+def prompt_id(rec: dict, index: int, where: str) -> tuple[str, bool]:
+    """The id of a prompt row: its ``id`` (else ``key``) column as a string, or ``row-<index>``.
+
+    Returns:
+        ``(id, generated)``: generated is True when the row has no id (``null`` counts as none).
+    Raises:
+        DataError: an id that is not a string or a number, or is empty (names ``where``).
+    """
+    for col in ("id", "key"):
+        value = rec.get(col)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise DataError(f"{where}: {col!r} must be a string or a number, got {type(value).__name__} "
+                            f"{value!r:.60}. Give the row a plain id.")
+        if not str(value).strip():
+            raise DataError(f"{where}: {col!r} is empty. Give the row an id, or remove the column so one is generated.")
+        return str(value), False
+    return f"{GENERATED_ID_PREFIX}{index}", True
+
+
 def normalize_prompt_record(rec: dict, index: int, where: str, prompt_field: str | None = None) -> dict:
     """Turn one input row into ``{id, prompt: [messages], ...task fields}``.
 
@@ -50,10 +75,11 @@ def normalize_prompt_record(rec: dict, index: int, where: str, prompt_field: str
     column (e.g. ``question`` for GSM8K, ``instruction`` for AlpacaEval) or a message-list column
     (e.g. ``context_messages`` in RLHFlow's prompt sets). Trailing assistant turns are removed (the
     policy writes that turn).
-    The id is ``rec["id"]`` as a string, else the row index.
+    The id comes from :func:`prompt_id`: ``rec["id"]`` (else ``rec["key"]``) as a string, else
+    ``row-<index>``.
 
     Raises:
-        DataError: no prompt column, a bad message list, or an empty prompt; names ``where``.
+        DataError: no prompt column, a bad message list, an empty prompt, or a bad id; names ``where``.
     """
     if prompt_field and prompt_field not in ("messages", "prompt") and (
             prompt_field in rec or not ("messages" in rec or "prompt" in rec)):
@@ -86,8 +112,7 @@ def normalize_prompt_record(rec: dict, index: int, where: str, prompt_field: str
         raise DataError(f"{where}: the prompt must end with a user turn.")
     if not messages[-1]["content"].strip():
         raise DataError(f"{where}: the user turn is empty. Remove the record or give it text.")
-    rid = rec.get("id", rec.get("key", index))
-    out = {"id": str(rid), "prompt": messages}
+    out = {"id": prompt_id(rec, index, where)[0], "prompt": messages}
     for k, v in rec.items():
         if k not in _PROMPT_KEYS and k not in skip:
             out[k] = v
@@ -102,10 +127,11 @@ def load_prompts(source: str | os.PathLike, split: str = "train", prompt_field: 
     (``split`` chooses the split). Local JSONL is read line by line so that errors name the line.
 
     Returns:
-        list of ``{id: str, prompt: [messages], ...}`` in file order (the first ``limit`` rows).
+        list of ``{id: str, prompt: [messages], ...}`` in file order (the first ``limit`` rows); a
+        row without an id gets ``row-<0-based row number>``.
     Raises:
-        FileNotFoundError / DataError: missing file, bad row (names file and line), duplicate id,
-        or an empty prompt set.
+        FileNotFoundError / DataError: missing file, bad row (names file and line), duplicate id
+        (names both rows, and says when an id was generated), or an empty prompt set.
     """
     source = str(source)
     rows: Iterable[tuple[str, int, dict]]
@@ -131,9 +157,12 @@ def load_prompts(source: str | os.PathLike, split: str = "train", prompt_field: 
         if limit is not None and len(out) >= limit:
             break
         r = normalize_prompt_record(rec, i, where, prompt_field)
+        here = where + (" (no id: generated)" if prompt_id(rec, i, where)[1] else "")
         if r["id"] in seen:
-            raise DataError(f"{where}: duplicate id {r['id']!r} (first at {seen[r['id']]}). Ids must be unique.")
-        seen[r["id"]] = where
+            raise DataError(f"{here}: duplicate id {r['id']!r}, also the id of {seen[r['id']]}. Ids must be unique "
+                            f"(a row without an id gets '{GENERATED_ID_PREFIX}<0-based row number>'): rename one, "
+                            "or give every row an id.")
+        seen[r["id"]] = here
         out.append(r)
     if not out:
         raise DataError(f"{source}: the prompt set is empty.")
@@ -178,8 +207,15 @@ def validate_generated(rec: dict, where: str) -> None:
         raise DataError(f"{where}: 'finish_reasons' must have one entry per response ({len(resp)}).")
 
 
-def validate_rewards(rec: dict, where: str) -> list[float]:
-    """Check a rewards record; return its rewards as finite floats (NaN/inf raise DataError)."""
+def validate_rewards(rec: dict, where: str) -> list[float | None]:
+    """Check a rewards record; return its rewards, one per response.
+
+    Returns:
+        finite floats, with ``None`` where the reward stage could not score that response (``null``).
+    Raises:
+        DataError: no ``rewards``, the wrong number of them, or one that is NaN/inf/not a number
+        (names ``where``, the id and the response).
+    """
     validate_generated(rec, where)
     rw = rec.get("rewards")
     if "rewards" not in rec:
@@ -187,7 +223,8 @@ def validate_rewards(rec: dict, where: str) -> list[float]:
                         "annotate_data/get_rewards.py input=<generated.jsonl> output=<rewards.jsonl>.")
     if not isinstance(rw, list) or len(rw) != len(rec["responses"]):
         raise DataError(f"{where}: 'rewards' must be a list with one value per response ({len(rec['responses'])}).")
-    return [check_finite(x, f"{where} (id={rec['id']!r}, response {j})") for j, x in enumerate(rw)]
+    return [None if x is None else check_finite(x, f"{where} (id={rec['id']!r}, response {j})")
+            for j, x in enumerate(rw)]
 
 
 def validate_pair(rec: dict, where: str) -> None:

@@ -4,7 +4,9 @@ Protocol (served by ``annotate_data/reward_server.py``; any service that speaks 
 
 - ``POST {url}/score`` with JSON ``{"prompts": [[{"role", "content"}, ...], ...], "responses": [str, ...]}``
   (one prompt message list per response, same length) -> ``200 {"rewards": [float | null, ...]}``,
-  one reward per response in request order; ``null`` = that item could not be scored.
+  one reward per response in request order; ``null`` = that item could not be scored. A null,
+  NaN, Infinity or non-number leaves that one response unscored (``null`` in ``rewards.jsonl``),
+  counted by cause with example ids; the other responses of its prompt still count.
   Errors: ``4xx {"detail": "..."}`` for a bad request (not retried), ``5xx`` (retried).
 - ``GET {url}/health`` -> ``200 {"status": "ok", "reward_model": "..."}``.
 
@@ -23,6 +25,8 @@ from typing import Any, Optional
 
 from .config import ConfigError
 from .jsonl import DataError
+
+MAX_EXAMPLES = 5  # example ids kept per cause in the stats
 
 
 def post_json(url: str, payload: dict, timeout_s: float, retries: int, backoff_s: float,
@@ -69,43 +73,77 @@ def base_url(url: str, suffix: str) -> str:
     return url[: -len(suffix)] if url.endswith(suffix) else url
 
 
-def score_items(url: str, prompts: list[list[dict]], responses: list[str], batch_size: int, timeout_s: float,
-                retries: int, backoff_s: float = 1.0) -> list[Optional[float]]:
-    """Rewards of (prompt, response) items from the service at ``url``, ``batch_size`` items per request.
+def fetch_items(url: str, prompts: list[list[dict]], responses: list[str], batch_size: int, timeout_s: float,
+                retries: int, backoff_s: float = 1.0) -> list[Any]:
+    """The service's raw reward values for (prompt, response) items, ``batch_size`` items per request,
+    as decoded from its JSON (numbers, ``None``, NaN/inf from ``NaN``/``Infinity``, or anything else).
 
-    Returns one float per item (``None`` where the service returned null or a non-finite value).
-    Raises ConfigError (unreachable) / DataError (bad reply: no ``rewards`` list of the right length).
+    Raises:
+        ConfigError: the service is unreachable (see :func:`post_json`).
+        DataError: a reply without a ``rewards`` list of the right length.
     """
     endpoint = base_url(url, "/score") + "/score"
-    out: list[Optional[float]] = []
+    out: list[Any] = []
     for s in range(0, len(responses), batch_size):
         p, r = prompts[s:s + batch_size], responses[s:s + batch_size]
         reply = post_json(endpoint, {"prompts": p, "responses": r}, timeout_s, retries, backoff_s)
         rw = reply.get("rewards") if isinstance(reply, dict) else None
         if not isinstance(rw, list) or len(rw) != len(r):
             raise DataError(f"{endpoint}: expected {{\"rewards\": [{len(r)} numbers]}}, got {str(reply)[:200]}")
-        for x in rw:
-            ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-            out.append(float(x) if ok else None)
+        out.extend(rw)
     return out
 
 
-def score(records: list[dict], cfg) -> tuple[list[Optional[list[float]]], dict]:
+def unscored_cause(x: Any) -> Optional[str]:
+    """Why a reward value cannot be used: ``"null"``, ``"nan"``, ``"inf"`` (either sign),
+    ``"not_a_number"`` (text, a boolean, a list...); None for a finite number."""
+    if x is None:
+        return "null"
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return "not_a_number"
+    if math.isnan(x):
+        return "nan"
+    return None if math.isfinite(x) else "inf"
+
+
+def score_items(url: str, prompts: list[list[dict]], responses: list[str], batch_size: int, timeout_s: float,
+                retries: int, backoff_s: float = 1.0) -> list[Optional[float]]:
+    """Rewards of (prompt, response) items from the service at ``url``, ``batch_size`` items per request.
+
+    Returns one float per item, ``None`` where the value cannot be used (see :func:`unscored_cause`).
+    Raises ConfigError (unreachable) / DataError (bad reply: no ``rewards`` list of the right length).
+    """
+    raw = fetch_items(url, prompts, responses, batch_size, timeout_s, retries, backoff_s)
+    return [None if unscored_cause(x) else float(x) for x in raw]
+
+
+def score(records: list[dict], cfg) -> tuple[list[Optional[list[Optional[float]]]], dict]:
     """``source=remote``: one reward per response from the service at ``cfg.url``.
 
-    Returns (rewards, stats): ``rewards[i]`` aligned with ``records[i]["responses"]``, or None
-    when the service gave null / a non-finite value for any of its responses (``skipped.remote_null``).
+    Returns:
+        (rewards, stats): ``rewards[i]`` aligned with ``records[i]["responses"]``; a response the
+        service gave null, NaN, inf or a non-number for is ``None`` there (the others still count).
+        ``stats["unscored_responses"]`` counts those by cause (``null``, ``nan``, ``inf``,
+        ``not_a_number``) and ``stats["examples"][cause]`` names up to 5 as ``"<id> (response j)"``.
+    Raises:
+        ConfigError / DataError: see :func:`fetch_items`.
     """
     items = [(ri, j) for ri, rec in enumerate(records) for j in range(len(rec["responses"]))]
-    flat = score_items(cfg.url, [records[ri]["prompt"] for ri, _ in items],
-                       [records[ri]["responses"][j] for ri, j in items], cfg.batch_size, cfg.timeout_s,
-                       cfg.retries, cfg.retry_backoff_s)
-    out: list[Optional[list[float]]] = [[] for _ in records]
-    for (ri, _), x in zip(items, flat):
-        if out[ri] is not None:
-            out[ri] = None if x is None else out[ri] + [x]
-    n_bad = sum(r is None for r in out)
-    stats = {"skipped": {"remote_null": n_bad} if n_bad else {}, "url": cfg.url,
+    raw = fetch_items(cfg.url, [records[ri]["prompt"] for ri, _ in items],
+                      [records[ri]["responses"][j] for ri, j in items], cfg.batch_size, cfg.timeout_s,
+                      cfg.retries, cfg.retry_backoff_s)
+    out: list[Optional[list[Optional[float]]]] = [[] for _ in records]
+    causes: dict[str, int] = {}
+    examples: dict[str, list[str]] = {}
+    for (ri, j), x in zip(items, raw):
+        cause = unscored_cause(x)
+        out[ri].append(None if cause else float(x))
+        if cause:
+            causes[cause] = causes.get(cause, 0) + 1
+            ex = examples.setdefault(cause, [])
+            if len(ex) < MAX_EXAMPLES:
+                ex.append(f"{records[ri]['id']} (response {j})")
+    stats = {"skipped": {}, "unscored_responses": causes, "examples": examples, "url": cfg.url,
              "requests": math.ceil(len(items) / cfg.batch_size)}
     return out, stats
 

@@ -1,8 +1,11 @@
-"""Checks of the ``training`` section of the DPO stage against ``trl.DPOConfig``.
+"""Checks of the config sections handed to libraries: the DPO stage's ``training`` against
+``trl.DPOConfig``, its ``lora`` against ``peft.LoraConfig``, the SFT stage's Axolotl keys against
+Axolotl's schema.
 
-Used by ``dpo_iteration/run_dpo.py`` before it loads a model, and by the loop's plan
-(``online_rlhf/loop.py``) before any stage runs, so a typo in ``dpo.training`` fails at start-up
-instead of after an iteration of generation.
+Used by the stages (``dpo_iteration/run_dpo.py``, ``sft/run_sft.py``) before they load a model, and
+by the loop's plan (``online_rlhf/loop.py``) before any stage runs, so a typo in ``dpo.training``,
+``dpo.lora`` or ``sft`` fails at start-up instead of after an iteration of generation. Where the
+library is not installed the keys pass unchecked (the stage itself always has it).
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ def check_dpo_training(training: dict, where: str = "training") -> dict:
         if key in STAGE_OWNED:
             raise ConfigError(f"{where}.{key}: {STAGE_OWNED[key]}.")
         if key not in fields:
-            raise ConfigError(f"{where}: unknown trl.DPOConfig key {key!r}.{did_you_mean(key, fields)} "
+            raise ConfigError(f"{where}.{key}: unknown trl.DPOConfig key {key!r}.{did_you_mean(key, fields)} "
                               "See the fields with: python -c 'import trl; help(trl.DPOConfig)'.")
         out[key] = _checked_value(f"{where}.{key}", str(fields[key].type), value)
     for key, (low, strict) in _LOWER_BOUNDS.items():
@@ -100,3 +103,69 @@ def _checked_value(where: str, ftype: str, value):
     elif "bool" in ftype and not isinstance(value, bool):
         raise ConfigError(f"{where}: expected true or false, got {value!r}.")
     return value
+
+
+def check_lora(lora: dict | None, where: str = "lora", required: bool = True):
+    """``peft.LoraConfig`` built from ``lora`` (``task_type`` CAUSAL_LM unless given), or None for None.
+
+    Args:
+        where: the section's path in error messages, e.g. ``"per_iteration.2.dpo.lora"``.
+        required: peft must be installed (the DPO stage); else (the loop's plan) without peft
+            nothing is checked and None is returned.
+    Returns:
+        the LoraConfig; None when ``lora`` is None (or peft is missing and not required).
+    Raises:
+        ConfigError: a key that is not a LoraConfig field (with the closest one), values peft
+            refuses, or peft missing when required.
+    """
+    if lora is None:
+        return None
+    try:
+        from peft import LoraConfig
+    except ImportError:
+        if required:
+            raise ConfigError(f"{where}: LoRA needs the peft package (pip install peft), or set lora: null.") from None
+        return None
+    if not isinstance(lora, dict):
+        raise ConfigError(f"{where}: expected a mapping of peft.LoraConfig fields or null, got {lora!r:.80}.")
+    known = sorted(f.name for f in dataclasses.fields(LoraConfig) if f.init)
+    for key in lora:
+        if key not in known:
+            raise ConfigError(f"{where}.{key}: unknown peft.LoraConfig key {key!r}.{did_you_mean(key, known)} "
+                              "See the fields with: python -c 'import peft; help(peft.LoraConfig)'.")
+    try:
+        return LoraConfig(**{"task_type": "CAUSAL_LM", **lora})
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{where}: peft.LoraConfig refused the values: {e}") from None
+
+
+def check_axolotl_keys(keys: dict, prefix: str = "", also_known: set[str] = frozenset()) -> None:
+    """Raise ConfigError for keys Axolotl does not know (it would ignore them silently).
+
+    Skipped when the config loads plugins of its own (plugins add keys to Axolotl's schema) or when
+    Axolotl is not installed.
+
+    Args:
+        keys: the Axolotl part of an SFT config.
+        prefix: put before each key in the message, e.g. ``"sft."`` (the loop section).
+        also_known: keys that are not Axolotl's but are allowed (the stage's own).
+    Raises:
+        ConfigError: naming every unknown key with the closest known one.
+    """
+    if keys.get("plugins"):
+        return
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            from axolotl.utils.schemas.config import AxolotlInputConfig
+    except ImportError:
+        return
+    known = set(AxolotlInputConfig.model_fields) | set(also_known)
+    known |= {f.alias for f in AxolotlInputConfig.model_fields.values() if f.alias}
+    bad = [k for k in keys if k not in known]
+    if bad:
+        hints = []
+        for k in bad:
+            hint = did_you_mean(k, known).strip()
+            hints.append(f"'{prefix}{k}'" + (f" ({hint})" if hint else ""))
+        raise ConfigError(f"unknown Axolotl config key(s): {', '.join(hints)}. Axolotl would ignore them; "
+                          "see https://docs.axolotl.ai/docs/config-reference.html")

@@ -13,8 +13,9 @@ in the conversational format sft/run_sft.py and Axolotl's ``chat_template`` load
     {"id": ..., "messages": [...prompt, {"role": "assistant", "content": best}], "reward": r}
 
 and ``<output>.stats.json``: prompts in, kept, dropped by reason (``no_eligible_response``,
-``below_min_reward``), responses excluded by reason (``empty``, ``truncated``), reward of the
-kept responses. Ties for the best reward go to the first such response (sampling order).
+``below_min_reward``; up to 5 example records each in ``dropped_examples``), responses excluded
+by reason (``empty``, ``unscored``: reward ``null``, ``truncated``), reward of the kept
+responses. Ties for the best reward go to the first such response (sampling order).
 Responses are copied as text; sft/run_sft.py counts (and warns about) rows holding special-token
 strings such as ``<|im_end|>``, which Axolotl tokenizes as special tokens.
 """
@@ -34,18 +35,24 @@ from online_rlhf.jsonl import DataError, iter_jsonl, write_json, write_jsonl
 from online_rlhf.records import validate_rewards
 from online_rlhf.stage_configs import SFTDataConfig
 
+MAX_EXAMPLES = 5  # example records kept per drop reason in the stats
 
-def best_response(rec: dict, rewards: list[float], truncated: str, excluded: Counter) -> tuple[int, float] | None:
+
+def best_response(rec: dict, rewards: list[float | None], truncated: str, excluded: Counter) -> tuple[int, float] | None:
     """Index and reward of the best eligible response of one record, or None when none is eligible.
 
-    Eligible: non-empty after stripping whitespace, and not cut at max_tokens (``finish_reason ==
-    'length'``) unless ``truncated == 'keep'``. Each excluded response is counted in ``excluded``.
+    Eligible: non-empty after stripping whitespace, scored (reward not ``None``), and not cut at
+    max_tokens (``finish_reason == 'length'``) unless ``truncated == 'keep'``. Each excluded
+    response is counted in ``excluded`` (``empty``, ``unscored``, ``truncated``).
     Ties: the lowest index wins.
     """
     best = None
     for j, (text, reason, r) in enumerate(zip(rec["responses"], rec["finish_reasons"], rewards)):
         if not text.strip():
             excluded["empty"] += 1
+            continue
+        if r is None:
+            excluded["unscored"] += 1
             continue
         if reason == "length" and truncated == "exclude":
             excluded["truncated"] += 1
@@ -56,7 +63,12 @@ def best_response(rec: dict, rewards: list[float], truncated: str, excluded: Cou
 
 
 def main(cfg: SFTDataConfig) -> dict:
-    out_rows, dropped, excluded = [], Counter(), Counter()
+    """Write the SFT rows of ``cfg.rewards`` to ``cfg.output`` and the stats JSON; returns the stats.
+
+    Raises:
+        DataError: a malformed record, a NaN/inf reward, a duplicate id, or an empty rewards file.
+    """
+    out_rows, dropped, excluded, examples = [], Counter(), Counter(), {}
     prompts_in = 0
     seen: dict = {}
     for lineno, rec in iter_jsonl(cfg.rewards):
@@ -67,13 +79,13 @@ def main(cfg: SFTDataConfig) -> dict:
         seen[rec["id"]] = lineno
         prompts_in += 1
         best = best_response(rec, rewards, cfg.truncated, excluded)
-        if best is None:
-            dropped["no_eligible_response"] += 1
+        reason = "no_eligible_response" if best is None else "below_min_reward" if best[1] < cfg.min_reward else None
+        if reason:
+            dropped[reason] += 1
+            if len(examples.setdefault(reason, [])) < MAX_EXAMPLES:
+                examples[reason].append(f"{where} (id={rec['id']!r})")
             continue
         j, r = best
-        if r < cfg.min_reward:
-            dropped["below_min_reward"] += 1
-            continue
         messages = [{"role": m["role"], "content": m["content"]} for m in rec["prompt"]]
         out_rows.append({"id": rec["id"], "messages": [*messages, {"role": "assistant", "content": rec["responses"][j]}],
                          "reward": r})
@@ -83,7 +95,8 @@ def main(cfg: SFTDataConfig) -> dict:
     kept_rewards = [row["reward"] for row in out_rows]
     stats = {"stage": "build_sft_data", "rewards": str(cfg.rewards), "output": str(cfg.output),
              "min_reward": cfg.min_reward, "truncated": cfg.truncated, "prompts_in": prompts_in,
-             "kept": len(out_rows), "dropped": dict(dropped), "responses_excluded": dict(excluded),
+             "kept": len(out_rows), "dropped": dict(dropped), "dropped_examples": examples,
+             "responses_excluded": dict(excluded),
              "kept_reward_mean": statistics.fmean(kept_rewards) if kept_rewards else None}
     write_json(cfg.stats_output or f"{cfg.output}.stats.json", stats)
     print(f"[build_sft_data] {len(out_rows)}/{prompts_in} prompts kept -> {cfg.output}; dropped {dict(dropped)}; "

@@ -56,12 +56,13 @@ if __package__ in (None, ""):  # run as a script: make the shared package import
 import yaml
 
 from online_rlhf.chat_tokens import has_special_text
-from online_rlhf.config import ConfigError, did_you_mean, run_main
+from online_rlhf.config import ConfigError, run_main
 from online_rlhf.hardware import compute_dtype, describe, stage_threads
 from online_rlhf.jsonl import DataError, iter_jsonl, read_json, write_json
 from online_rlhf.paths import PROJECT_ROOT, resolve_model, setup_cache_env
 from online_rlhf.records import ROLES, check_messages
 from online_rlhf.stage_configs import SFTStageConfig
+from online_rlhf.trl_args import check_axolotl_keys as _check_axolotl_keys
 
 PLUGIN = "sft.axolotl_plugin.TrainLogPlugin"
 TRAIN_LOG = "sft_train_log.json"  # written by the plugin into Axolotl's output_dir
@@ -162,25 +163,9 @@ def dataset_entry(datasets, dataset: str) -> dict:
 
 
 def check_axolotl_keys(keys: dict) -> None:
-    """Raise ConfigError for keys Axolotl 0.19 does not know (it would ignore them silently).
-
-    Skipped when the config loads plugins of its own: plugins add keys to Axolotl's schema.
-    """
-    if keys.get("plugins"):
-        return
-    from axolotl.utils.schemas.config import AxolotlInputConfig
-
-    known = set(AxolotlInputConfig.model_fields)
-    known |= {f.alias for f in AxolotlInputConfig.model_fields.values() if f.alias}
-    known |= set(SFTStageConfig.model_fields)
-    bad = [k for k in keys if k not in known]
-    if bad:
-        hints = []
-        for k in bad:
-            hint = did_you_mean(k, known).strip()
-            hints.append(f"{k!r}" + (f" ({hint})" if hint else ""))
-        raise ConfigError(f"unknown Axolotl config key(s): {', '.join(hints)}. Axolotl 0.19 would ignore them; "
-                          "see https://docs.axolotl.ai/docs/config-reference.html")
+    """Raise ConfigError for keys Axolotl does not know (``online_rlhf.trl_args.check_axolotl_keys``;
+    the stage's own keys are allowed)."""
+    _check_axolotl_keys(keys, also_known=set(SFTStageConfig.model_fields))
 
 
 def _abs_path(value: str) -> str:

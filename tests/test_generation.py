@@ -8,8 +8,10 @@ share one launcher run (2 shards) through a module-scoped fixture to keep engine
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -270,6 +272,24 @@ def test_resume_redoes_a_shard_made_with_another_config(policy, tmp_path, monkey
     assert len(calls) == 2
 
 
+def test_stats_warn_when_most_prompts_have_fewer_than_two_distinct_responses(policy, tmp_path, monkeypatch, capsys):
+    def same_text(cfg, model_path, prompt_ids, stop_ids, seed):  # temperature ~0: K copies of one answer
+        comp = [SimpleNamespace(text="the same answer", finish_reason="stop", token_ids=[5, 2])] * cfg.k
+        return [SimpleNamespace(prompt_token_ids=list(ids), outputs=comp) for ids in prompt_ids], 1.0, 2.0
+
+    monkeypatch.setattr(generate, "run_engine", same_text)
+    stats = generate.main(_cfg(tmp_path, write_prompts(tmp_path / "p.jsonl", 3), policy))
+    assert stats["prompts_fewer_than_2_distinct"] == 3
+    assert stats["warnings"] == [generate.low_diversity_warning(3, 3, "generation")]
+    assert "WARNING: shard 0/1: generation: 3 of 3 prompts have fewer than 2 distinct" in capsys.readouterr().err
+
+
+def test_one_response_per_prompt_is_not_low_diversity():
+    recs = [{"responses": ["only"], "finish_reasons": ["stop"], "response_tokens": [1]}] * 4  # held-out, k=1
+    summary = generate.summarize(recs)
+    assert summary["prompts_fewer_than_2_distinct"] == 0 and summary["warnings"] == []
+
+
 @pytest.mark.parametrize("rows,match", [([], "empty"), ([{"id": "a", "prompt": "   "}], "empty")])
 def test_empty_prompt_set_or_content_is_a_clear_error(policy, tmp_path, rows, match):
     path = tmp_path / "p.jsonl"
@@ -383,6 +403,101 @@ def test_launcher_names_the_failed_shard_log(tmp_path):
     assert proc.returncode == 1, proc.stderr
     assert "shard 0/2 FAILED" in proc.stderr and str(tmp_path / "generated" / "shard_00.log") in proc.stderr
     assert not out.exists()
+
+
+# ---------------------------------------------------------------- shards die with the launcher; shard lock
+
+STANDIN_SHARD = """
+import os, subprocess, sys, time
+child = subprocess.Popen(["sleep", "600"])  # stands in for a vLLM engine process
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(f"{os.getpid()} {child.pid}")
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(600)
+"""
+# The production launcher (run_shards: start_shard, stop_all), with the shard command replaced.
+LAUNCHER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import launch
+from online_rlhf.stage_configs import GenerateConfig
+launch.shard_command = lambda config_path, shards_dir, r, w: [sys.executable, sys.argv[2], sys.argv[3]]
+launch.run_shards(GenerateConfig(prompts=sys.argv[4], output=sys.argv[5], num_shards=1))
+"""
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (an orphan's zombie may wait for a busy init)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _wait_until(cond, what: str, proc: subprocess.Popen | None = None, limit_s: float = 120) -> None:
+    """Poll ``cond`` (a deadline against a hung test, not a timing assertion)."""
+    import time
+
+    deadline = time.monotonic() + limit_s
+    while not cond():
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"launcher exited {proc.returncode} before {what}:\n{proc.stdout.read()}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"gave up waiting for {what}")
+        time.sleep(0.2)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux-only")
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_stopped_launcher_leaves_no_shard_or_engine_process(tmp_path, sig):
+    (tmp_path / "standin.py").write_text(STANDIN_SHARD)
+    (tmp_path / "launcher.py").write_text(LAUNCHER)
+    pids = tmp_path / "pids"
+    argv = [sys.executable, str(tmp_path / "launcher.py"), str(GEN_DIR), str(tmp_path / "standin.py"), str(pids),
+            str(write_prompts(tmp_path / "p.jsonl", 2)), str(tmp_path / "generated.jsonl")]
+    launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    try:
+        _wait_until(pids.exists, "the stand-in shard to start", launcher)
+        guard_pid = int(launcher.stdout.readline().split("(pid ")[1].split(")")[0])
+        shard_pid, engine_pid = map(int, pids.read_text().split())
+        assert all(_alive(p) for p in (guard_pid, shard_pid, engine_pid))
+        os.kill(launcher.pid, sig)
+        assert launcher.wait(timeout=60) == (-signal.SIGKILL if sig == signal.SIGKILL else 128 + signal.SIGTERM)
+        _wait_until(lambda: not any(_alive(p) for p in (guard_pid, shard_pid, engine_pid)), "the shard tree to die")
+    finally:  # on failure, leave nothing behind either
+        if launcher.poll() is None:
+            launcher.kill()
+        launcher.stdout.close()
+        for pid in (map(int, pids.read_text().split()) if pids.exists() else []):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_guarded_command_exit_status_passes_through():
+    from online_rlhf.procs import start_guarded
+
+    assert start_guarded([sys.executable, "-c", "raise SystemExit(3)"]).wait() == 3
+    assert start_guarded([sys.executable, "-c", "import os; os.kill(os.getpid(), 9)"]).wait() == 128 + 9
+
+
+def test_second_writer_of_a_shard_is_refused_naming_the_holder(policy, tmp_path, monkeypatch):
+    from online_rlhf.procs import exclusive_lock
+
+    calls = []
+    monkeypatch.setattr(generate, "run_engine", fake_run_engine(calls))
+    cfg = _cfg(tmp_path, write_prompts(tmp_path / "p.jsonl", 2), policy)
+    Path(cfg.output).parent.mkdir(parents=True)
+    Path(cfg.output).write_text("newer output\n")
+    assert generate.lock_path_of(cfg) == tmp_path / "gen" / "shard_00.lock"
+    with exclusive_lock(generate.lock_path_of(cfg), "test"):  # another open file description: refused too
+        with pytest.raises(ConfigError, match=rf"shard_00\.lock: shard output .*shard_00\.jsonl is in use by pid "
+                                              rf"{os.getpid()} .*kill {os.getpid()}"):
+            generate.main(cfg)
+    assert Path(cfg.output).read_text() == "newer output\n" and calls == []
+    generate.main(cfg)  # released
+    assert len(read_jsonl(cfg.output)) == 2
 
 
 # ---------------------------------------------------------------- real vLLM (one launcher run, 2 shards)

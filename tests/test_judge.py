@@ -12,6 +12,7 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("requests")
 
 from online_rlhf import judge  # noqa: E402
+from online_rlhf.config import ConfigError  # noqa: E402
 from online_rlhf.jsonl import read_json, read_jsonl, write_jsonl  # noqa: E402
 from online_rlhf.stage_configs import RewardConfig  # noqa: E402
 from online_rlhf.testing import serve_in_thread  # noqa: E402
@@ -25,9 +26,10 @@ def fake_judge(rule: str):
     """An OpenAI-compatible /v1/chat/completions whose verdict follows ``rule``; it logs every (A, B) shown.
 
     rule: ``longer`` (the longer response wins), ``first`` (always A: pure position bias),
-    ``garbage`` (no verdict).
+    ``garbage`` (no verdict), ``two_verdicts`` (``[[B]]``, then ``[[A]]`` later), ``fail_x`` (HTTP
+    400 when response A is ``x``, else the longer one wins), ``fail`` (always HTTP 400).
     """
-    from fastapi import FastAPI
+    from fastapi import FastAPI, HTTPException
 
     app = FastAPI()
     app.state.seen = []
@@ -44,6 +46,12 @@ def fake_judge(rule: str):
             text = "Response A is longer. [[A]]" if len(a) > len(b) else "B says more. [[B]]"
         elif rule == "first":
             text = "[[A]]"
+        elif rule == "two_verdicts":
+            text = "Verdict: [[B]]. I would have said [[A]] at first."
+        elif rule == "fail" or (rule == "fail_x" and a == "x"):
+            raise HTTPException(status_code=400, detail="bad request")
+        elif rule == "fail_x":
+            text = "[[A]]" if len(a) > len(b) else "[[B]]"
         else:
             text = "I cannot decide."
         return {"id": "x", "object": "chat.completion", "model": body["model"],
@@ -97,16 +105,41 @@ def test_identical_responses_tie_without_asking_and_single_response_is_skipped()
     assert stats["skipped"] == {"single_response": 1} and stats["identical_pairs_not_asked"] == 1
 
 
-def test_unreadable_verdicts_count_as_ties():
-    app = fake_judge("garbage")
+@pytest.mark.parametrize("rule", ["garbage", "two_verdicts"])
+def test_unparsable_verdicts_are_counted_and_never_scored(rule):
+    app = fake_judge(rule)
     with serve_in_thread(app) as url:
         rewards, stats = judge.score([{"id": "0", "prompt": PROMPT, "responses": ["x", "yy"]}], _cfg(url + "/v1"))
-    assert rewards == [[0.5, 0.5]] and stats["unparsed_verdicts"] == 2
+    assert rewards == [[None, None]]  # no tie invented: neither response has a scored comparison
+    assert stats["unparsed_verdicts"] == 2 and stats["verdicts"] == {"A": 0, "B": 0, "tie": 0}
+    assert stats["unscored_responses"] == {"no_scored_comparison": 2}
+    assert stats["examples"]["unparsed_verdicts"] == ["0 (A=response 0, B=response 1)", "0 (A=response 1, B=response 0)"]
+
+
+def test_failed_calls_are_counted_and_never_scored():
+    app = fake_judge("fail_x")  # every request showing "x" as A fails
+    with serve_in_thread(app) as url:
+        rewards, stats = judge.score([{"id": "r", "prompt": PROMPT, "responses": ["x", "yy", "zzz"]}], _cfg(url + "/v1"))
+    # x: only its two games as B count (both lost); yy: lost to zzz twice, beat x once; zzz won all four
+    assert rewards == [[0.0, 1 / 3, 1.0]]
+    assert stats["failed_calls"] == 2 and stats["unparsed_verdicts"] == 0 and stats["requests"] == 6
+    assert [e.split(":")[0] for e in stats["examples"]["failed_calls"]] == ["r (A=response 0, B=response 1)",
+                                                                           "r (A=response 0, B=response 2)"]
+    assert "HTTP 400" in stats["examples"]["failed_calls"][0]
+
+
+def test_every_call_failing_stops_the_stage_naming_the_endpoint():
+    with serve_in_thread(fake_judge("fail")) as url:
+        with pytest.raises(ConfigError, match=r"every judge request failed \(2\).*chat/completions.*400"):
+            judge.score([{"id": "0", "prompt": PROMPT, "responses": ["x", "yy"]}], _cfg(url + "/v1"))
 
 
 @pytest.mark.parametrize("text,verdict", [("[[A]]", "A"), ("A is wrong; B is right. [[B]]", "B"),
-                                          ("first [[A]] then on reflection [[B]]", "B"), (" b. ", "B"),
-                                          ("[[tie]]", "tie"), ("Both are fine.", None), ("", None)])
+                                          ("first [[A]] then on reflection [[B]]", None),
+                                          ("Verdict: [[B]]. I would have said [[A]].", None),
+                                          ("[[B]] ... so once more: [[ b ]]", "B"), (" b. ", "B"),
+                                          ("[[tie]]", "tie"), ("[[A]] or [[tie]]", None),
+                                          ("Both are fine.", None), ("", None)])
 def test_parse_verdict(text, verdict):
     assert judge.parse_verdict(text) == verdict
 

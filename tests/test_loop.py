@@ -64,9 +64,63 @@ def test_default_dpo_training_keys_are_trl_fields():
     assert set(cfg.dpo["training"]) <= {f.name for f in dataclasses.fields(trl.DPOConfig)}
 
 
-def test_bad_key_in_stage_section_names_iteration_and_key(small_cfg):
-    with pytest.raises(ConfigError, match=r"iteration \d, stage \w*generate[\s\S]*temprature"):
+def test_bad_key_in_stage_section_is_named_as_written(small_cfg):
+    with pytest.raises(ConfigError) as e:
         loop.resolve(None, small_cfg + ["generation.temprature=0.5"])
+    assert "- generation.temprature: unknown key. Did you mean 'temperature'?" in str(e.value)
+    assert "eval" not in str(e.value).split("problem(s)")[1]  # not blamed on the evaluation stage
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("per_iteration={2: {generaton: {k: 2}}}", "- per_iteration.2.generaton: unknown key. Did you mean 'generation'?"),
+    ("per_iteration={2: {generation: {temprature: 0.5}}}",
+     "- per_iteration.2.generation.temprature: unknown key. Did you mean 'temperature'?"),
+    ("per_iteration={2: {iterations: 3}}", "- per_iteration.2.iterations: cannot be set per iteration"),
+    ("evaluation.max_tokns=8", "- evaluation.max_tokns: unknown key. Did you mean 'max_tokens'?"),
+    ("reward.sorce=remote", "- reward.sorce: unknown key. Did you mean 'source'?"),
+    ("pairs.stratgy=random", "- pairs.stratgy: unknown key. Did you mean 'strategy'?"),
+    ("dpo.max_prompt_lenght=8", "- dpo.max_prompt_lenght: unknown key. Did you mean 'max_prompt_length'?"),
+    ("generation.max_tokens=abc", "- generation.max_tokens: Input should be a valid integer"),
+    ("generation.prompts=x.jsonl", "- generation.prompts: cannot be set here; set train_prompts"),
+    ("evaluation.limit=3", "- evaluation.limit: cannot be set here; set eval_limit"),
+    ("generation.num_shards=2", "- generation.num_shards: cannot be set here; set generation_shards"),
+    ("dpo.reference=/x", "- dpo.reference: cannot be set here; set ref_model"),
+    ("reward.output=/x.jsonl", "- reward.output: cannot be set here"),
+])
+def test_every_section_key_is_checked_at_plan_time_and_named_by_its_path(small_cfg, override, expected):
+    with pytest.raises(ConfigError) as e:
+        loop.resolve(None, small_cfg + [override])
+    assert expected in str(e.value)
+
+
+def test_all_key_problems_are_listed_at_once(small_cfg):
+    with pytest.raises(ConfigError, match=r"2 problem\(s\)[\s\S]*generation\.kk[\s\S]*pairs\.seedd"):
+        loop.resolve(None, small_cfg + ["generation.kk=2", "pairs.seedd=1"])
+
+
+def test_lora_typo_fails_at_plan_time(small_cfg):
+    pytest.importorskip("peft")
+    with pytest.raises(ConfigError, match=r"dpo\.lora\.lora_alph: unknown peft\.LoraConfig key .*'lora_alpha'"):
+        loop.resolve(None, small_cfg + ["dpo.lora={r: 4, lora_alph: 8}"])
+    with pytest.raises(ConfigError, match=r"per_iteration\.2\.dpo\.lora\.rank: unknown peft\.LoraConfig key"):
+        loop.resolve(None, small_cfg + ["per_iteration={2: {dpo: {lora: {rank: 4}}}}"])
+    with pytest.raises(ConfigError, match=r"dpo\.lora: peft\.LoraConfig refused the values"):
+        loop.resolve(None, small_cfg + ["dpo.lora={r: 4, use_dora: true, lora_bias: true}"])
+    loop.resolve(None, small_cfg + ["dpo.lora={r: 4, lora_alpha: 8, target_modules: all-linear}"])
+
+
+def test_sft_axolotl_key_typo_fails_at_plan_time(small_cfg, tmp_path):
+    pytest.importorskip("axolotl")
+    with pytest.raises(ConfigError, match=r"'sft\.learning_rat' \(Did you mean 'learning_rate'\?\)"):
+        loop.resolve(None, small_cfg + ["sft.learning_rat=1.0e-5"])  # checked even while sft is off
+    with pytest.raises(ConfigError, match=r"sft\.base_model: cannot be set here; set policy"):
+        loop.resolve(None, small_cfg + ["sft.base_model=/x"])
+    stage_file = tmp_path / "sft_stage.yaml"
+    stage_file.write_text("micro_batch_sise: 2\n")
+    data = tmp_path / "sft.jsonl"
+    write_jsonl(data, [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}])
+    with pytest.raises(ConfigError, match=rf"'{stage_file}: micro_batch_sise' \(Did you mean 'micro_batch_size'\?\)"):
+        loop.resolve(None, small_cfg + ["sft.enabled=true", f"sft.config={stage_file}", f"sft.dataset={data}"])
 
 
 def test_per_iteration_bad_iteration_is_refused(small_cfg):
@@ -157,6 +211,26 @@ def test_metrics_and_report(small_cfg):
     assert (it / "stats.json").is_file()
 
 
+def test_metrics_leave_out_unscored_and_warn_on_identical_train_responses(small_cfg, capsys):
+    run_dir = loop.plan(None, small_cfg)
+    it = run_dir / "iter_1"
+    write_jsonl(it / "eval.jsonl", [{"id": str(j), "prompt": [{"role": "user", "content": "q"}], "responses": ["a"],
+                                     "finish_reasons": ["stop"], "response_tokens": [3], "rewards": [r],
+                                     "reward_source": "remote"} for j, r in enumerate([1.0, None, 0.0])])
+    write_jsonl(it / "generated.jsonl", [{"id": f"p{j}", "responses": ["same"] * 4, "finish_reasons": ["stop"] * 4}
+                                         for j in range(3)] + [{"id": "p3", "responses": ["a", "b"],
+                                                                 "finish_reasons": ["stop"] * 2}])
+    write_jsonl(it / "pairs.jsonl", [{"id": "p3"}])
+    capsys.readouterr()
+    assert loop.main(["metrics", str(run_dir), "1"]) == 0
+    row = read_jsonl(run_dir / "metrics.jsonl")[0]
+    assert row["eval_reward_mean"] == pytest.approx(0.5) and row["eval_unscored_responses"] == 1
+    assert row["train_prompts_fewer_than_2_distinct"] == 3 and len(row["warnings"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("iteration 1: held-out reward 0.5000")
+    assert out[1].startswith("WARNING: iteration 1, generated.jsonl: 3 of 4 prompts have fewer than 2 distinct")
+
+
 def test_mean_ci95_edge_cases():
     m, lo, hi = loop.mean_ci95([1.0])
     assert (m, lo, hi) == (1.0, 1.0, 1.0)
@@ -200,7 +274,7 @@ def test_dpo_training_typo_fails_at_start(small_cfg):
         loop.resolve(None, small_cfg + ["dpo.training.bta=0.05"])
     with pytest.raises(ConfigError, match=r"dpo\.training\.beta: expected a number"):
         loop.resolve(None, small_cfg + ["dpo.training.beta=abc"])
-    with pytest.raises(ConfigError, match=r"iteration 2: dpo\.training\.max_length: expected an integer, got 'abc'"):
+    with pytest.raises(ConfigError, match=r"per_iteration\.2\.dpo\.training\.max_length: expected an integer, got 'abc'"):
         loop.resolve(None, small_cfg + ["per_iteration={2: {dpo: {training: {max_length: abc}}}}"])
     for bad, msg in (("learning_rate=-1", r"learning_rate: must be > 0"), ("num_train_epochs=0", "must be > 0"),
                      ("per_device_train_batch_size=0", "must be >= 1"), ("beta=0", r"beta: must be > 0")):

@@ -59,8 +59,52 @@ def test_fewer_than_two_valid_responses_skipped_and_empty_counted():
 def test_same_text_never_becomes_a_pair():
     # same text scored differently (e.g. a noisy reward): must not be chosen and rejected at once
     pairs, stats = pairs_of([rec([1.0, 0.0], responses=["same", "same"])])
-    assert pairs == [] and stats["skipped"] == {"fewer_than_2_valid": 1}
+    assert pairs == [] and stats["skipped"] == {"identical_responses": 1}
     assert stats["responses"]["duplicate"] == 1
+
+
+def test_identical_tied_and_excluded_prompts_have_separate_skip_counts():
+    records = [rec([0.5, 0.1, 0.9], responses=["same", "same ", "same"], rid="ident"),
+               rec([0.5, 0.5], responses=["a", "b"], rid="tie"),
+               rec([1.0, 0.0, 0.2], responses=["fine", "", "x"], finish=["stop", "stop", "length"], rid="excl"),
+               rec([1.0, 0.0], rid="ok")]
+    pairs, stats = pairs_of(records)
+    assert [p["id"] for p in pairs] == ["ok"]
+    assert stats["skipped"] == {"identical_responses": 1, "tie": 1, "fewer_than_2_valid": 1}
+    assert stats["skipped_examples"]["identical_responses"] == ["mem:0 (id='ident')"]
+    assert stats["skipped_examples"]["fewer_than_2_valid"] == ["mem:2 (id='excl')"]
+
+
+def test_identical_valid_responses_beside_an_empty_one_are_identical():
+    _, stats = pairs_of([rec([1.0, 0.0, 0.5], responses=["same", "same", "  "])])
+    assert stats["skipped"] == {"identical_responses": 1}
+
+
+def test_most_prompts_without_two_distinct_responses_warn():
+    same = [rec([0.5] * 4, responses=["one answer"] * 4, rid=f"s{i}") for i in range(2)]
+    _, stats = pairs_of(same + [rec([0.0, 1.0], rid="d")])
+    assert stats["prompts_fewer_than_2_distinct"] == 2
+    assert len(stats["warnings"]) == 1 and "2 of 3 prompts have fewer than 2 distinct" in stats["warnings"][0]
+    _, half = pairs_of(same[:1] + [rec([0.0, 1.0], rid="d")])
+    assert half["warnings"] == []  # one of two is not most
+
+
+def test_stage_prints_the_low_diversity_warning(tmp_path):
+    src = tmp_path / "rewards.jsonl"
+    write_jsonl(src, [rec([0.5] * 3, responses=["x"] * 3, rid=f"p{i}") for i in range(3)])
+    res = subprocess.run([sys.executable, str(ROOT / "annotate_data" / "make_pairs.py"), f"input={src}",
+                          f"output={tmp_path / 'pairs.jsonl'}"], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    assert "WARNING: make_pairs: 3 of 3 prompts have fewer than 2 distinct responses" in res.stderr
+    assert read_json(tmp_path / "pairs.jsonl.stats.json")["skipped"] == {"identical_responses": 3}
+
+
+def test_null_reward_leaves_out_that_response_only():
+    pairs, stats = pairs_of([rec([0.9, None, 0.1], rid="n"), rec([None, None, 1.0], rid="one")])
+    assert [(p["id"], p["chosen"][0]["content"], p["rejected"][0]["content"]) for p in pairs] == \
+        [("n", "response 0", "response 2")]
+    assert stats["skipped"] == {"fewer_than_2_valid": 1} and stats["responses"]["unscored"] == 3
+    assert stats["reward"]["mean"] == pytest.approx((0.9 + 0.1 + 1.0) / 3)
 
 
 def test_duplicate_texts_count_once_with_mean_reward():
@@ -149,7 +193,7 @@ def test_stage_output_loads_with_datasets(tmp_path):
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["a", "c"]
 
 
-@pytest.mark.parametrize("bad", ["1.0", True, None, [1.0]])
+@pytest.mark.parametrize("bad", ["1.0", True, [1.0]])
 def test_reward_that_is_not_a_json_number_raises(bad):
     with pytest.raises(DataError, match=r"rewards\.jsonl:3.*not a number"):
         build_pairs([("rewards.jsonl:3", rec([0.0, bad]))])

@@ -20,7 +20,7 @@ def test_prompt_string_and_messages_forms(tmp_path):
                                {"role": "assistant", "content": "old answer"}]},
     ])
     a, b = load_prompts(p)
-    assert a == {"id": "0", "prompt": [{"role": "user", "content": "hi"}], "answer": "4"}
+    assert a == {"id": "row-0", "prompt": [{"role": "user", "content": "hi"}], "answer": "4"}
     assert b["id"] == "7" and b["prompt"][-1] == {"role": "user", "content": "q"} and len(b["prompt"]) == 2
 
 
@@ -71,6 +71,34 @@ def test_duplicate_ids_are_an_error(tmp_path):
         load_prompts(p)
 
 
+def test_generated_ids_do_not_clash_with_explicit_numeric_ids(tmp_path):
+    p = _write(tmp_path / "p.jsonl", [{"prompt": "a"}, {"id": "1", "prompt": "b"}, {"id": 0, "prompt": "c"}])
+    assert [r["id"] for r in load_prompts(p)] == ["row-0", "1", "0"]
+
+
+@pytest.mark.parametrize("rows,first,second", [
+    ([{"prompt": "a"}, {"id": "row-0", "prompt": "b"}], r"p\.jsonl:1 \(no id: generated\)", r"p\.jsonl:2"),
+    ([{"id": "row-1", "prompt": "a"}, {"prompt": "b"}], r"p\.jsonl:1", r"p\.jsonl:2 \(no id: generated\)"),
+])
+def test_explicit_id_equal_to_a_generated_one_names_both_rows(tmp_path, rows, first, second):
+    p = _write(tmp_path / "p.jsonl", rows)
+    with pytest.raises(DataError, match=rf"{second}: duplicate id 'row-\d', also the id of \S*{first}\. .*row-<0-based"):
+        load_prompts(p)
+
+
+@pytest.mark.parametrize("bad,match", [([1, 2], "'id' must be a string or a number, got list"),
+                                       (True, "'id' must be a string or a number, got bool"), ("  ", "'id' is empty")])
+def test_bad_id_value_is_an_error_naming_the_line(tmp_path, bad, match):
+    p = _write(tmp_path / "p.jsonl", [{"prompt": "ok"}, {"id": bad, "prompt": "x"}])
+    with pytest.raises(DataError, match=rf"p\.jsonl:2: {match}"):
+        load_prompts(p)
+
+
+def test_null_id_counts_as_no_id(tmp_path):
+    p = _write(tmp_path / "p.jsonl", [{"id": None, "prompt": "a"}, {"id": None, "key": "k", "prompt": "b"}])
+    assert [r["id"] for r in load_prompts(p)] == ["row-0", "k"]
+
+
 def test_empty_prompt_set_is_an_error(tmp_path):
     p = tmp_path / "p.jsonl"
     p.write_text("\n")
@@ -82,7 +110,7 @@ def test_parquet_prompts_via_datasets(tmp_path):
     datasets = pytest.importorskip("datasets")
     p = tmp_path / "p.parquet"
     datasets.Dataset.from_list([{"prompt": "a"}, {"prompt": "b"}]).to_parquet(str(p))
-    assert [r["id"] for r in load_prompts(p)] == ["0", "1"]
+    assert [r["id"] for r in load_prompts(p)] == ["row-0", "row-1"]
 
 
 def test_limit(tmp_path):

@@ -147,21 +147,47 @@ def test_unreachable_service_error_names_the_url():
     assert time.monotonic() - t0 < 10
 
 
-def test_null_reward_marks_the_record_unscorable(tmp_path):
-    from fastapi import FastAPI
-
-    from online_rlhf import remote
+def _bad_values_app():
+    """A reward service whose reply holds, per response text, a value JSON-encoded as is: ``"nan"`` ->
+    NaN, ``"inf"`` -> Infinity, ``"-inf"`` -> -Infinity, ``"null"`` -> null, ``"text"`` -> "1.0";
+    any other response gets 1.0 + its length / 10."""
+    from fastapi import FastAPI, Response
 
     app = FastAPI()
+    raw = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity", "null": "null", "text": '"1.0"'}
 
     @app.post("/score")
     def score(body: dict):
-        return {"rewards": [None if r == "bad" else 1.0 for r in body["responses"]]}
+        vals = [raw.get(r, repr(1.0 + len(r) / 10)) for r in body["responses"]]
+        return Response(content='{"rewards": [' + ", ".join(vals) + "]}", media_type="application/json")
 
-    recs = [{"id": "a", "prompt": PROMPTS[0], "responses": ["ok", "bad"]},
-            {"id": "b", "prompt": PROMPTS[0], "responses": ["ok", "fine"]}]
-    with serve_in_thread(app) as url:
+    return app
+
+
+def test_bad_values_leave_out_only_their_response_counted_by_cause():
+    from online_rlhf import remote
+
+    recs = [{"id": "a", "prompt": PROMPTS[0], "responses": ["ok", "nan", "fine"]},
+            {"id": "b", "prompt": PROMPTS[0], "responses": ["inf", "-inf", "null", "text"]}]
+    with serve_in_thread(_bad_values_app()) as url:
         cfg = RewardConfig(input="x", output="y", source="remote", url=url, retries=0)
         rewards, stats = remote.score(recs, cfg)
-    assert rewards == [None, [1.0, 1.0]]
-    assert stats["skipped"] == {"remote_null": 1}
+    assert rewards == [[1.2, None, 1.4], [None, None, None, None]]
+    assert stats["unscored_responses"] == {"nan": 1, "inf": 2, "null": 1, "not_a_number": 1}
+    assert stats["examples"] == {"nan": ["a (response 1)"], "inf": ["b (response 0)", "b (response 1)"],
+                                 "null": ["b (response 2)"], "not_a_number": ["b (response 3)"]}
+
+
+def test_get_rewards_keeps_the_scored_responses_of_a_record_with_a_nan(tmp_path):
+    recs = [{"id": rid, "prompt": PROMPTS[0], "responses": resp, "finish_reasons": ["stop"] * len(resp)}
+            for rid, resp in (("a", ["ok", "nan", "fine"]), ("b", ["null", "inf"]), ("c", ["x", "yy"]))]
+    write_jsonl(tmp_path / "generated.jsonl", recs)
+    with serve_in_thread(_bad_values_app()) as url:
+        cfg = RewardConfig(input=str(tmp_path / "generated.jsonl"), output=str(tmp_path / "rewards.jsonl"),
+                           source="remote", url=url, retries=0)
+        stats = _load_script("get_rewards").main(cfg)
+    out = read_jsonl(tmp_path / "rewards.jsonl")
+    assert [(r["id"], r["rewards"]) for r in out] == [("a", [1.2, None, 1.4]), ("c", [1.1, 1.2])]
+    assert stats["responses_scored"] == 4 and stats["responses_unscored"] == {"nan": 1, "null": 1, "inf": 1}
+    assert stats["skipped"] == {"all_responses_unscored": 1} and stats["examples"]["all_responses_unscored"] == ["b"]
+    assert stats["examples"]["nan"] == ["a (response 1)"] and stats["reward"]["min"] == 1.1

@@ -301,3 +301,20 @@ def test_get_rewards_counts_every_record_it_leaves_out(tmp_path, monkeypatch):
     assert [r["id"] for r in read_jsonl(tmp_path / "rewards.jsonl")] == ["a"]
     assert stats["skipped"] == {"no_responses": 1, "unscorable_unspecified": 1}
     assert stats["records_in"] == 3 and stats["records_scored"] == 1
+
+
+def test_get_rewards_counts_unscored_responses_the_source_does_not_explain(tmp_path, monkeypatch):
+    import types
+
+    fake = types.ModuleType("fake_source")  # explains one of its two None responses
+    fake.score = lambda records, cfg: ([[1.0, None], [None]], {"unscored_responses": {"nan": 1}})
+    monkeypatch.setitem(sys.modules, "fake_source", fake)
+    main = _get_rewards_main()
+    monkeypatch.setitem(main.__globals__["SOURCES"], "verifier", "fake_source")
+    recs = [{"id": i, "prompt": PROMPT, "responses": resp, "finish_reasons": ["stop"] * len(resp)}
+            for i, resp in (("a", ["x", "y"]), ("b", ["x"]))]
+    write_jsonl(tmp_path / "generated.jsonl", recs)
+    stats = main(RewardConfig(input=str(tmp_path / "generated.jsonl"), output=str(tmp_path / "rewards.jsonl"), source="verifier"))
+    assert [(r["id"], r["rewards"]) for r in read_jsonl(tmp_path / "rewards.jsonl")] == [("a", [1.0, None])]
+    assert stats["responses_unscored"] == {"nan": 1, "unspecified": 1}
+    assert stats["skipped"] == {"all_responses_unscored": 1} and stats["records_scored"] == 1

@@ -222,3 +222,13 @@ def test_build_sft_data_refuses_nan_reward(tmp_path):
     rewards.write_text(json.dumps(_rewards_row("a", ["x", "y"], [0.1, 0.2])).replace("0.2", "NaN") + "\n")
     with pytest.raises(DataError, match=f"{rewards}:1"):
         build_sft_data.main(SFTDataConfig.from_dict({"rewards": str(rewards), "output": str(tmp_path / "o.jsonl")}))
+
+
+def test_build_sft_data_leaves_out_unscored_responses(tmp_path):
+    rewards = _write(tmp_path / "rewards.jsonl", [_rewards_row("a", ["best?", "scored"], [None, 0.8]),
+                                                  _rewards_row("b", ["x", "y"], [None, None])])
+    out = tmp_path / "sft.jsonl"
+    stats = build_sft_data.main(SFTDataConfig.from_dict({"rewards": str(rewards), "output": str(out), "min_reward": 0.5}))
+    assert [(r["id"], r["messages"][-1]["content"]) for r in read_jsonl(out)] == [("a", "scored")]
+    assert stats["responses_excluded"] == {"unscored": 3} and stats["dropped"] == {"no_eligible_response": 1}
+    assert stats["dropped_examples"] == {"no_eligible_response": [f"{rewards}:2 (id='b')"]}

@@ -1,0 +1,150 @@
+"""Key checks of the loop config's stage sections, run by the plan before any stage starts.
+
+Every key of ``generation``, ``evaluation``, ``reward``, ``pairs``, ``dpo`` (with ``dpo.training``
+against ``trl.DPOConfig`` and ``dpo.lora`` against ``peft.LoraConfig``) and ``sft`` (against
+Axolotl's schema), at the top level and in each ``per_iteration.<i>``, is checked here. A problem is
+named by the key path as the user wrote it (``generation.temprature``,
+``per_iteration.2.generaton``), with the closest known key. Keys the loop sets itself (a stage's
+input and output files, the policy, the shard layout) are refused with what to set instead: the
+loop would silently replace them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from .config import ConfigError, did_you_mean
+from .stage_configs import DPOStageConfig, GenerateConfig, LoopConfig, PairsConfig, RewardConfig, SFTStageConfig
+from .trl_args import check_axolotl_keys, check_dpo_training, check_lora
+
+_FILES = "the loop sets each stage's input and output files itself"
+_GEN_OWNED = {
+    "model": "the loop sets the policy: set policy= (later iterations sample from the previous model)",
+    "prompts": "set train_prompts (and prompts_per_iteration / train_limit) at the top level",
+    "prompt_field": "set prompt_field / eval_prompt_field at the top level",
+    "limit": "set prompts_per_iteration or train_limit (train), eval_limit (held-out) at the top level",
+    "output": _FILES, "stats_output": _FILES, "shards_dir": _FILES,
+    "shard_index": "the launcher sets it for each shard", "num_shards": "set generation_shards at the top level",
+}
+_EVAL_OWNED = {**_GEN_OWNED, "prompts": "set eval_prompts at the top level", "limit": "set eval_limit at the top level",
+               "prompt_field": "set eval_prompt_field at the top level"}
+_IO_OWNED = {"input": _FILES, "output": _FILES, "stats_output": _FILES}
+_DPO_OWNED = {"policy": "set policy= at the top level (later iterations train the previous model)",
+              "reference": "set ref_model: initial | previous at the top level",
+              "pairs": _FILES, "output_dir": _FILES, "stats_output": _FILES}
+# loop section -> (stage config class it feeds, keys the loop sets itself -> what to set instead)
+SECTIONS: dict[str, tuple[type[BaseModel], dict[str, str]]] = {
+    "generation": (GenerateConfig, _GEN_OWNED),
+    "evaluation": (GenerateConfig, _EVAL_OWNED),
+    "reward": (RewardConfig, _IO_OWNED),
+    "pairs": (PairsConfig, _IO_OWNED),
+    "dpo": (DPOStageConfig, _DPO_OWNED),
+}
+_SFT_LOOP_KEYS = {"enabled", "config"}
+_SFT_OWNED = {"base_model": "set policy= at the top level", "output_dir": "the loop writes it to <run>/sft/model"}
+_PLACEHOLDER = "<set by the loop>"
+
+
+def section_problems(cls: type[BaseModel], owned: dict[str, str], section: Any, path: str) -> list[str]:
+    """Problems of one stage section: unknown keys (with the closest field), keys the loop owns, and
+    values of the wrong type. Cross-field checks are left to the stage config.
+
+    Args:
+        path: the section as the user wrote it, e.g. ``"per_iteration.2.generation"``.
+    Returns:
+        one line per problem, each starting with ``<path>.<key>``.
+    """
+    if not isinstance(section, dict):
+        return [f"{path}: expected a mapping of {cls.__name__} keys, got {section!r:.80}."]
+    out = []
+    for key in section:
+        if key in owned:
+            out.append(f"{path}.{key}: cannot be set here; {owned[key]}.")
+        elif key not in cls.model_fields:
+            out.append(f"{path}.{key}: unknown key.{did_you_mean(key, cls.model_fields)} "
+                       f"Known keys: {', '.join(k for k in cls.model_fields if k not in owned)}.")
+    if out:
+        return out
+    required = {k: _PLACEHOLDER for k, f in cls.model_fields.items() if f.is_required()}
+    try:
+        cls.model_validate({**required, **section})
+    except ValidationError as e:
+        for err in e.errors():
+            if err["loc"] and err["loc"][0] in section:  # field errors; model-level ones are the stage's
+                loc = ".".join(str(p) for p in err["loc"])
+                out.append(f"{path}.{loc}: {err['msg']} (got {err.get('input')!r:.80}).")
+    return out
+
+
+def dpo_library_problems(dpo: dict, path: str) -> list[str]:
+    """``dpo.training`` against ``trl.DPOConfig`` and ``dpo.lora`` against ``peft.LoraConfig``."""
+    out = []
+    for key, check in (("training", lambda v: check_dpo_training(v, f"{path}.training")),
+                       ("lora", lambda v: check_lora(v, f"{path}.lora", required=False))):
+        if isinstance(dpo.get(key), dict):
+            try:
+                check(dpo[key])
+            except ConfigError as e:
+                out.append(str(e))
+    return out
+
+
+def sections_problems(data: dict, prefix: str = "") -> list[str]:
+    """Problems of every stage section in one loop mapping (the top level, or one
+    ``per_iteration`` entry with ``prefix="per_iteration.<i>."``)."""
+    out = []
+    for name, (cls, owned) in SECTIONS.items():
+        if name in data and data[name] is not None:
+            out += section_problems(cls, owned, data[name], prefix + name)
+            if name == "dpo" and isinstance(data[name], dict):
+                out += dpo_library_problems(data[name], prefix + name)
+    return out
+
+
+def per_iteration_problems(per_iteration: dict, run_level: tuple[str, ...]) -> list[str]:
+    """Unknown or run-level keys in each ``per_iteration.<i>``, then its stage sections."""
+    out = []
+    for i, over in per_iteration.items():
+        if not isinstance(over, dict):
+            out.append(f"per_iteration.{i}: expected a mapping of loop keys, got {over!r:.80}.")
+            continue
+        for key in over:
+            if key in run_level:
+                out.append(f"per_iteration.{i}.{key}: cannot be set per iteration; set it at the top level.")
+            elif key not in LoopConfig.model_fields:
+                known = [k for k in LoopConfig.model_fields if k not in run_level]
+                out.append(f"per_iteration.{i}.{key}: unknown key.{did_you_mean(key, known)} "
+                           f"Keys that can change per iteration: {', '.join(known)}.")
+        out += sections_problems(over, f"per_iteration.{i}.")
+    return out
+
+
+def sft_problems(sft: dict) -> list[str]:
+    """The loop's ``sft`` section: keys the loop owns, and Axolotl keys checked against its schema."""
+    out = [f"sft.{k}: cannot be set here; {why}." for k, why in _SFT_OWNED.items() if k in sft]
+    extra = {k: v for k, v in sft.items() if k not in _SFT_LOOP_KEYS and k not in _SFT_OWNED}
+    if extra:
+        try:
+            check_axolotl_keys(extra, prefix="sft.", also_known=set(SFTStageConfig.model_fields) | _SFT_LOOP_KEYS)
+        except ConfigError as e:
+            out.append(str(e))
+    return out
+
+
+def check_loop_keys(data: dict, source: str, run_level: tuple[str, ...]) -> None:
+    """Check every stage-section key of a loop config mapping (top level and ``per_iteration``).
+
+    Args:
+        data: the loop config as written (after overrides), already valid as a ``LoopConfig``.
+        source: where it came from, for the message (file + overrides).
+        run_level: top-level keys that cannot change per iteration.
+    Raises:
+        ConfigError: listing every problem, each named by its key path.
+    """
+    problems = sections_problems(data)
+    problems += per_iteration_problems(data.get("per_iteration") or {}, run_level)
+    problems += sft_problems(data.get("sft") or {})
+    if problems:
+        raise ConfigError(f"{source}: {len(problems)} problem(s) in the config:\n  - " + "\n  - ".join(problems))
