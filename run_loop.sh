@@ -118,9 +118,14 @@ rewards_cmd() {
     "$TRAIN" annotate_data/get_rewards.py --config "$1"
   fi
 }
-dpo_cmd() {   # threads: the stage splits the usable cores between its processes (OMP_NUM_THREADS wins)
-  "$ACCELERATE" launch --config_file "configs/accelerate/$LAUNCH_PROFILE.yaml" \
-    --num_processes "$NUM_PROCESSES" dpo_iteration/run_dpo.py --config "$1"
+# DPO: the cpu profile is one process; N > 1 CPU ranks are plain DDP over gloo (one thread each).
+dpo_cmd() {
+  if [[ "$LAUNCH_PROFILE" == cpu && "$NUM_PROCESSES" -gt 1 ]]; then
+    ACCELERATE_USE_CPU=true "$ACCELERATE" launch --multi_gpu --num_processes "$NUM_PROCESSES" dpo_iteration/run_dpo.py --config "$1"
+  else
+    "$ACCELERATE" launch --config_file "configs/accelerate/$LAUNCH_PROFILE.yaml" \
+      --num_processes "$NUM_PROCESSES" dpo_iteration/run_dpo.py --config "$1"
+  fi
 }
 cfg() { echo "$RUN_DIR/iter_$1/configs/$2.yaml"; }
 

@@ -74,6 +74,11 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def _under_deepspeed() -> bool:
+    """Started by ``accelerate launch`` with a DeepSpeed profile (it sets this variable)."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
 def training_defaults(on_gpu: bool, world_size: int) -> dict:
     """The stage's defaults under ``cfg.training`` (the user's keys win).
 
@@ -93,19 +98,45 @@ def training_defaults(on_gpu: bool, world_size: int) -> dict:
         if mixed == "float16":  # a GPU without bf16 (e.g. V100): fp16 mixed precision instead of TRL's bf16
             d.update(bf16=False, fp16=True)
     else:
-        d["bf16"] = mixed == "bfloat16"  # bf16 autocast over fp32 weights only where the CPU has native bf16
+        # bf16 autocast over fp32 weights only where the CPU has native bf16; DeepSpeed on CPU stays fp32
+        d["bf16"] = mixed == "bfloat16" and not _under_deepspeed()
         if world_size > 1:
             d["ddp_backend"] = "gloo"
     return d
+
+
+def per_device_batch(cfg: DPOStageConfig, world_size: int) -> dict:
+    """``{"per_device_train_batch_size": n}`` from ``cfg.train_batch_size`` (pairs per optimizer
+    step over all ``world_size`` processes); ``{}`` when it is not set.
+
+    Raises:
+        ConfigError: both ``train_batch_size`` and ``training.per_device_train_batch_size`` are set,
+            or ``train_batch_size`` is not a multiple of processes x gradient accumulation steps.
+    """
+    if cfg.train_batch_size is None:
+        return {}
+    if "per_device_train_batch_size" in cfg.training:
+        raise ConfigError(f"train_batch_size={cfg.train_batch_size} and training.per_device_train_batch_size="
+                          f"{cfg.training['per_device_train_batch_size']} are both set; keep one (train_batch_size "
+                          "counts pairs per optimizer step over all processes; set it to null to use the other).")
+    accum = int(cfg.training.get("gradient_accumulation_steps", 1))
+    per, rest = divmod(cfg.train_batch_size, world_size * accum)
+    if rest or per < 1:
+        raise ConfigError(f"train_batch_size={cfg.train_batch_size} is not a multiple of {world_size} process(es) x "
+                          f"gradient_accumulation_steps={accum}; change one of them (or num_processes).")
+    return {"per_device_train_batch_size": per}
 
 
 def build_dpo_args(cfg: DPOStageConfig, work_dir: Path, on_gpu: bool):
     """``trl.DPOConfig`` from the stage defaults + ``cfg.training``; invalid values raise ConfigError."""
     from trl import DPOConfig
 
-    kw = {**training_defaults(on_gpu, _world_size()), **check_dpo_training(cfg.training)}
+    kw = {**training_defaults(on_gpu, _world_size()), **per_device_batch(cfg, _world_size()),
+          **check_dpo_training(cfg.training)}
     if not on_gpu and kw.get("bf16"):
         compute_dtype("cpu", "bfloat16")  # warns when the CPU has no native bf16
+        if not _under_deepspeed():
+            kw.setdefault("use_cpu", True)  # transformers refuses bf16 on CPU without it
     report_to = kw.get("report_to")
     if report_to == "wandb" or (isinstance(report_to, list) and "wandb" in report_to) or report_to == "all":
         os.environ.setdefault("WANDB_MODE", "offline")  # never block on a network we may not have

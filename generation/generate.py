@@ -276,9 +276,9 @@ def engine_dtype(cfg: GenerateConfig) -> tuple[str, str]:
     choice (:func:`online_rlhf.hardware.compute_dtype`). vLLM's own ``auto`` would take the
     checkpoint's dtype and, for a float32 checkpoint on CPU, downcast it to bf16, which is
     emulated and very slow on CPUs without native bf16."""
-    from vllm.platforms import current_platform
+    import torch
 
-    device = "cpu" if current_platform.is_cpu() else "cuda"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     return device, compute_dtype(device, cfg.dtype)
 
 

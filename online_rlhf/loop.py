@@ -96,7 +96,35 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
             if stage == "dpo":  # the merged section: also the keys of the dpo_config file
                 check_dpo_training(d["training"], f"{src}, iteration {i}: dpo.training")
                 check_lora(d.get("lora"), f"{src}, iteration {i}: dpo.lora", required=False)
+    dpo_batches = [_dpo_batch(stage_dict(cfg, Path("/dry-run"), i, "dpo")) for i in range(1, cfg.iterations + 1)]
+    if cfg.num_processes == "auto":
+        cfg.num_processes = auto_processes(cfg.launch_profile, dpo_batches)
+    for i, (batch, accum) in enumerate(dpo_batches, start=1):
+        if batch is not None and batch % (cfg.num_processes * accum):
+            raise ConfigError(f"{src}, iteration {i}: dpo.train_batch_size={batch} is not a multiple of num_processes="
+                              f"{cfg.num_processes} x dpo.training.gradient_accumulation_steps={accum}; change one of them.")
     return cfg
+
+
+def _dpo_batch(d: dict) -> tuple[int | None, int]:
+    """(train_batch_size, gradient_accumulation_steps) of a resolved DPO stage dict."""
+    return d.get("train_batch_size"), int(d.get("training", {}).get("gradient_accumulation_steps", 1))
+
+
+def auto_processes(launch_profile: str, dpo_batches: list[tuple[int | None, int]], free: int | None = None) -> int:
+    """``num_processes: auto``: one per GPU; on CPU (profile ``cpu``) one per free core
+    (:func:`online_rlhf.hardware.idle_cores`, or ``free``), lowered to the largest count that
+    divides every iteration's ``dpo.train_batch_size`` (with its gradient accumulation)."""
+    if launch_profile != "cpu":
+        import torch
+
+        return max(1, torch.cuda.device_count())
+    from .hardware import idle_cores, usable_cores
+
+    n = free if free is not None else min(usable_cores(), max(1, int(idle_cores() + 0.5)))
+    while n > 1 and any(b is not None and b % (n * a) for b, a in dpo_batches):
+        n -= 1
+    return n
 
 
 def sft_dict(cfg: LoopConfig, run_dir: Path) -> dict:

@@ -5,7 +5,7 @@ validated dry (no model loaded). Each stage script builds its config with ``Cls.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
@@ -112,6 +112,7 @@ class DPOStageConfig(StageConfig):
     pairs: str = Field(..., description="pairs.jsonl")
     output_dir: str = Field(..., description="where the trained checkpoint is saved")
     stats_output: Optional[str] = Field(None, description="stats JSON (default: <output_dir>.stats.json, beside the checkpoint)")
+    train_batch_size: Optional[int] = Field(None, ge=1, description="pairs per optimizer step over all processes (OpenRLHF's name); per_device_train_batch_size = this / (processes x training.gradient_accumulation_steps), so the recipe is the same on 1 or N processes. null: set training.per_device_train_batch_size instead")
     training: dict[str, Any] = Field(default_factory=dict, description="any trl.DPOConfig field (beta, loss_type, learning_rate, max_length, precompute_ref_log_probs, report_to, ...); stage defaults: bf16=false on CPU, precompute_ref_log_probs=true, report_to=none")
     max_prompt_length: Optional[int] = Field(None, ge=1, description="drop (and count) pairs whose prompt has more tokens than this; TRL 1.9 has no prompt truncation. Pairs whose prompt fills training.max_length are always dropped")
     lora: Optional[dict[str, Any]] = Field(None, description="peft.LoraConfig fields; merged into the saved checkpoint")
@@ -136,7 +137,7 @@ class LoopConfig(StageConfig):
     eval_limit: Optional[int] = Field(None, ge=1, description="first N held-out prompts")
     prompts_per_iteration: Optional[int] = Field(None, ge=1, description="iteration i takes the i-th slice of this many train prompts (wrapping); None = all (or train_limit)")
     launch_profile: Literal["cpu", "zero2", "zero3"] = Field("cpu", description="configs/accelerate/<profile>.yaml for DPO")
-    num_processes: int = Field(1, ge=1, description="processes of accelerate launch (DPO, reward model)")
+    num_processes: Union[int, Literal["auto"]] = Field("auto", description="processes of accelerate launch (DPO, reward model). auto: one per GPU; on CPU one per free core (each with one thread; 2 ranks over gloo trained faster than 2 threads in one process), the most that divides dpo.train_batch_size")
     generation_shards: int = Field(1, ge=1, description="vLLM shards W (one per GPU; 1 on CPU)")
     generation: dict[str, Any] = Field(default_factory=dict, description="GenerateConfig fields for training rollouts")
     evaluation: dict[str, Any] = Field(default_factory=lambda: {"k": 1, "temperature": 0.0}, description="GenerateConfig fields for held-out generation")
@@ -147,6 +148,13 @@ class LoopConfig(StageConfig):
     ref_model: Literal["initial", "previous"] = Field("initial", description="DPO reference: the starting (SFT) policy, or last iteration's policy")
     per_iteration: dict[int, dict[str, Any]] = Field(default_factory=dict, description="{i: {section: {key: value}}} overrides for iteration i")
     wandb: bool = Field(False, description="log the loop's metrics to wandb (offline unless WANDB_MODE is set)")
+
+    @field_validator("num_processes")
+    @classmethod
+    def _positive_processes(cls, v):
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"num_processes must be >= 1 or auto, got {v}")
+        return v
 
     @field_validator("run_name")
     @classmethod

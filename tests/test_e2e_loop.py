@@ -26,7 +26,7 @@ needs_default = pytest.mark.skipif(not (default_data_dir() / "ifbench_train.json
                                    reason="default prompts not prepared (scripts/prepare_default.py)")
 
 SMALL = ["prompts_per_iteration=6", "eval_limit=6", "generation.k=4", "generation.max_tokens=24",
-         "generation.max_model_len=1024", "dpo.training.per_device_train_batch_size=2",
+         "generation.max_model_len=1024", "dpo.train_batch_size=2",
          "dpo.training.num_train_epochs=1", "dpo.training.max_length=512", "dpo.training.learning_rate=1e-3",
          "pairs.truncated=keep"]
 

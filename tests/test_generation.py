@@ -380,11 +380,15 @@ def test_shard_envs_give_each_shard_its_own_gpus_or_cores(monkeypatch):
     assert launch.shard_envs(2, 1, gpus=[], cores=[0, 1, 2, 3]) == [
         {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": "2"},
         {"VLLM_CPU_OMP_THREADS_BIND": "2-3", "OMP_NUM_THREADS": "2"}]
-    # one CPU shard: engine in-process, one OpenMP thread unless the user chose a number
+    # one CPU shard: engine in-process, one OpenMP thread per free core unless the user chose a number
+    monkeypatch.setattr(launch, "stage_threads", lambda: 2)
     assert launch.shard_envs(1, 1, gpus=[], cores=[0, 1]) == [{"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                                                               "OMP_NUM_THREADS": "1"}]
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    assert launch.shard_envs(1, 1, gpus=[], cores=[0, 1])[0]["OMP_NUM_THREADS"] == "2"
+                                                               "OMP_NUM_THREADS": "2"}]
+    monkeypatch.undo()
+    for var in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_ENABLE_V1_MULTIPROCESSING"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert launch.shard_envs(1, 1, gpus=[], cores=[0, 1])[0]["OMP_NUM_THREADS"] == "3"
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the user's choice wins, for every shard
     assert launch.shard_envs(1, 1, gpus=[], cores=[0, 1]) == [{}]
     assert launch.shard_envs(2, 1, gpus=[], cores=[0, 1]) == [{}, {}]
