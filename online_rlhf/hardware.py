@@ -174,9 +174,9 @@ def stage_threads(num_processes: int = 1, env: Optional[dict] = None, free_cores
     return max(1, cores // max(1, num_processes))
 
 
-def describe(device_type: str, dtype: str, threads: Optional[int] = None) -> dict:
-    """What a stage records in its stats (and benchmarks print): device, dtype, threads, CPU model
-    and capability, and whether bf16 is native there."""
+def describe(device_type: str, dtype: str, threads: Optional[int] = None, processes: int = 1) -> dict:
+    """What a stage records in its stats (and benchmarks print): device, dtype, threads (per
+    process), processes, CPU model and capability, and whether bf16 is native there."""
     if threads is None:
         try:
             import torch
@@ -184,12 +184,13 @@ def describe(device_type: str, dtype: str, threads: Optional[int] = None) -> dic
             threads = torch.get_num_threads()
         except ImportError:
             threads = None
-    return {"device": device_type, "dtype": dtype, "threads": threads, "cpu_model": cpu_model(),
+    return {"device": device_type, "dtype": dtype, "threads": threads, "processes": processes, "cpu_model": cpu_model(),
             "cpu_capability": cpu_capability(), "cpu_native_bf16": cpu_has_native_bf16()}
 
 
 def describe_line(info: dict) -> str:
-    """One line for logs and benchmark output, e.g. ``cpu float32 x2 threads (AMD EPYC, AVX2, no native bf16)``."""
+    """One line for logs and benchmark output, e.g. ``cpu float32 2 threads (AMD EPYC, AVX2, no native bf16)``."""
     bf16 = "native bf16" if info.get("cpu_native_bf16") else "no native bf16"
-    return (f"{info['device']} {info['dtype']} x{info.get('threads')} threads "
+    procs = f"{info['processes']} processes x " if info.get("processes", 1) > 1 else ""
+    return (f"{info['device']} {info['dtype']} {procs}{info.get('threads')} threads "
             f"({info.get('cpu_model')}, {info.get('cpu_capability')}, {bf16})")

@@ -457,7 +457,9 @@ def _hardware_lines(rows: list[dict]) -> list[str]:
     first = next(iter(seen.values()))
     lines = ["", f"Hardware: {first.get('cpu_model')} (torch capability {first.get('cpu_capability')}, "
                  f"native bf16: {'yes' if first.get('cpu_native_bf16') else 'no'}).", ""]
-    lines += [f"- {stage}: {hw.get('device')} {hw.get('dtype')}, {hw.get('threads')} thread(s)" for stage, hw in seen.items()]
+    lines += [f"- {stage}: {hw.get('device')} {hw.get('dtype')}, "
+              f"{str(hw['processes']) + ' processes x ' if hw.get('processes', 1) > 1 else ''}{hw.get('threads')} thread(s)"
+              for stage, hw in seen.items()]
     return lines
 
 

@@ -325,7 +325,8 @@ def score(records: list[dict], cfg) -> tuple[list[Optional[list[float]]], dict]:
                              "num_processes": state.num_processes, "dtype": str(rm.dtype).replace("torch.", ""),
                              "batch_size": cfg.batch_size if rm.exact_head else 1, "max_length": rm.max_length,
                              "exact_batched_pooling": rm.exact_head,
-                             "hardware": describe(rm.device.type, str(rm.dtype).replace("torch.", "")),
+                             "hardware": describe(rm.device.type, str(rm.dtype).replace("torch.", ""),
+                                                  processes=state.num_processes),
                              "special_token_text": {
                                  "prompts": sum(1 for rec in records if messages_have_special_text(rm.tokenizer, rec["prompt"])),
                                  "responses": count_special_texts(rm.tokenizer, (x for rec in records for x in rec["responses"]))}}
