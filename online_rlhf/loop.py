@@ -112,16 +112,17 @@ def _dpo_batch(d: dict) -> tuple[int | None, int]:
 
 
 def auto_processes(launch_profile: str, dpo_batches: list[tuple[int | None, int]], free: int | None = None) -> int:
-    """``num_processes: auto``: one per GPU; on CPU (profile ``cpu``) one per free core
-    (:func:`online_rlhf.hardware.idle_cores`, or ``free``), lowered to the largest count that
-    divides every iteration's ``dpo.train_batch_size`` (with its gradient accumulation)."""
+    """``num_processes: auto``: one per GPU; on CPU (profile ``cpu``) one per usable core (or
+    ``free``), lowered to the largest count that divides every iteration's ``dpo.train_batch_size``
+    (with its gradient accumulation). Not load-dependent, unlike threads: the rank count changes
+    how gradients are summed, and a rerun must train the same numbers."""
     if launch_profile != "cpu":
         import torch
 
         return max(1, torch.cuda.device_count())
-    from .hardware import idle_cores, usable_cores
+    from .hardware import usable_cores
 
-    n = free if free is not None else min(usable_cores(), max(1, int(idle_cores() + 0.5)))
+    n = free if free is not None else usable_cores()
     while n > 1 and any(b is not None and b % (n * a) for b, a in dpo_batches):
         n -= 1
     return n

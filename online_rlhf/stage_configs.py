@@ -137,7 +137,7 @@ class LoopConfig(StageConfig):
     eval_limit: Optional[int] = Field(None, ge=1, description="first N held-out prompts")
     prompts_per_iteration: Optional[int] = Field(None, ge=1, description="iteration i takes the i-th slice of this many train prompts (wrapping); None = all (or train_limit)")
     launch_profile: Literal["cpu", "zero2", "zero3"] = Field("cpu", description="configs/accelerate/<profile>.yaml for DPO")
-    num_processes: Union[int, Literal["auto"]] = Field("auto", description="processes of accelerate launch (DPO, reward model). auto: one per GPU; on CPU one per free core (each with one thread; 2 ranks over gloo trained faster than 2 threads in one process), the most that divides dpo.train_batch_size")
+    num_processes: Union[int, Literal["auto"]] = Field("auto", description="processes of accelerate launch (DPO, reward model). auto: one per GPU; on CPU one per usable core (each with one thread; 2 ranks over gloo trained faster than 2 threads in one process), the most that divides dpo.train_batch_size")
     generation_shards: int = Field(1, ge=1, description="vLLM shards W (one per GPU; 1 on CPU)")
     generation: dict[str, Any] = Field(default_factory=dict, description="GenerateConfig fields for training rollouts")
     evaluation: dict[str, Any] = Field(default_factory=lambda: {"k": 1, "temperature": 0.0}, description="GenerateConfig fields for held-out generation")
