@@ -36,6 +36,9 @@ def main(cfg: PairsConfig) -> dict:
     records = ((f"{cfg.input}:{ln}", rec) for ln, rec in iter_jsonl(cfg.input))
     pairs, stats = build_pairs(records, strategy=cfg.strategy, min_margin=cfg.min_margin, truncated=cfg.truncated,
                                truncated_penalty=cfg.truncated_penalty, seed=cfg.seed)
+    if "truncated_penalty" in cfg.model_fields_set and cfg.truncated != "penalize":
+        stats["warnings"].append(f"truncated_penalty={cfg.truncated_penalty} is not used with truncated={cfg.truncated} "
+                                 "(only truncated=penalize subtracts it)")
     write_jsonl(cfg.output, pairs)
     stats = {"stage": "make_pairs", "input": cfg.input, "output": cfg.output, **stats,
              "seconds": round(time.time() - t0, 3)}

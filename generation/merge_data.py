@@ -25,13 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling import when 
 
 from generate import stats_path_of, summarize  # noqa: E402
 from online_rlhf.config import run_main  # noqa: E402
+from online_rlhf.hardware import slow_dtype_warning  # noqa: E402
 from online_rlhf.jsonl import DataError, iter_jsonl, read_json, write_json, write_jsonl  # noqa: E402
 from online_rlhf.records import load_prompts, validate_generated  # noqa: E402
 from online_rlhf.stage_configs import GenerateConfig  # noqa: E402
 
 
 def default_shards_dir(output: str | Path) -> Path:
-    """``generated.jsonl`` -> ``generated/`` (the run directory layout in DESIGN.md)."""
+    """``generated.jsonl`` -> ``generated/`` (the run directory layout in README.md)."""
     out = Path(output)
     return out.with_suffix("") if out.suffix == ".jsonl" else out.parent / (out.name + "_shards")
 
@@ -132,6 +133,8 @@ def merge_shards(cfg: GenerateConfig) -> dict:
                                           "engine_startup_s", "generation_s", "generated_tokens_per_s", "hardware")}
                    for s in shard_stats],
     }
+    if stats["hardware"] and (slow := slow_dtype_warning(stats["hardware"])):
+        stats["warnings"] = [*stats["warnings"], slow]
     write_jsonl(cfg.output, records)
     write_json(stats_path_of(cfg), stats)
     print(f"[merge] {w} shard(s) -> {cfg.output}: {len(records)} records, skipped {stats['skipped'] or 'none'}.")

@@ -98,6 +98,15 @@ def compute_dtype(device_type: str, requested: str = "auto") -> str:
     return requested
 
 
+def slow_dtype_warning(info: dict) -> Optional[str]:
+    """The warning a stage adds to its stats when :func:`describe`'s ``info`` shows bf16 on a CPU
+    without native bf16 (else None)."""
+    if info.get("device") == "cpu" and str(info.get("dtype", "")).startswith("bfloat16") and not info.get("cpu_native_bf16"):
+        return (f"dtype=bfloat16 on a CPU without native bf16 ({info.get('cpu_model')}, {info.get('cpu_capability')}): "
+                f"{_SLOW_BF16_NOTE}; dtype=auto picks float32 here")
+    return None
+
+
 def warn_once(key: str, message: str) -> None:
     """Print ``message`` to stderr the first time ``key`` is seen in this process."""
     if key not in _warned:

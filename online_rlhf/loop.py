@@ -96,6 +96,18 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
             if stage == "dpo":  # the merged section: also the keys of the dpo_config file
                 check_dpo_training(d["training"], f"{src}, iteration {i}: dpo.training")
                 check_lora(d.get("lora"), f"{src}, iteration {i}: dpo.lora", required=False)
+    for i in range(1, cfg.iterations + 1):
+        d = stage_dict(cfg, Path("/dry-run"), i, "dpo")
+        if d.get("train_batch_size") is not None and "per_device_train_batch_size" in d.get("training", {}):
+            raise ConfigError(f"{src}, iteration {i}: dpo.train_batch_size={d['train_batch_size']} (pairs per optimizer "
+                              "step over all processes) and dpo.training.per_device_train_batch_size="
+                              f"{d['training']['per_device_train_batch_size']} are both set; keep one "
+                              "(dpo.train_batch_size=null to size batches per device).")
+    for section in ("generation", "evaluation"):
+        if getattr(cfg, section).get("dtype") == "bfloat16" and cfg.launch_profile == "cpu":
+            from .hardware import compute_dtype
+
+            compute_dtype("cpu", "bfloat16")  # one-line warning where the CPU has no native bf16
     dpo_batches = [_dpo_batch(stage_dict(cfg, Path("/dry-run"), i, "dpo")) for i in range(1, cfg.iterations + 1)]
     if cfg.num_processes == "auto":
         cfg.num_processes = auto_processes(cfg.launch_profile, dpo_batches)

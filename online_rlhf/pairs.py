@@ -27,6 +27,7 @@ order or sharding of the records.
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 from collections import Counter
@@ -239,6 +240,7 @@ def build_pairs(records: Iterable[tuple[str, dict]], strategy: str = "max_min", 
 def _selection_stats(pairs: list[dict], all_rewards: list[float]) -> dict:
     chosen = [p["chosen_reward"] for p in pairs]
     rejected = [p["rejected_reward"] for p in pairs]
-    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    mean = lambda xs: statistics.fmean(xs) if xs else None  # noqa: E731
+    margins = [c - r for c, r in zip(chosen, rejected)]  # inf when huge finite rewards of both signs overflow
     return {"reward": _summary(all_rewards), "chosen_reward_mean": mean(chosen), "rejected_reward_mean": mean(rejected),
-            "margin_mean": mean([c - r for c, r in zip(chosen, rejected)])}
+            "margin_mean": mean(margins) if all(math.isfinite(m) for m in margins) else None}

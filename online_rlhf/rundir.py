@@ -1,6 +1,6 @@
 """Stage completion markers: ``<stage>.done`` holds a hash of the stage's config and inputs.
 
-A stage is skipped on rerun only when its marker exists and the hash matches (DESIGN.md, "Run
+A stage is skipped on rerun only when its marker exists and the hash matches (README.md, "Run
 directory"). The marker is written last and atomically, after the stage's outputs.
 """
 

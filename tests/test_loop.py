@@ -351,3 +351,18 @@ def test_a_checkpoint_without_weights_is_not_a_finished_output(tmp_path):
     assert not loop._output_present(ckpt)  # weights deleted: DPO must run again on resume
     (ckpt / "model.safetensors").write_bytes(b"x")
     assert loop._output_present(ckpt) and loop._output_present(tmp_path) and not loop._output_present(tmp_path / "no")
+
+
+def test_both_dpo_batch_sizes_are_refused_at_plan_time(small_cfg):
+    with pytest.raises(ConfigError, match=r"iteration 1: dpo\.train_batch_size=4 .* dpo\.training\.per_device_train_batch_size=2 "
+                                          r"are both set.*dpo\.train_batch_size=null"):
+        loop.resolve("configs/loop.yaml", small_cfg + ["dpo.training.per_device_train_batch_size=2"])
+    cfg = loop.resolve("configs/loop.yaml", small_cfg + ["dpo.training.per_device_train_batch_size=2",
+                                                         "dpo.train_batch_size=null"])
+    assert cfg.dpo["train_batch_size"] is None
+
+
+def test_num_processes_must_divide_the_dpo_batch(small_cfg):
+    with pytest.raises(ConfigError, match=r"dpo\.train_batch_size=4 is not a multiple of num_processes=3"):
+        loop.resolve("configs/loop.yaml", small_cfg + ["num_processes=3"])
+    assert loop.resolve("configs/loop.yaml", small_cfg + ["num_processes=2"]).num_processes == 2

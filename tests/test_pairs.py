@@ -202,6 +202,10 @@ def test_reward_that_is_not_a_json_number_raises(bad):
 def test_huge_finite_rewards_do_not_overflow_the_stats():
     pairs, stats = pairs_of([rec([1e300, -1e300])])
     assert len(pairs) == 1 and stats["reward"]["std"] == pytest.approx(1e300)
+    # a margin beyond the float range (1e308 - -1e308) is left out of the mean, not written as inf
+    pairs, stats = pairs_of([rec([1e308, -1e308, 0.0])])
+    assert len(pairs) == 1 and stats["margin_mean"] is None
+    json.dumps(stats, allow_nan=False)
 
 
 def test_record_without_rewards_says_to_score_it_first():
