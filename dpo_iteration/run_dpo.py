@@ -62,6 +62,7 @@ from online_rlhf.paths import resolve_model, setup_cache_env
 from online_rlhf.records import validate_pair
 from online_rlhf.stage_configs import DPOStageConfig
 from online_rlhf.trl_args import check_dpo_training, check_lora
+from online_rlhf.trl_args import per_device_batch as split_batch
 
 _HALF = {"float16", "bfloat16"}
 # config.json keys put back from the input policy before saving (the Trainer may change them,
@@ -106,25 +107,11 @@ def training_defaults(on_gpu: bool, world_size: int) -> dict:
 
 
 def per_device_batch(cfg: DPOStageConfig, world_size: int) -> dict:
-    """``{"per_device_train_batch_size": n}`` from ``cfg.train_batch_size`` (pairs per optimizer
-    step over all ``world_size`` processes); ``{}`` when it is not set.
-
-    Raises:
-        ConfigError: both ``train_batch_size`` and ``training.per_device_train_batch_size`` are set,
-            or ``train_batch_size`` is not a multiple of processes x gradient accumulation steps.
-    """
-    if cfg.train_batch_size is None:
-        return {}
-    if "per_device_train_batch_size" in cfg.training:
-        raise ConfigError(f"train_batch_size={cfg.train_batch_size} and training.per_device_train_batch_size="
-                          f"{cfg.training['per_device_train_batch_size']} are both set; keep one (train_batch_size "
-                          "counts pairs per optimizer step over all processes; set it to null to use the other).")
-    accum = int(cfg.training.get("gradient_accumulation_steps", 1))
-    per, rest = divmod(cfg.train_batch_size, world_size * accum)
-    if rest or per < 1:
-        raise ConfigError(f"train_batch_size={cfg.train_batch_size} is not a multiple of {world_size} process(es) x "
-                          f"gradient_accumulation_steps={accum}; change one of them (or num_processes).")
-    return {"per_device_train_batch_size": per}
+    """``{"per_device_train_batch_size": n}`` from ``cfg.train_batch_size`` over ``world_size``
+    processes (:func:`online_rlhf.trl_args.per_device_batch`, which raises ConfigError on a
+    conflicting or indivisible setting); ``{}`` when it is not set."""
+    per = split_batch(cfg.train_batch_size, cfg.training, world_size)
+    return {} if per is None else {"per_device_train_batch_size": per}
 
 
 def build_dpo_args(cfg: DPOStageConfig, work_dir: Path, on_gpu: bool):

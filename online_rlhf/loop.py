@@ -32,7 +32,7 @@ from .paths import PROJECT_ROOT, default_data_dir, default_model_dir, resolve_mo
 from .rundir import fingerprint, is_done, mark_done
 from .stage_configs import DPOStageConfig, GenerateConfig, LoopConfig, PairsConfig, RewardConfig, SFTStageConfig
 from .loop_keys import check_loop_keys
-from .trl_args import check_axolotl_keys, check_dpo_training, check_lora
+from .trl_args import check_axolotl_keys, check_dpo_training, check_lora, per_device_batch
 
 # First line of <run>/config.yaml; run_loop.sh --fresh only clears a folder whose config.yaml has it.
 RUN_CONFIG_HEADER = "# online_rlhf run config, resolved from"
@@ -84,6 +84,7 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
         check_axolotl_keys(sft.model_extra or {}, prefix=f"{cfg.sft.get('config', 'configs/sft.yaml')}: ",
                            also_known=set(SFTStageConfig.model_fields))
     # Dry validation: build every stage config of every iteration without touching models.
+    dpo_dicts: dict[int, dict] = {}  # iteration -> resolved DPO stage dict (batch split checked below)
     for i in range(0, cfg.iterations + 1):
         for stage, (_, cls) in STAGES.items():
             if i == 0 and not stage.startswith("eval"):
@@ -96,25 +97,20 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
             if stage == "dpo":  # the merged section: also the keys of the dpo_config file
                 check_dpo_training(d["training"], f"{src}, iteration {i}: dpo.training")
                 check_lora(d.get("lora"), f"{src}, iteration {i}: dpo.lora", required=False)
-    for i in range(1, cfg.iterations + 1):
-        d = stage_dict(cfg, Path("/dry-run"), i, "dpo")
-        if d.get("train_batch_size") is not None and "per_device_train_batch_size" in d.get("training", {}):
-            raise ConfigError(f"{src}, iteration {i}: dpo.train_batch_size={d['train_batch_size']} (pairs per optimizer "
-                              "step over all processes) and dpo.training.per_device_train_batch_size="
-                              f"{d['training']['per_device_train_batch_size']} are both set; keep one "
-                              "(dpo.train_batch_size=null to size batches per device).")
+                dpo_dicts[i] = d
     for section in ("generation", "evaluation"):
         if getattr(cfg, section).get("dtype") == "bfloat16" and cfg.launch_profile == "cpu":
             from .hardware import compute_dtype
 
             compute_dtype("cpu", "bfloat16")  # one-line warning where the CPU has no native bf16
-    dpo_batches = [_dpo_batch(stage_dict(cfg, Path("/dry-run"), i, "dpo")) for i in range(1, cfg.iterations + 1)]
     if cfg.num_processes == "auto":
-        cfg.num_processes = auto_processes(cfg.launch_profile, dpo_batches)
-    for i, (batch, accum) in enumerate(dpo_batches, start=1):
-        if batch is not None and batch % (cfg.num_processes * accum):
-            raise ConfigError(f"{src}, iteration {i}: dpo.train_batch_size={batch} is not a multiple of num_processes="
-                              f"{cfg.num_processes} x dpo.training.gradient_accumulation_steps={accum}; change one of them.")
+        cfg.num_processes = auto_processes(cfg.launch_profile, [_dpo_batch(d) for d in dpo_dicts.values()])
+    for i, d in dpo_dicts.items():
+        try:
+            per_device_batch(d.get("train_batch_size"), d.get("training", {}), cfg.num_processes, where="dpo.",
+                             processes_key="num_processes")
+        except ConfigError as e:
+            raise ConfigError(f"{src}, iteration {i}: {e}") from None
     return cfg
 
 

@@ -6,6 +6,8 @@ Used by the stages (``dpo_iteration/run_dpo.py``, ``sft/run_sft.py``) before the
 by the loop's plan (``online_rlhf/loop.py``) before any stage runs, so a typo in ``dpo.training``,
 ``dpo.lora`` or ``sft`` fails at start-up instead of after an iteration of generation. Where the
 library is not installed the keys pass unchecked (the stage itself always has it).
+:func:`per_device_batch` splits the DPO stage's ``train_batch_size`` over the processes, for the
+stage and for the loop's plan alike.
 """
 
 from __future__ import annotations
@@ -30,6 +32,35 @@ def _dpo_fields() -> dict | None:
     except ImportError:
         return None
     return {f.name: f for f in dataclasses.fields(DPOConfig) if f.init}
+
+
+def per_device_batch(train_batch_size: int | None, training: dict, num_processes: int, where: str = "",
+                     processes_key: str | None = None) -> int | None:
+    """Pairs per device and forward pass for ``train_batch_size`` pairs per optimizer step over
+    ``num_processes`` processes: ``train_batch_size / (num_processes x gradient_accumulation_steps)``;
+    None when ``train_batch_size`` is not set (``training.per_device_train_batch_size`` then rules).
+
+    Args:
+        where: prefix of the key names in messages (``"dpo."`` in the loop config).
+        processes_key: the config key that set ``num_processes``, for messages (the loop's
+            ``num_processes``); None where the launcher set it (the stage counts its ranks).
+    Raises:
+        ConfigError: ``training.per_device_train_batch_size`` is set too, or ``train_batch_size`` is
+            not a multiple of processes x gradient accumulation steps.
+    """
+    if train_batch_size is None:
+        return None
+    if "per_device_train_batch_size" in training:
+        raise ConfigError(f"{where}train_batch_size={train_batch_size} (pairs per optimizer step over all processes) and "
+                          f"{where}training.per_device_train_batch_size={training['per_device_train_batch_size']} are "
+                          f"both set; keep one ({where}train_batch_size=null to size batches per device).")
+    accum = int(training.get("gradient_accumulation_steps", 1))
+    per, rest = divmod(train_batch_size, num_processes * accum)
+    if rest:
+        procs = f"{processes_key}={num_processes}" if processes_key else f"{num_processes} process(es)"
+        raise ConfigError(f"{where}train_batch_size={train_batch_size} is not a multiple of {procs} x "
+                          f"{where}training.gradient_accumulation_steps={accum}; change one of them.")
+    return per
 
 
 def check_dpo_training(training: dict, where: str = "training") -> dict:
