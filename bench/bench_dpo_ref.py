@@ -20,18 +20,15 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import importlib.util
 import json
 import re
-import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from online_rlhf.paths import default_model_dir  # noqa: E402
-from online_rlhf.stage_configs import DPOStageConfig  # noqa: E402
+from online_rlhf.paths import default_model_dir
+from online_rlhf.stage_configs import DPOStageConfig
 
 HH = ROOT.parent / "shared" / "data" / "hh_rlhf" / "harmless-base_test.jsonl.gz"
 
@@ -74,9 +71,8 @@ def main() -> None:
     ap.add_argument("--max-length", type=int, default=256)
     a = ap.parse_args()
 
-    spec = importlib.util.spec_from_file_location("run_dpo", ROOT / "dpo_iteration" / "run_dpo.py")
-    run_dpo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run_dpo)
+    from online_rlhf.stages import run_dpo
+
 
     n = a.steps * a.batch  # one epoch = exactly `steps` steps; precompute covers only these pairs
     work = Path(tempfile.mkdtemp(prefix="bench_dpo_ref_"))

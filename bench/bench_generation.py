@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import gc
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -26,14 +25,13 @@ from typing import Optional
 from pydantic import Field
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "generation"))
 
-from generate import build_engine, prompt_token_ids, stop_token_ids  # noqa: E402
-from online_rlhf.config import StageConfig, run_main  # noqa: E402
-from online_rlhf.jsonl import write_json  # noqa: E402
-from online_rlhf.paths import default_data_dir, resolve_model, setup_cache_env  # noqa: E402
-from online_rlhf.records import load_prompts  # noqa: E402
-from online_rlhf.stage_configs import GenerateConfig  # noqa: E402
+from online_rlhf.stages.generate import build_engine, prompt_token_ids, stop_token_ids
+from online_rlhf.config import StageConfig, run_main
+from online_rlhf.jsonl import write_json
+from online_rlhf.paths import default_data_dir, resolve_model, setup_cache_env
+from online_rlhf.records import load_prompts
+from online_rlhf.stage_configs import GenerateConfig
 
 
 class BenchConfig(StageConfig):

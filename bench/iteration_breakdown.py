@@ -38,9 +38,8 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from online_rlhf.jsonl import DataError, read_json  # noqa: E402
+from online_rlhf.jsonl import DataError, read_json
 
 CATEGORIES = {  # key -> label, in print order
     "startup_loading": "process start-up and model loading",

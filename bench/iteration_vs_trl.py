@@ -47,15 +47,13 @@ import re
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from online_rlhf.jsonl import read_json, read_jsonl  # noqa: E402
+from online_rlhf.jsonl import read_json, read_jsonl
 
 TRAIN_PY = ROOT / ".venv-train" / "bin" / "python"
 TRUNCATION_PENALTY = 0.5  # configs/loop.yaml: pairs.truncated_penalty (truncated: penalize)

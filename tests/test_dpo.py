@@ -6,7 +6,6 @@ DeepSpeed tests are ``slow``: the first one JIT-builds DeepSpeed's shm op, ~2 mi
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -23,13 +22,11 @@ pytest.importorskip("trl")
 from online_rlhf.config import ConfigError  # noqa: E402
 from online_rlhf.jsonl import DataError  # noqa: E402
 from online_rlhf.stage_configs import DPOStageConfig  # noqa: E402
+from online_rlhf.stages import run_dpo  # noqa: E402
 from online_rlhf.testing import chatml_reference_ids, make_tiny_policy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "dpo_iteration" / "run_dpo.py"
-_spec = importlib.util.spec_from_file_location("run_dpo", SCRIPT)
-run_dpo = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(run_dpo)
 
 
 def _pair(i: int, chosen: str = "yes yes yes", rejected: str = "no no no", prompt: str | None = None) -> dict:

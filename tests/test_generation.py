@@ -9,7 +9,6 @@ share one launcher run (2 shards) through a module-scoped fixture to keep engine
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import signal
 import subprocess
@@ -22,24 +21,11 @@ import pytest
 from online_rlhf.config import ConfigError
 from online_rlhf.jsonl import DataError, read_json, read_jsonl, write_json, write_jsonl
 from online_rlhf.stage_configs import GenerateConfig
+from online_rlhf.stages import generate, launch, merge_data
 from online_rlhf.testing import chatml_reference_ids, make_tiny_policy, make_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
-GEN_DIR = ROOT / "generation"
-sys.path.insert(0, str(GEN_DIR))  # the stage scripts import their siblings by name
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, GEN_DIR / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-generate = _load("generate")
-merge_data = _load("merge_data")
-launch = _load("launch")
+GEN_DIR = ROOT / "generation"  # the stage's entry scripts
 
 BOS_ID = 0  # the tiny tokenizer's <|bos|>
 NON_ASCII = "Über café naïve — 日本語 テキスト 🙂: answer in one sentence."
@@ -422,8 +408,7 @@ time.sleep(600)
 # The production launcher (run_shards: start_shard, stop_all), with the shard command replaced.
 LAUNCHER = """
 import sys
-sys.path.insert(0, sys.argv[1])
-import launch
+from online_rlhf.stages import launch
 from online_rlhf.stage_configs import GenerateConfig
 launch.shard_command = lambda config_path, shards_dir, r, w: [sys.executable, sys.argv[2], sys.argv[3]]
 launch.run_shards(GenerateConfig(prompts=sys.argv[4], output=sys.argv[5], num_shards=1))

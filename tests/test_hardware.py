@@ -3,7 +3,6 @@ stages use them: the DPO stage's mixed precision and batch split, the loop's pro
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -101,10 +100,9 @@ def test_auto_processes_divides_the_dpo_batch():
 
 
 def _run_dpo():
-    spec = importlib.util.spec_from_file_location("run_dpo", ROOT / "dpo_iteration" / "run_dpo.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from online_rlhf.stages import run_dpo
+
+    return run_dpo
 
 
 def test_dpo_batch_is_global_over_processes():

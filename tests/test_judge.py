@@ -1,6 +1,5 @@
 """Pairwise LLM-as-judge (online_rlhf/judge.py) against a fake OpenAI-compatible endpoint on 127.0.0.1."""
 
-import importlib.util
 import re
 import threading
 from pathlib import Path
@@ -148,9 +147,8 @@ def test_get_rewards_with_judge_source(tmp_path):
     recs = [{"id": str(i), "prompt": PROMPT, "responses": ["a", "bbb", "cc"][: 3 - i], "finish_reasons": ["stop"] * (3 - i),
              "response_tokens": [1] * (3 - i)} for i in range(3)]
     write_jsonl(tmp_path / "generated.jsonl", recs)
-    spec = importlib.util.spec_from_file_location("get_rewards", REPO / "annotate_data" / "get_rewards.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from online_rlhf.stages import get_rewards as mod
+
     with serve_in_thread(fake_judge("longer")) as url:
         cfg = _cfg(url + "/v1", input=str(tmp_path / "generated.jsonl"), output=str(tmp_path / "rewards.jsonl"))
         mod.main(cfg)

@@ -1,6 +1,6 @@
 """HTTP reward service (annotate_data/reward_server.py) and its client (online_rlhf/remote.py), on 127.0.0.1."""
 
-import importlib.util
+import importlib
 import os
 import subprocess
 import sys
@@ -28,9 +28,7 @@ RESPONSES = ["The answer is 42.", "The sea is blue, the sea is wide. " * 3]
 
 
 def _load_script(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "annotate_data" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = importlib.import_module(f"online_rlhf.stages.{name}")
     return mod
 
 

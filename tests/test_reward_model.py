@@ -40,12 +40,9 @@ def _cfg(tmp_path, rm_dir, **kw):
 
 
 def _get_rewards_main():
-    import importlib.util
+    from online_rlhf.stages import get_rewards
 
-    spec = importlib.util.spec_from_file_location("get_rewards", REPO / "annotate_data" / "get_rewards.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.main
+    return get_rewards.main
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,7 @@ from online_rlhf.stage_configs import SFTDataConfig, SFTStageConfig
 from online_rlhf.testing import make_tiny_policy
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from sft import build_sft_data, run_sft  # noqa: E402
+from online_rlhf.stages import build_sft_data, run_sft
 
 
 def _write(path: Path, rows: list) -> Path:

@@ -1,7 +1,7 @@
-"""Axolotl plugin used by sft/run_sft.py: writes the trainer's log history to a JSON file.
+"""Axolotl plugin used by online_rlhf.stages.run_sft: writes the trainer's log history to a JSON file.
 
 Axolotl (0.19) prints the loss to its console log but keeps no ``trainer_state.json`` when it saves
-no intermediate checkpoints. run_sft.py adds ``plugins: [sft.axolotl_plugin.TrainLogPlugin]`` to the
+no intermediate checkpoints. run_sft.py adds ``plugins: [online_rlhf.stages.axolotl_plugin.TrainLogPlugin]`` to the
 resolved Axolotl config and reads ``<Axolotl output_dir>/sft_train_log.json`` afterwards:
 
     {"rows_used": int, "global_step": int, "log_history": [{"loss": float, "step": int, ...}, ...]}

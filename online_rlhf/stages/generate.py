@@ -1,0 +1,434 @@
+"""Generation stage, one shard: K sampled responses per prompt from the policy, with vLLM.
+
+    .venv-infer/bin/python generation/generate.py [--config FILE] prompts=P.jsonl \
+        output=runs/x/iter_1/generated/shard_00.jsonl shard_index=0 num_shards=1 k=4 ...
+
+Keys: ``online_rlhf.stage_configs.GenerateConfig`` (``-h`` lists them). ``generation/launch.py``
+runs W of these (one per GPU) and merges them with ``generation/merge_data.py``.
+
+What happens, top to bottom:
+1. load the prompt set (``online_rlhf.records.load_prompts``) and take shard r of W:
+   ``prompts[r::W]``, so the W shards hold every prompt exactly once for any N;
+2. build each prompt's token ids once with the policy's own chat template, BOS exactly once,
+   message contents as plain text: a special-token string such as ``<|im_end|>`` inside a prompt
+   stays text and cannot open a turn (:func:`prompt_token_ids`); prompts longer than
+   ``max_model_len - max_tokens`` tokens are skipped and counted (``skipped_ids`` in the stats,
+   which merge_data.py reads);
+3. resume: when the output and its stats already hold exactly this shard's records for this
+   config (same fingerprint), nothing is regenerated;
+4. start vLLM (``LLM(seed=seed + shard_index)``: vLLM-CPU kills its worker on per-request seeds)
+   and sample ``n=k`` responses per prompt from the token ids, stopping at every
+   EOS id of the tokenizer and of ``generation_config.json``. The seed does not make a rerun
+   sample the same responses: vLLM-CPU's draws also depend on how requests were batched, which
+   depends on timing (seen in tests/test_generation.py); hence resume keeps finished shards;
+5. write ``{id, prompt, responses, finish_reasons, response_tokens, prompt_tokens, ...task
+   fields}`` per prompt (atomically, in shard order) and a stats JSON with every count and timing,
+   including ``special_token_text`` (prompts and responses holding a special-token string, kept as
+   text) and ``response_ids_differ_from_text`` (responses whose sampled ids are not what their text
+   tokenizes to; later stages see only the text).
+
+All of it happens while holding ``<output>.lock`` (``shard_00.lock``; an ``fcntl.flock`` that holds
+the pid): a second process for the same output refuses to start and names the first one's pid,
+so a shard left running can never overwrite a newer output.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Sequence
+
+from online_rlhf.chat_tokens import ChatTokenError, chat_token_ids, count_special_texts, messages_have_special_text
+from online_rlhf.config import ConfigError, run_main
+from online_rlhf.hardware import compute_dtype, describe, describe_line, slow_dtype_warning
+from online_rlhf.jsonl import DataError, iter_jsonl, read_json, write_json, write_jsonl
+from online_rlhf.pairs import distinct_texts, low_diversity_warning
+from online_rlhf.paths import resolve_model, setup_cache_env
+from online_rlhf.procs import LockHeld, exclusive_lock
+from online_rlhf.records import load_prompts
+from online_rlhf.rundir import fingerprint
+from online_rlhf.stage_configs import GenerateConfig
+
+# Fields this stage writes; a prompt's task field with one of these names is replaced (and counted).
+GENERATED_KEYS = ("id", "prompt", "responses", "finish_reasons", "response_tokens", "prompt_tokens")
+# Config fields that change only resources, not what is sampled: left out of the resume fingerprint.
+_NOT_IN_FINGERPRINT = {"output", "stats_output", "shards_dir", "kv_cache_gb", "gpu_memory_utilization"}
+
+
+def stats_path_of(cfg: GenerateConfig) -> Path:
+    """The stats JSON of a run: ``stats_output`` or ``<output>.stats.json``."""
+    return Path(cfg.stats_output) if cfg.stats_output else Path(str(cfg.output) + ".stats.json")
+
+
+def shard_prompts(prompts: Sequence[dict], shard_index: int, num_shards: int) -> list[dict]:
+    """Shard r of W: ``prompts[r::W]`` (prompts r, r+W, r+2W, ...).
+
+    The W shards are disjoint and together hold every prompt exactly once, whatever
+    ``len(prompts) mod W``; a shard may be empty when there are fewer prompts than shards.
+
+    Raises:
+        ConfigError: ``shard_index`` not in ``[0, num_shards)``.
+    """
+    if num_shards < 1 or not 0 <= shard_index < num_shards:
+        raise ConfigError(f"shard_index={shard_index} must be in [0, num_shards={num_shards}).")
+    return list(prompts[shard_index::num_shards])
+
+
+def prompt_token_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
+    """Token ids of a chat prompt, as the policy will see them: BOS exactly once, contents as text.
+
+    ``online_rlhf.chat_tokens.chat_token_ids(messages, add_generation_prompt=True)``: the policy's
+    own chat template; only the special tokens the template writes are special ids, a
+    special-token string inside a message (``<|im_end|>`` in a user turn) is tokenized as text
+    and cannot open a new turn. When the template writes the BOS token itself (Llama-3 style) no
+    second one is added; otherwise the tokenizer decides whether a BOS goes first (Llama-2/Mistral
+    add one, Qwen/SmolLM do not); a doubled leading BOS is collapsed to one.
+
+    Args:
+        tokenizer: a ``transformers`` tokenizer with a chat template.
+        messages: ``[{role, content}, ...]`` ending with a user turn.
+    Returns:
+        list of int token ids (length = prompt tokens).
+    Raises:
+        ConfigError: the tokenizer has no chat template.
+        ChatTokenError: a message holds a special-token string and the template rewrites message
+            contents beyond stripping whitespace (the contents cannot be located as text).
+    """
+    return chat_token_ids(tokenizer, messages, add_generation_prompt=True)
+
+
+def stop_token_ids(tokenizer: Any, model_path: str) -> list[int]:
+    """Every EOS id of the policy: ``tokenizer.eos_token_id`` plus ``generation_config.eos_token_id``
+    (an int or a list; Llama-3 instruct lists both ``<|eot_id|>`` and ``<|end_of_text|>``).
+
+    A checkpoint without ``generation_config.json`` contributes only the tokenizer's EOS.
+    """
+    from transformers import GenerationConfig
+
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    try:
+        gen_eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except (OSError, ValueError):
+        gen_eos = None
+    if gen_eos is not None:
+        ids.extend(int(i) for i in (gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]))
+    return sorted(set(ids))
+
+
+def tokenize_shard(tokenizer: Any, prompts: Sequence[dict], max_prompt_tokens: int
+                   ) -> tuple[list[tuple[dict, list[int]]], dict[str, str]]:
+    """Token ids of each prompt; prompts over ``max_prompt_tokens`` are set aside.
+
+    Returns:
+        ``(kept, skipped)``: kept is ``[(prompt record, token ids)]`` in shard order; skipped maps
+        ``id -> reason``: ``"too_long"``, or ``"special_text_not_tokenizable"`` (a message holds a
+        special-token string and the template rewrites message contents, see :func:`prompt_token_ids`;
+        a warning names the prompt).
+    """
+    kept, skipped = [], {}
+    for rec in prompts:
+        try:
+            ids = prompt_token_ids(tokenizer, rec["prompt"])
+        except ChatTokenError as e:
+            skipped[rec["id"]] = "special_text_not_tokenizable"
+            print(f"warning: prompt {rec['id']!r} skipped: {e}", file=sys.stderr)
+            continue
+        if len(ids) > max_prompt_tokens:
+            skipped[rec["id"]] = "too_long"
+        else:
+            kept.append((rec, ids))
+    return kept, skipped
+
+
+def shard_fingerprint(cfg: GenerateConfig, model_path: str) -> str:
+    """Hash of what decides this shard's output: the sampling config, the prompt file, the model files."""
+    conf = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in _NOT_IN_FINGERPRINT}
+    inputs = [p for p in (model_path, cfg.prompts) if Path(p).exists()]
+    return fingerprint(conf, inputs)
+
+
+def existing_output_status(output: Path, stats_path: Path, expected_ids: list[str], k: int,
+                           config_fingerprint: str) -> tuple[bool, str]:
+    """Whether ``output`` already holds this shard's complete result (for resume).
+
+    Complete means: the stats file records the same config fingerprint, and the output has one
+    record per expected id, in order, each with ``k`` responses.
+
+    Returns:
+        ``(complete, reason)``; reason says why not (for the log).
+    """
+    if not output.exists():
+        return False, "no output yet"
+    try:
+        stats = read_json(stats_path)
+    except (FileNotFoundError, DataError) as e:
+        return False, f"stats file unreadable ({e})"
+    if not isinstance(stats, dict) or stats.get("config_fingerprint") != config_fingerprint:
+        return False, "it was made with another config, model or prompt file"
+    ids = []
+    try:
+        for _, rec in iter_jsonl(output):
+            if len(rec.get("responses") or []) != k:
+                return False, f"record {rec.get('id')!r} has not {k} responses"
+            ids.append(rec.get("id"))
+    except DataError as e:
+        return False, f"unreadable ({e})"
+    if ids != expected_ids:
+        return False, f"it holds {len(ids)} records, this shard expects {len(expected_ids)}"
+    return True, "complete"
+
+
+def to_record(prompt_rec: dict, output: Any) -> tuple[dict, list[str]]:
+    """One generated record from a prompt record and vLLM's ``RequestOutput``.
+
+    ``response_tokens`` counts the generated tokens, the final EOS included; ``prompt_tokens``
+    the prompt tokens the engine received.
+
+    Returns:
+        ``(record, replaced)``: replaced lists task fields dropped because their name is one
+        this stage writes (e.g. a generated file reused as a prompt set).
+    """
+    rec = {
+        "id": prompt_rec["id"],
+        "prompt": prompt_rec["prompt"],
+        "responses": [c.text for c in output.outputs],
+        "finish_reasons": [str(c.finish_reason) for c in output.outputs],
+        "response_tokens": [len(c.token_ids) for c in output.outputs],
+        "prompt_tokens": len(output.prompt_token_ids),
+    }
+    replaced = [key for key in prompt_rec if key in GENERATED_KEYS[2:]]
+    rec.update({key: v for key, v in prompt_rec.items() if key not in GENERATED_KEYS})
+    return rec, replaced
+
+
+def summarize(records: Sequence[dict]) -> dict:
+    """Response statistics of generated records (used per shard and after the merge).
+
+    Returns:
+        dict with ``records``, ``responses``, ``finish_reasons`` (counts), ``empty_responses``,
+        ``generated_tokens``, ``mean_response_tokens``, ``prompts_all_distinct`` (prompts whose K
+        responses are pairwise different), ``mean_distinct_responses`` (per prompt),
+        ``prompts_fewer_than_2_distinct`` (prompts with K >= 2 but fewer than 2 different non-empty
+        texts: no pair possible) and ``warnings`` (when those are most prompts).
+    """
+    finish = Counter(f for r in records for f in r["finish_reasons"])
+    n_resp = sum(len(r["responses"]) for r in records)
+    tokens = sum(sum(r.get("response_tokens", [])) for r in records)
+    distinct = [len(set(r["responses"])) for r in records]
+    sampled = [r for r in records if len(r["responses"]) >= 2]
+    low = sum(distinct_texts(r["responses"]) < 2 for r in sampled)
+    warning = low_diversity_warning(len(sampled), low, "generation")
+    return {
+        "records": len(records),
+        "responses": n_resp,
+        "finish_reasons": dict(sorted(finish.items())),
+        "empty_responses": sum(1 for r in records for s in r["responses"] if not s.strip()),
+        "generated_tokens": tokens,
+        "mean_response_tokens": round(tokens / n_resp, 2) if n_resp else None,
+        "prompts_all_distinct": sum(1 for d, r in zip(distinct, records) if d == len(r["responses"])),
+        "mean_distinct_responses": round(sum(distinct) / len(distinct), 3) if distinct else None,
+        "prompts_fewer_than_2_distinct": low,
+        "warnings": [warning] if warning else [],
+    }
+
+
+def special_text_counts(tokenizer: Any, records: Sequence[dict]) -> dict:
+    """How many prompts and responses contain a special-token string of the policy's tokenizer.
+
+    Such strings are tokenized as text (:func:`prompt_token_ids`; the reward model and DPO do the
+    same with responses), so they are kept, and counted here.
+
+    Returns:
+        ``{"prompts": n records whose prompt has one in any message, "responses": n responses}``.
+    """
+    return {"prompts": sum(1 for r in records if messages_have_special_text(tokenizer, r["prompt"])),
+            "responses": count_special_texts(tokenizer, (s for r in records for s in r["responses"]))}
+
+
+def response_ids_differ_from_text(tokenizer: Any, outputs: Sequence[Any], stop_ids: Sequence[int]) -> int:
+    """How many sampled responses have token ids other than the tokenization of their text.
+
+    Later stages see a response only as text and tokenize it again (contents as plain text:
+    ``tokenizer(text, add_special_tokens=False, split_special_tokens=True)``); this counts the
+    responses for which that does not give back the sampled ids (less a final stop id): the
+    sampler took a non-canonical split of the text, generated a special id that vLLM leaves out
+    of the text, or was cut inside a multi-byte character.
+    """
+    stops = set(stop_ids)
+    n = 0
+    for out in outputs:
+        for c in out.outputs:
+            ids = list(c.token_ids)
+            if ids and ids[-1] in stops:
+                ids = ids[:-1]
+            text_ids = tokenizer(c.text, add_special_tokens=False, split_special_tokens=True)["input_ids"] if c.text else []
+            n += list(text_ids) != ids
+    return n
+
+
+def engine_dtype(cfg: GenerateConfig) -> tuple[str, str]:
+    """``(device type, dtype)`` the engine runs in: ``cfg.dtype``, or for ``auto`` the hardware's
+    choice (:func:`online_rlhf.hardware.compute_dtype`). vLLM's own ``auto`` would take the
+    checkpoint's dtype and, for a float32 checkpoint on CPU, downcast it to bf16, which is
+    emulated and very slow on CPUs without native bf16."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return device, compute_dtype(device, cfg.dtype)
+
+
+def build_engine(cfg: GenerateConfig, model_path: str, seed: int):
+    """Start vLLM for the policy in :func:`engine_dtype`. On CPU the KV cache is ``kv_cache_gb``
+    GiB (an explicit ``VLLM_CPU_KVCACHE_SPACE``, in whole GiB, wins); without an explicit size
+    vLLM-CPU would reserve ``gpu_memory_utilization`` of the machine's RAM."""
+    from vllm import LLM
+
+    device, dtype = engine_dtype(cfg)
+    kwargs: dict[str, Any] = {}
+    if device == "cpu":
+        if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gb * (1 << 30))
+    else:
+        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+    return LLM(model=model_path, tokenizer=model_path, seed=seed, dtype=dtype,
+               max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager,
+               tensor_parallel_size=cfg.tensor_parallel_size, **kwargs)
+
+
+def run_engine(cfg: GenerateConfig, model_path: str, prompt_ids: list[list[int]], stop_ids: list[int],
+               seed: int) -> tuple[list[Any], float, float]:
+    """Start vLLM and sample ``cfg.k`` responses for each token-id prompt (vLLM's progress bar shows
+    prompts done and output tokens/s).
+
+    Returns:
+        ``(outputs, startup_s, generation_s)``: one vLLM ``RequestOutput`` per prompt, in order;
+        engine start-up and generation wall seconds.
+    """
+    from vllm import SamplingParams
+
+    params = SamplingParams(n=cfg.k, temperature=cfg.temperature, top_p=cfg.top_p,
+                            max_tokens=cfg.max_tokens, stop_token_ids=stop_ids)
+    t0 = time.perf_counter()
+    llm = build_engine(cfg, model_path, seed)
+    startup_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=True)
+    generation_s = time.perf_counter() - t0
+    if len(outputs) != len(prompt_ids):
+        raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompt_ids)} prompts")
+    return outputs, startup_s, generation_s
+
+
+def lock_path_of(cfg: GenerateConfig) -> Path:
+    """The lock a running shard holds: ``<output without .jsonl>.lock`` (``shard_00.jsonl`` -> ``shard_00.lock``)."""
+    return Path(cfg.output).with_suffix(".lock")
+
+
+def main(cfg: GenerateConfig) -> dict:
+    """Generate this shard's records, holding the shard's lock file the whole time (a second writer
+    of the same output is refused, naming the pid that holds it); returns the stats that were written.
+
+    Raises:
+        ConfigError: another process holds the lock, or the config is unusable.
+        DataError: a bad prompt set.
+    """
+    try:
+        with exclusive_lock(lock_path_of(cfg), f"shard output {cfg.output}"):
+            return generate_shard(cfg)
+    except LockHeld as e:
+        raise ConfigError(str(e)) from None
+
+
+def generate_shard(cfg: GenerateConfig) -> dict:
+    """Generate this shard's records (see the module docstring); returns the stats that were written."""
+    setup_cache_env()
+    from transformers import AutoTokenizer
+
+    r, w = cfg.shard_index, cfg.num_shards
+    tag = f"shard {r}/{w}"
+    model_path = resolve_model(cfg.model)
+    output, stats_path = Path(cfg.output), stats_path_of(cfg)
+
+    prompts = load_prompts(cfg.prompts, cfg.prompt_split, cfg.prompt_field, cfg.limit)
+    shard = shard_prompts(prompts, r, w)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    kept, skipped = tokenize_shard(tokenizer, shard, cfg.max_model_len - cfg.max_tokens)
+    expected_ids = [rec["id"] for rec, _ in kept]
+    config_fp = shard_fingerprint(cfg, model_path)
+
+    complete, why = existing_output_status(output, stats_path, expected_ids, cfg.k, config_fp)
+    if complete:
+        print(f"[generate] {tag}: {output} is complete ({len(expected_ids)} records); skipped, not regenerated.")
+        return read_json(stats_path)
+    if output.exists():
+        print(f"[generate] {tag}: regenerating {output}: {why}.")
+
+    records: list[dict] = []
+    replaced: Counter = Counter()
+    startup_s = generation_s = None
+    ids_differ = 0
+    if kept:
+        stop_ids = stop_token_ids(tokenizer, model_path)
+        outputs, startup_s, generation_s = run_engine(cfg, model_path, [ids for _, ids in kept], stop_ids,
+                                                      seed=cfg.seed + r)
+        ids_differ = response_ids_differ_from_text(tokenizer, outputs, stop_ids)
+        for (rec, ids), out in zip(kept, outputs):
+            if list(out.prompt_token_ids) != ids:  # outputs come back in input order; make sure
+                raise RuntimeError(f"vLLM output order does not match the prompts (id {rec['id']!r})")
+            new, dropped = to_record(rec, out)
+            replaced.update(dropped)
+            records.append(new)
+    else:
+        print(f"[generate] {tag}: no prompt to generate for; the engine is not started.")
+
+    summary = summarize(records)
+    special = special_text_counts(tokenizer, records)
+    stats = {
+        "stage": "generate",
+        "shard_index": r,
+        "num_shards": w,
+        "model": model_path,
+        "prompts": cfg.prompts,
+        "config_fingerprint": config_fp,
+        "prompts_in": len(prompts),
+        "shard_prompts": len(shard),
+        "skipped": dict(Counter(skipped.values())),
+        "skipped_ids": skipped,
+        "records_out": len(records),
+        **{k: v for k, v in summary.items() if k != "records"},
+        "input_fields_replaced": dict(replaced),
+        "special_token_text": special,
+        "response_ids_differ_from_text": ids_differ,
+        "k": cfg.k,
+        "max_prompt_tokens": cfg.max_model_len - cfg.max_tokens,
+        "engine_startup_s": None if startup_s is None else round(startup_s, 2),
+        "generation_s": None if generation_s is None else round(generation_s, 2),
+        "generated_tokens_per_s": round(summary["generated_tokens"] / generation_s, 1) if generation_s else None,
+        "hardware": describe(*engine_dtype(cfg)),
+    }
+    if slow := slow_dtype_warning(stats["hardware"]):
+        stats["warnings"] = [*stats["warnings"], slow]
+    write_jsonl(output, records)
+    write_json(stats_path, stats)  # written last: the resume check needs both
+    print(f"[generate] {tag}: {len(records)} records x {cfg.k} responses -> {output}; "
+          f"skipped {stats['skipped'] or 'none'}; finish {summary['finish_reasons']}; "
+          f"special-token strings kept as text in {special['prompts']} prompts, {special['responses']} responses; "
+          f"start-up {stats['engine_startup_s']} s, {stats['generated_tokens_per_s']} tok/s "
+          f"on {describe_line(stats['hardware'])}.")
+    for w in stats["warnings"]:
+        print(f"WARNING: {tag}: {w}", file=sys.stderr)
+    return stats
+
+
+def cli() -> None:
+    """Command-line entry point (the script in the design card's folder calls this)."""
+    run_main(main, GenerateConfig)
+
+
+if __name__ == "__main__":
+    cli()

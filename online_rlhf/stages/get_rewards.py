@@ -1,0 +1,244 @@
+"""Stage: score every response of generated.jsonl -> rewards.jsonl (+ stats JSON).
+
+    python annotate_data/get_rewards.py input=generated.jsonl output=rewards.jsonl source=verifier
+    python annotate_data/get_rewards.py --config cfg.yaml source=reward_model reward_model=DIR batch_size=16
+    # reward model, data-parallel on N processes (GPUs; on CPU add ACCELERATE_USE_CPU=true and --multi_gpu):
+    accelerate launch --num_processes N annotate_data/get_rewards.py source=reward_model reward_model=DIR ...
+    python annotate_data/get_rewards.py source=remote url=http://127.0.0.1:8000 ...    # annotate_data/reward_server.py
+    python annotate_data/get_rewards.py source=judge url=http://127.0.0.1:8001/v1 judge_model=NAME ...
+
+Output record = the generated record + ``rewards: [K float | null]`` (aligned with ``responses``)
++ ``reward_source``. ``null`` marks one response its source could not score (e.g. a remote service
+answered NaN for it): pairs and SFT data leave it out, the record's other responses still count.
+A record its source cannot score at all is left out. Both are counted by reason in the stats
+(``skipped`` for records, ``responses_unscored`` for responses) with up to 5 example ids per
+reason (``examples``); nothing is dropped silently. Config: ``RewardConfig`` (online_rlhf/stage_configs.py).
+
+Every source module has the same entry point ``score(records, cfg) -> (rewards, stats)``:
+``rewards[i]`` is a list of K values (float, or ``None`` for an unscored response) for
+``records[i]``, or ``None`` (the record is unscorable). ``stats["skipped"]`` (or
+``stats["unscorable"]``) maps a reason to the number of ``None`` records it explains,
+``stats["unscored_responses"]`` a cause to the number of ``None`` responses, ``stats["examples"]``
+a reason to example ids; what no reason accounts for is counted as ``unscorable_unspecified`` /
+``unspecified``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import statistics
+import sys
+import time
+from collections import Counter
+
+from online_rlhf.config import ConfigError, run_main
+from online_rlhf.jsonl import DataError, check_finite, iter_jsonl, write_json, write_jsonl
+from online_rlhf.paths import setup_cache_env
+from online_rlhf.records import validate_generated
+from online_rlhf.stage_configs import RewardConfig
+
+SOURCES = {
+    "reward_model": "online_rlhf.reward_model",
+    "remote": "online_rlhf.remote",
+    "judge": "online_rlhf.judge",
+    "verifier": "online_rlhf.verifiers",
+}
+
+
+def load_generated(path: str) -> list[dict]:
+    """Read and check generated records; errors name file:line. Duplicate ids are an error."""
+    records, seen = [], {}
+    for ln, rec in iter_jsonl(path):
+        where = f"{path}:{ln}"
+        validate_generated(rec, where)
+        if rec["id"] in seen:
+            raise DataError(f"{where}: duplicate id {rec['id']!r} (first at line {seen[rec['id']]}). Re-run the merge of shards.")
+        seen[rec["id"]] = ln
+        records.append(rec)
+    return records
+
+
+MAX_EXAMPLES = 5  # example ids kept per reason in the stats
+
+
+def constant_reward_warning(records: list[dict], rewards: list[list[float | None]]) -> str | None:
+    """A warning when all scored responses get the same reward although at least two of them differ.
+
+    A reward model that returns one value for different texts is broken (reads a padding position,
+    random head, wrong checkpoint); a verifier doing it means the prompts give no signal. Either way
+    every prompt becomes a tie and no pair can be built. Unscored (``None``) responses are ignored.
+    """
+    texts = {r for rec in records for r in rec["responses"]}
+    values = [x for rw in rewards for x in rw if x is not None]
+    if len(texts) < 2 or not values:
+        return None
+    lo, hi = min(values), max(values)
+    if hi - lo <= 1e-6 * max(1.0, abs(hi), abs(lo)):
+        return (f"rewards are constant ({lo:.6g}) across {len(values)} responses with {len(texts)} distinct texts: "
+                "the reward source gives no signal and every prompt will tie. Check the reward model / verifier.")
+    return None
+
+
+def _add_example(examples: dict, reason: str, text: str) -> None:
+    bucket = examples.setdefault(reason, [])
+    if len(bucket) < MAX_EXAMPLES:
+        bucket.append(text)
+
+
+def attach_rewards(scorable: list[dict], rewards: list, cfg: RewardConfig, examples: dict) -> tuple[list[dict], Counter]:
+    """Rewards records from the source's results.
+
+    ``rewards[i]`` is None (the source could not score ``scorable[i]``: left out, its id in
+    ``examples["unscorable_records"]``) or one value per response, ``None`` for an unscored response
+    (kept as ``null``; a record whose every response is unscored is left out as
+    ``all_responses_unscored``).
+
+    Returns:
+        ``(records, skipped)``: the output records and the records left out here by reason.
+    Raises:
+        DataError: a result of the wrong length, or a reward that is NaN/inf/not a number.
+    """
+    out, skipped = [], Counter()
+    for rec, rw in zip(scorable, rewards):
+        where = f"{cfg.input} (id={rec['id']!r})"
+        if rw is None:
+            _add_example(examples, "unscorable_records", str(rec["id"]))
+            continue
+        if len(rw) != len(rec["responses"]):
+            raise DataError(f"{where}: source {cfg.source} gave {len(rw)} rewards for {len(rec['responses'])} responses.")
+        rw = [None if x is None else check_finite(x, f"{where}, response {j}") for j, x in enumerate(rw)]
+        if all(x is None for x in rw):
+            skipped["all_responses_unscored"] += 1
+            _add_example(examples, "all_responses_unscored", str(rec["id"]))
+            continue
+        out.append({**rec, "rewards": rw, "reward_source": cfg.source})
+    return out, skipped
+
+
+def account(n_none: int, n_unscored: int, src_stats: dict, source: str) -> tuple[dict, dict]:
+    """Records and responses the source left unscored, by the reasons it gave.
+
+    Args:
+        n_none: records the source returned None for; n_unscored: None entries in its reward lists.
+        src_stats: the source's stats: record reasons under ``skipped`` (or ``unscorable``), response
+            causes under ``unscored_responses``.
+    Returns:
+        ``(records skipped by reason, responses unscored by cause)``; what the source leaves
+        unexplained is counted as ``unscorable_unspecified`` / ``unspecified``.
+    Raises:
+        RuntimeError: the source claims more than it returned.
+    """
+    result = []
+    for given, n, rest in ((src_stats.get("skipped") or src_stats.get("unscorable") or {}, n_none, "unscorable_unspecified"),
+                           (src_stats.get("unscored_responses") or {}, n_unscored, "unspecified")):
+        counts = {k: int(v) for k, v in given.items() if v}
+        explained = sum(counts.values())
+        if explained > n:
+            raise RuntimeError(f"source {source} reports {explained} unscored {counts} but returned None for {n}.")
+        if explained < n:  # the source did not account for every None: say so rather than lose count
+            counts[rest] = n - explained
+        result.append(counts)
+    return result[0], result[1]
+
+
+def _all_tied(rw: list[float]) -> bool:
+    return len(rw) > 1 and max(rw) == min(rw)
+
+
+def _reward_summary(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "std": None, "min": None, "max": None}
+    return {"mean": statistics.fmean(values), "std": statistics.pstdev(values), "min": min(values), "max": max(values)}
+
+
+def _score(cfg: RewardConfig, scorable: list[dict]) -> tuple[list, dict, bool, int]:
+    """Run the configured source. Returns ``(rewards, source stats, is_main_process, num_processes)``."""
+    is_main, num_processes = True, 1
+    if cfg.source == "reward_model":
+        from online_rlhf.reward_model import distributed_state
+
+        state = distributed_state()
+        is_main, num_processes = state.is_main_process, state.num_processes
+    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(f"source={cfg.source} runs in one process; only source=reward_model uses accelerate launch "
+                          "with several processes.")
+    source = importlib.import_module(SOURCES[cfg.source])
+    rewards, src_stats = source.score(scorable, cfg) if scorable else ([], {})
+    if is_main and len(rewards) != len(scorable):
+        raise RuntimeError(f"source {cfg.source} returned {len(rewards)} results for {len(scorable)} records.")
+    return rewards, src_stats, is_main, num_processes
+
+
+def main(cfg: RewardConfig) -> dict | None:
+    """Score ``cfg.input`` into ``cfg.output`` and write the stats JSON; returns the stats (None on
+    processes other than the main one).
+
+    Raises:
+        DataError: a malformed input record, a bad reward value, or no record could be scored.
+    """
+    setup_cache_env()
+    t0 = time.time()
+    records = load_generated(cfg.input)
+    scorable = [r for r in records if r["responses"]]
+    examples: dict[str, list[str]] = {}
+    skipped: Counter = Counter()
+    for r in records:
+        if not r["responses"]:
+            skipped["no_responses"] += 1
+            _add_example(examples, "no_responses", str(r["id"]))
+
+    rewards, src_stats, is_main, num_processes = _score(cfg, scorable)
+    if not is_main:
+        return None
+    out, own_skips = attach_rewards(scorable, rewards, cfg, examples)
+    n_unscored = sum(x is None for rw in rewards if rw is not None for x in rw)
+    src_skipped, unscored = account(sum(rw is None for rw in rewards), n_unscored, src_stats, cfg.source)
+    skipped.update(src_skipped)
+    skipped.update(own_skips)
+    for cause, ids in (src_stats.get("examples") or {}).items():
+        for text in ids:
+            _add_example(examples, cause, text)
+
+    if records and not out:
+        raise DataError(f"{cfg.input}: no record could be scored by source={cfg.source} (skipped: {dict(skipped)}; "
+                        f"unscored responses: {unscored}; e.g. {examples}).")
+    write_jsonl(cfg.output, out)
+
+    kept = [r["rewards"] for r in out]
+    values = [x for rw in kept for x in rw if x is not None]
+    warnings = [w for w in [constant_reward_warning(out, kept)] if w]
+    for w in warnings:
+        print(f"WARNING: {w}", file=sys.stderr)
+    stats = {
+        "stage": "get_rewards", "input": cfg.input, "output": cfg.output, "source": cfg.source,
+        "records_in": len(records),
+        "records_scored": len(out),
+        "records_skipped": sum(skipped.values()),
+        "skipped": dict(skipped),
+        "responses_scored": len(values),
+        "responses_unscored": unscored,  # null in the output's rewards (or in a left-out record), by cause
+        "examples": examples,
+        "truncated_inputs": int(src_stats.get("truncated_inputs", 0)),
+        "reward": _reward_summary(values),
+        "records_all_tied": sum(1 for rw in kept if _all_tied([x for x in rw if x is not None])),
+        "source_stats": src_stats,
+        "warnings": warnings,
+        "num_processes": num_processes,
+        "seconds": round(time.time() - t0, 2),
+    }
+    assert stats["records_scored"] + stats["records_skipped"] == stats["records_in"]
+    stats_path = cfg.stats_output or f"{cfg.output}.stats.json"
+    write_json(stats_path, stats)
+    print(f"get_rewards: {len(out)}/{len(records)} records scored by {cfg.source} -> {cfg.output} "
+          f"(skipped {dict(skipped) or 0}; unscored responses {unscored or 0}; stats {stats_path})", file=sys.stderr)
+    return stats
+
+
+def cli() -> None:
+    """Command-line entry point (the script in the design card's folder calls this)."""
+    run_main(main, RewardConfig)
+
+
+if __name__ == "__main__":
+    cli()

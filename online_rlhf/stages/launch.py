@@ -1,0 +1,221 @@
+"""Run the generation stage as W shard processes, then merge them into one ``generated.jsonl``.
+
+    .venv-infer/bin/python generation/launch.py [--config FILE] prompts=P.jsonl \
+        output=runs/x/iter_1/generated.jsonl num_shards=W [shards_dir=runs/x/iter_1/generated] ...
+
+Same keys as ``generation/generate.py`` (``GenerateConfig``); here ``output`` is the merged file
+and ``stats_output`` the merged stats. Shard r runs ``generate.py shard_index=r num_shards=W
+output=<shards_dir>/shard_{r:02d}.jsonl`` with the resolved config (saved as
+``<shards_dir>/generate_config.yaml``) and appends its output to ``<shards_dir>/shard_{r:02d}.log``.
+A finished shard is not regenerated on a rerun (generate.py checks its output), so after a
+failure, rerunning this command redoes only the failed shards.
+
+Shards die with the launcher: each runs under ``online_rlhf.procs``' guard in its own process
+group, which the kernel signals when the launcher dies (even by ``kill -9``) and which then kills
+the shard and its vLLM engine processes. A SIGTERM to the launcher stops every shard the same way.
+A shard also holds ``shard_{r:02d}.lock`` while it runs (generate.py), so a shard left running
+anyway can never be joined by, or overwrite the output of, a second one.
+
+Devices:
+- GPUs (``torch.cuda.device_count() > 0``): shard r gets ``CUDA_VISIBLE_DEVICES`` =
+  ``tensor_parallel_size`` GPUs of its own (from an existing ``CUDA_VISIBLE_DEVICES`` list, if
+  set); W x tensor_parallel_size must not exceed the GPUs.
+- CPU: W > 1 shards split the allowed cores into W contiguous blocks; shard r binds vLLM's
+  OpenMP threads to its block (``VLLM_CPU_OMP_THREADS_BIND=a-b``, ``OMP_NUM_THREADS`` = block
+  size). Each shard holds its own KV cache (``kv_cache_gb`` GiB) and model copy: on CPU, W = 1
+  is usually best.
+- CPU, W = 1: the engine runs inside the shard process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
+  a 5 s engine start instead of 17 s, and the same samples on every run with the same seed, since
+  vLLM's separate engine process batches by timing) with one OpenMP thread per core that is free
+  when the stage starts (``online_rlhf.hardware.stage_threads``; ``OMP_NUM_THREADS`` set by you
+  wins). Threads that share a core with another job wait for each other at every small op, so a
+  busy core is left out; OpenMP spin-waiting is shortened (``GOMP_SPINCOUNT``) so that a job
+  arriving later slows decoding down instead of stalling it.
+  ``VLLM_ENABLE_V1_MULTIPROCESSING`` or ``VLLM_CPU_OMP_THREADS_BIND`` set by you turns this off:
+  your values are passed to every shard unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+from .merge_data import merge_shards, shard_path, shards_dir_of
+from online_rlhf.config import ConfigError, run_main
+from online_rlhf.hardware import stage_threads
+from online_rlhf.jsonl import atomic_open
+from online_rlhf.paths import setup_cache_env
+from online_rlhf.procs import start_guarded
+from online_rlhf.stage_configs import GenerateConfig
+
+GENERATE = "online_rlhf.stages.generate"  # run as a module: python -m
+LOG_TAIL_LINES = 40
+
+
+def gpu_ids() -> list[str]:
+    """Visible GPU ids as ``CUDA_VISIBLE_DEVICES`` entries; ``[]`` on a CPU-only machine."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        return []
+    try:
+        import torch
+    except ImportError:
+        return []
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        return [d.strip() for d in visible.split(",") if d.strip()][:n]
+    return [str(i) for i in range(n)]
+
+
+def cpu_blocks(cores: list[int], num_shards: int) -> list[list[int]]:
+    """Split ``cores`` into ``num_shards`` contiguous blocks of near-equal size (sizes differ by at
+    most one). With more shards than cores, shards share cores round-robin (one core each)."""
+    if num_shards > len(cores):
+        return [[cores[r % len(cores)]] for r in range(num_shards)]
+    base, extra = divmod(len(cores), num_shards)
+    blocks, start = [], 0
+    for r in range(num_shards):
+        size = base + (1 if r < extra else 0)
+        blocks.append(cores[start:start + size])
+        start += size
+    return blocks
+
+
+def shard_envs(num_shards: int, tensor_parallel_size: int, gpus: list[str] | None = None,
+               cores: list[int] | None = None) -> list[dict[str, str]]:
+    """Extra environment of each shard process (see the module docstring).
+
+    Raises:
+        ConfigError: more GPUs requested (W x tensor_parallel_size) than visible.
+    """
+    gpus = gpu_ids() if gpus is None else gpus
+    if gpus:
+        need = num_shards * tensor_parallel_size
+        if need > len(gpus):
+            raise ConfigError(f"num_shards={num_shards} x tensor_parallel_size={tensor_parallel_size} needs {need} "
+                              f"GPUs; {len(gpus)} visible ({','.join(gpus)}). Lower num_shards.")
+        tp = tensor_parallel_size
+        return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[r * tp:(r + 1) * tp])} for r in range(num_shards)]
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or "VLLM_ENABLE_V1_MULTIPROCESSING" in os.environ:
+        return [{} for _ in range(num_shards)]
+    if num_shards == 1:
+        return [{"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(stage_threads())}]
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
+    if num_shards > len(cores):
+        print(f"[launch] warning: {num_shards} shards on {len(cores)} cores; shards share cores.", file=sys.stderr)
+    envs = []
+    for block in cpu_blocks(cores, num_shards):
+        if len(block) > 1 and block == list(range(block[0], block[-1] + 1)):
+            spec = f"{block[0]}-{block[-1]}"
+        else:
+            spec = ",".join(map(str, block))
+        envs.append({"VLLM_CPU_OMP_THREADS_BIND": spec, "OMP_NUM_THREADS": str(len(block))})
+    return envs
+
+
+PROGRESS_EVERY_S = 10  # how often the last line of each running shard's log is echoed
+
+
+def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace").replace("\r", "\n")
+    except FileNotFoundError:
+        return "(no log)"
+    return "\n".join([line for line in text.splitlines() if line.strip()][-lines:])
+
+
+def shard_command(config_path: Path, shards_dir: Path, r: int, w: int) -> list[str]:
+    """The command of shard ``r`` of ``w``: the generate stage with the saved config and its own output."""
+    return [sys.executable, "-m", GENERATE, "--config", str(config_path), f"shard_index={r}",
+            f"num_shards={w}", f"output={shard_path(shards_dir, r)}", "stats_output=null"]
+
+
+def start_shard(cmd: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
+    """Start one shard process under ``online_rlhf.procs.start_guarded``: in its own process group,
+    and killed with every process it started when this launcher dies (even by ``kill -9``).
+
+    Its output is appended to ``log_path`` (earlier attempts stay readable) after a header with
+    the time, the extra environment and the command. Returns the guard's ``Popen`` (pid = group).
+    """
+    with open(log_path, "a", encoding="utf-8") as log:
+        env_s = " ".join(f"{k}={v}" for k, v in env.items())
+        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n$ {env_s} {' '.join(cmd)}\n")
+        log.flush()
+        return start_guarded(cmd, stdout=log, stderr=subprocess.STDOUT,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
+
+
+def run_shards(cfg: GenerateConfig) -> None:
+    """Start every shard process, wait for all, and exit 1 naming each failed shard's log."""
+    shards_dir, w = shards_dir_of(cfg), cfg.num_shards
+    shards_dir.mkdir(parents=True, exist_ok=True)
+    config_path = shards_dir / "generate_config.yaml"
+    shard_cfg = cfg.model_copy(update={"shard_index": 0, "output": str(shard_path(shards_dir, 0)),
+                                       "stats_output": None, "shards_dir": None})
+    with atomic_open(config_path) as f:
+        f.write(shard_cfg.to_yaml())
+    envs = shard_envs(w, cfg.tensor_parallel_size)
+
+    procs: list[tuple[int, subprocess.Popen, Path]] = []
+
+    def stop_all(signum=None, frame=None):
+        for _, p, _ in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)  # the shard's guard kills the shard and its vLLM engine processes
+        if signum is not None:
+            raise SystemExit(128 + signum)
+
+    old_term = signal.signal(signal.SIGTERM, stop_all)
+    try:
+        for r in range(w):
+            log_path = shards_dir / f"shard_{r:02d}.log"
+            p = start_shard(shard_command(config_path, shards_dir, r, w), log_path, envs[r])
+            procs.append((r, p, log_path))
+            print(f"[launch] shard {r}/{w} started (pid {p.pid}) {envs[r] or ''} log: {log_path}", flush=True)
+        t0 = time.perf_counter()
+        failed, running = [], list(procs)
+        next_progress = PROGRESS_EVERY_S
+        while running:
+            time.sleep(1)
+            for item in list(running):
+                r, p, log_path = item
+                if p.poll() is not None:
+                    running.remove(item)
+                    print(f"[launch] shard {r}/{w} exited {p.returncode} after {time.perf_counter() - t0:.0f} s", flush=True)
+                    if p.returncode != 0:
+                        failed.append((r, p.returncode, log_path))
+            if running and time.perf_counter() - t0 >= next_progress:
+                next_progress += PROGRESS_EVERY_S
+                for r, _, log_path in running:  # the shard's progress bar (prompts done, tokens/s)
+                    print(f"[launch] shard {r}/{w}: {tail(log_path, 1)[-160:]}", flush=True)
+    except BaseException:
+        stop_all()
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+    if failed:
+        for r, rc, log_path in failed:
+            print(f"\n[launch] shard {r}/{w} FAILED (exit {rc}); log: {log_path}\n--- last lines ---\n"
+                  f"{tail(log_path)}\n---", file=sys.stderr)
+        print(f"[launch] {len(failed)} of {w} shard(s) failed; rerun to redo only those.", file=sys.stderr)
+        raise SystemExit(1)
+
+
+def main(cfg: GenerateConfig) -> dict:
+    setup_cache_env()
+    run_shards(cfg)
+    return merge_shards(cfg)
+
+
+def cli() -> None:
+    """Command-line entry point (the script in the design card's folder calls this)."""
+    run_main(main, GenerateConfig)
+
+
+if __name__ == "__main__":
+    cli()

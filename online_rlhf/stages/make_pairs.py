@@ -1,0 +1,57 @@
+"""Stage: rewards.jsonl -> pairs.jsonl (chosen/rejected per prompt) + stats JSON.
+
+    python annotate_data/make_pairs.py input=runs/x/iter_1/rewards.jsonl output=runs/x/iter_1/pairs.jsonl \
+        [strategy=max_min|max_random|random] [min_margin=0.0] [truncated=exclude|keep|penalize] \
+        [truncated_penalty=1.0] [seed=42] [--config FILE]
+
+Reads rewards records ``{id, prompt, responses: [K], finish_reasons: [K], rewards: [K], ...}``;
+writes pairs ``{id, prompt, chosen: [assistant message], rejected: [assistant message],
+chosen_reward, rejected_reward}``, TRL's conversational preference format (DPOTrainer loads it
+as is). Every skipped prompt and dropped response is counted in the stats by reason, with example
+records per reason (see ``online_rlhf/pairs.py``); a ``null`` reward (unscored response) is left
+out and counted. A NaN/inf reward stops the stage with the record named. When most prompts have
+fewer than 2 distinct responses the stage warns (stderr and ``warnings`` in the stats).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+from online_rlhf.config import run_main
+from online_rlhf.jsonl import iter_jsonl, write_json, write_jsonl
+from online_rlhf.pairs import build_pairs
+from online_rlhf.paths import setup_cache_env
+from online_rlhf.stage_configs import PairsConfig
+
+
+def main(cfg: PairsConfig) -> dict:
+    """Build the pairs of ``cfg.input`` into ``cfg.output`` and write the stats JSON; returns the stats.
+    Warnings (e.g. most prompts have fewer than 2 distinct responses) go to stderr and the stats."""
+    setup_cache_env()
+    t0 = time.time()
+    records = ((f"{cfg.input}:{ln}", rec) for ln, rec in iter_jsonl(cfg.input))
+    pairs, stats = build_pairs(records, strategy=cfg.strategy, min_margin=cfg.min_margin, truncated=cfg.truncated,
+                               truncated_penalty=cfg.truncated_penalty, seed=cfg.seed)
+    if "truncated_penalty" in cfg.model_fields_set and cfg.truncated != "penalize":
+        stats["warnings"].append(f"truncated_penalty={cfg.truncated_penalty} is not used with truncated={cfg.truncated} "
+                                 "(only truncated=penalize subtracts it)")
+    write_jsonl(cfg.output, pairs)
+    stats = {"stage": "make_pairs", "input": cfg.input, "output": cfg.output, **stats,
+             "seconds": round(time.time() - t0, 3)}
+    write_json(cfg.stats_output or f"{cfg.output}.stats.json", stats)
+    skipped = ", ".join(f"{k} {v}" for k, v in sorted(stats["skipped"].items())) or "none"
+    print(f"make_pairs: {stats['records_in']} prompts -> {stats['pairs_out']} pairs (skipped: {skipped}) -> {cfg.output}")
+    for w in stats["warnings"]:
+        print(f"WARNING: {w}", file=sys.stderr)
+    return stats
+
+
+def cli() -> None:
+    """Command-line entry point (the script in the design card's folder calls this)."""
+    run_main(main, PairsConfig)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,584 @@
+"""DPO stage: train the policy on pairs.jsonl with TRL's DPOTrainer and save an HF checkpoint.
+
+    accelerate launch --config_file configs/accelerate/cpu.yaml dpo_iteration/run_dpo.py \
+        --config configs/dpo.yaml policy=default pairs=runs/x/iter_1/pairs.jsonl output_dir=runs/x/iter_1/model
+
+Reads one pairs file (``{prompt, chosen, rejected}`` as message lists, online_rlhf/records.py), writes
+one checkpoint directory (safetensors + tokenizer + chat template + generation_config, with the
+input policy's bos/eos/pad) and a stats JSON (``<output_dir>.stats.json`` unless ``stats_output``).
+
+Order of work (torchtune-recipe style, top to bottom in :func:`main`):
+  1. validate the config: every ``training`` key is a ``trl.DPOConfig`` field, every ``lora`` key a
+     ``peft.LoraConfig`` field, dtypes of policy and reference agree -- before any weight is loaded;
+  2. read and check the pairs; tokenize them once with the policy's chat template
+     (:func:`tokenize_pairs`: message contents as plain text, so a ``<|im_end|>`` written inside a
+     response is text, not an EOS; BOS exactly once, as generation gave it); drop (and count by
+     reason) invalid pairs and pairs whose prompt leaves no room for the response; count the
+     sequences ``max_length`` will truncate and the pairs holding special-token strings
+     (``special_token_text`` in the stats and the log line);
+  3. load policy, reference (only when it differs from the policy, or when reference log-probs
+     are not precomputed) and tokenizer;
+  4. build ``DPOTrainer`` on those token ids (TRL does not tokenize again; precomputes reference
+     log-probs once when ``training.precompute_ref_log_probs`` is on, the stage default), train;
+  5. save into ``<output_dir>.tmp`` (LoRA adapters merged first), rename to ``output_dir``.
+
+The reference model: ``reference=None`` (or the policy's own path) means "the policy as it is
+before this stage", i.e. the loop's ``ref_model: previous``; ``reference=<dir>`` (the loop's
+``ref_model: initial``) loads that checkpoint as ``ref_model``. The stats record which one.
+
+Token ids: a response is trained on as the tokenization of its text (the record holds the text,
+not the sampled ids). That equals the sampled ids except where the sampler chose another split of
+the same text, or generated a special id vLLM leaves out of the text; the generation stage counts
+those responses (``response_ids_differ_from_text`` in its stats). The prompt gets a BOS when the
+policy's tokenizer adds one and the template does not write it, as generation does (TRL's own
+tokenization leaves it out; SmolLM2 and Llama-3 are unaffected).
+
+Truncation in TRL 1.9: there is no ``max_prompt_length``; the collator cuts prompt+response to
+``max_length`` keeping the start (``truncation_mode="keep_start"``), and the trainer silently drops
+examples whose prompt alone fills ``max_length``. This stage drops those itself, counted, plus
+prompts over the stage's own ``max_prompt_length``; so every trained sequence keeps at least one
+response token.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import time
+from collections import Counter
+from pathlib import Path
+
+
+from online_rlhf.chat_tokens import ChatTokenError, messages_have_special_text, prompt_response_ids
+from online_rlhf.config import ConfigError, run_main
+from online_rlhf.hardware import compute_dtype, describe, stage_threads
+from online_rlhf.jsonl import DataError, iter_jsonl, write_json, write_jsonl
+from online_rlhf.paths import resolve_model, setup_cache_env
+from online_rlhf.records import validate_pair
+from online_rlhf.stage_configs import DPOStageConfig
+from online_rlhf.trl_args import check_dpo_training, check_lora
+from online_rlhf.trl_args import per_device_batch as split_batch
+
+_HALF = {"float16", "bfloat16"}
+# config.json keys put back from the input policy before saving (the Trainer may change them,
+# e.g. use_cache=False under gradient checkpointing).
+_RESTORE_CONFIG_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "use_cache")
+_MAX_EXAMPLES = 5  # dropped-record examples kept per reason in the stats
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _under_deepspeed() -> bool:
+    """Started by ``accelerate launch`` with a DeepSpeed profile (it sets this variable)."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def training_defaults(on_gpu: bool, world_size: int) -> dict:
+    """The stage's defaults under ``cfg.training`` (the user's keys win).
+
+    - Mixed precision from the hardware (:func:`online_rlhf.hardware.compute_dtype`): on CPU,
+      ``bf16=True`` (autocast, fp32 master weights) only with native bf16 (AVX512-BF16/AMX),
+      else ``bf16=False`` (emulated bf16 is ~100x slower); on a GPU without bf16, ``fp16=True``.
+    - ``precompute_ref_log_probs=True``: one reference pass over the pairs before training
+      instead of one per step (see bench/bench_dpo_ref.py).
+    - ``report_to="none"``; ``save_strategy="no"`` (the stage saves once, at the end);
+      ``logging_steps=1`` (the stats report first/last step values).
+    - ``ddp_backend="gloo"`` on CPU with several processes (DeepSpeed/DDP need it there).
+    """
+    d = {"precompute_ref_log_probs": True, "report_to": "none", "save_strategy": "no", "logging_steps": 1,
+         "seed": 42, "dataloader_pin_memory": on_gpu}
+    mixed = compute_dtype("cuda" if on_gpu else "cpu")
+    if on_gpu:
+        if mixed == "float16":  # a GPU without bf16 (e.g. V100): fp16 mixed precision instead of TRL's bf16
+            d.update(bf16=False, fp16=True)
+    else:
+        # bf16 autocast over fp32 weights only where the CPU has native bf16; DeepSpeed on CPU stays fp32
+        d["bf16"] = mixed == "bfloat16" and not _under_deepspeed()
+        if world_size > 1:
+            d["ddp_backend"] = "gloo"
+    return d
+
+
+def per_device_batch(cfg: DPOStageConfig, world_size: int) -> dict:
+    """``{"per_device_train_batch_size": n}`` from ``cfg.train_batch_size`` over ``world_size``
+    processes (:func:`online_rlhf.trl_args.per_device_batch`, which raises ConfigError on a
+    conflicting or indivisible setting); ``{}`` when it is not set."""
+    per = split_batch(cfg.train_batch_size, cfg.training, world_size)
+    return {} if per is None else {"per_device_train_batch_size": per}
+
+
+def build_dpo_args(cfg: DPOStageConfig, work_dir: Path, on_gpu: bool):
+    """``trl.DPOConfig`` from the stage defaults + ``cfg.training``; invalid values raise ConfigError."""
+    from trl import DPOConfig
+
+    kw = {**training_defaults(on_gpu, _world_size()), **per_device_batch(cfg, _world_size()),
+          **check_dpo_training(cfg.training)}
+    if not on_gpu and kw.get("bf16"):
+        compute_dtype("cpu", "bfloat16")  # warns when the CPU has no native bf16
+        if not _under_deepspeed():
+            kw.setdefault("use_cpu", True)  # transformers refuses bf16 on CPU without it
+    report_to = kw.get("report_to")
+    if report_to == "wandb" or (isinstance(report_to, list) and "wandb" in report_to) or report_to == "all":
+        os.environ.setdefault("WANDB_MODE", "offline")  # never block on a network we may not have
+    try:
+        return DPOConfig(output_dir=str(work_dir), **kw)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"training: trl.DPOConfig refused the values: {e}") from None
+
+
+def build_lora_config(lora: dict | None):
+    """``peft.LoraConfig`` from ``cfg.lora`` (task_type CAUSAL_LM by default); unknown keys raise ConfigError
+    (see ``online_rlhf.trl_args.check_lora``, which the loop's plan also runs)."""
+    return check_lora(lora, "lora")
+
+
+def stored_dtype(model: str, trust_remote_code: bool = False) -> str | None:
+    """dtype a checkpoint's config.json declares (``"bfloat16"``...), or None when it declares none."""
+    from transformers import AutoConfig
+
+    try:
+        conf = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    except OSError as e:
+        raise FileNotFoundError(f"cannot read the model config of {model!r}: {e}") from None
+    dt = getattr(conf, "dtype", None) or getattr(conf, "torch_dtype", None)
+    return str(dt).replace("torch.", "") if dt is not None else None
+
+
+def resolve_load_dtypes(torch_dtype: str, policy_stored: str | None, ref_stored: str | None, on_gpu: bool,
+                        fp16: bool, bf16: bool) -> tuple[str, str]:
+    """The dtypes policy and reference are loaded in; refuse half-precision mismatches.
+
+    ``auto``: float32 on CPU; on GPU each checkpoint's stored dtype (float32 when it names none).
+    An explicit ``torch_dtype`` loads both in that dtype.
+
+    Raises:
+        ConfigError: one checkpoint is float16 and the other bfloat16 under ``auto`` (their
+        log-probs would come from different number formats; the error names the fix), or the
+        loaded policy dtype contradicts the mixed precision asked in ``training`` (fp16 / bf16).
+    """
+    if torch_dtype == "auto" and {policy_stored, ref_stored} == _HALF:
+        raise ConfigError(
+            f"the policy is stored in {policy_stored} but the reference in {ref_stored}: DPO compares their "
+            "log-probs, and float16 vs bfloat16 differ in range and rounding. Set torch_dtype=bfloat16 (or "
+            "float32) to load both in one dtype, or convert one checkpoint."
+        )
+    if torch_dtype != "auto":
+        pol = ref = torch_dtype
+    elif not on_gpu:
+        pol = ref = "float32"
+    else:
+        pol, ref = policy_stored or "float32", ref_stored or "float32"
+    if pol == "float16" and bf16:
+        raise ConfigError("the policy is loaded in float16 but training.bf16 is on; set training.fp16=true "
+                          "and training.bf16=false, or torch_dtype=bfloat16.")
+    if pol == "bfloat16" and fp16:
+        raise ConfigError("the policy is loaded in bfloat16 but training.fp16 is on; set training.bf16=true "
+                          "and training.fp16=false, or torch_dtype=float16.")
+    return pol, ref
+
+
+def _pair_problem(rec: dict, where: str) -> str | None:
+    """Why a pair cannot be trained on (a drop reason), or None when it is fine."""
+    if not all(k in rec for k in ("prompt", "chosen", "rejected")):
+        return "malformed"
+    try:
+        validate_pair(rec, where)
+    except DataError:
+        return "chosen_equals_rejected" if rec.get("chosen") == rec.get("rejected") else "malformed"
+    for side in ("chosen", "rejected"):
+        msgs = rec[side]
+        if any(m["role"] != "assistant" for m in msgs):
+            return "malformed"
+        if not "".join(m["content"] for m in msgs).strip():
+            return "empty_response"
+    return None
+
+
+def load_pairs(path: str) -> tuple[list[dict], dict]:
+    """Read pairs.jsonl; return the valid pairs (prompt/chosen/rejected only) and drop counts.
+
+    Returns:
+        (pairs, info) with info = ``{"in": n, "dropped": {reason: n}, "examples": {reason: ["file:line"]}}``.
+        Reasons: ``malformed`` (missing key, bad message list, non-assistant response),
+        ``chosen_equals_rejected``, ``empty_response``.
+    Raises:
+        FileNotFoundError: no such file.  DataError: a line is not JSON (names file:line).
+    """
+    pairs, dropped, examples = [], Counter(), {}
+    n = 0
+    for lineno, rec in iter_jsonl(path):
+        n += 1
+        where = f"{path}:{lineno}"
+        reason = _pair_problem(rec, where)
+        if reason:
+            dropped[reason] += 1
+            examples.setdefault(reason, [])
+            if len(examples[reason]) < _MAX_EXAMPLES:
+                examples[reason].append(where)
+            continue
+        pairs.append({**{k: [{"role": m["role"], "content": m["content"]} for m in rec[k]]
+                         for k in ("prompt", "chosen", "rejected")}, "_where": where})
+    return pairs, {"in": n, "dropped": dict(dropped), "examples": examples}
+
+
+def tokenize_pairs(pairs: list[dict], tokenizer) -> tuple[list[dict], dict]:
+    """Token ids of each pair as the trainer will use them; message contents stay text.
+
+    ``online_rlhf.chat_tokens.prompt_response_ids`` with the policy's chat template: ``prompt_ids``
+    = the prompt with the generation prompt, BOS exactly once (the ids generation gave the policy);
+    ``chosen_ids`` / ``rejected_ids`` = the rest of prompt + response (the response text and the
+    template's end-of-turn marker). Only the template's own markers are special ids: a
+    ``<|im_end|>`` written inside a response or a prompt is the text's sub-tokens, not an EOS or a
+    new turn. (TRL's own tokenization, ``apply_chat_template(tokenize=True)``, parses them as
+    special tokens; the trainer here is given these ids instead, see :func:`_timed_trainer_class`.)
+
+    Returns:
+        (pairs with ``prompt_ids``, ``chosen_ids``, ``rejected_ids`` added, info) with info =
+        ``{"dropped": {"special_text_not_tokenizable": n}, "examples": {reason: ["file:line (why)"]}}``:
+        a pair is dropped only when a content holds a special-token string and the template rewrites
+        contents beyond stripping whitespace, or renders the prompt differently once a response follows.
+    """
+    out, dropped, examples = [], Counter(), {}
+    for p in pairs:
+        try:
+            prompt_ids, (chosen_ids, rejected_ids) = prompt_response_ids(tokenizer, p["prompt"], p["chosen"],
+                                                                         p["rejected"])
+        except ChatTokenError as e:
+            dropped["special_text_not_tokenizable"] += 1
+            ex = examples.setdefault("special_text_not_tokenizable", [])
+            if len(ex) < _MAX_EXAMPLES:
+                ex.append(f"{p['_where']} ({e})")
+            continue
+        out.append({**p, "prompt_ids": prompt_ids, "chosen_ids": chosen_ids, "rejected_ids": rejected_ids})
+    return out, {"dropped": dict(dropped), "examples": examples}
+
+
+def special_text_counts(pairs: list[dict], tokenizer) -> dict:
+    """How many pairs hold a special-token string of the policy's tokenizer in their prompt, chosen, rejected.
+
+    Returns:
+        ``{"prompts": n, "chosen": n, "rejected": n}`` (each side counted once per pair).
+    """
+    return {side: sum(1 for p in pairs if messages_have_special_text(tokenizer, p[key]))
+            for side, key in (("prompts", "prompt"), ("chosen", "chosen"), ("rejected", "rejected"))}
+
+
+def check_lengths(pairs: list[dict], max_length: int | None, max_prompt_length: int | None,
+                  truncation_mode: str) -> tuple[list[dict], dict]:
+    """Drop pairs whose prompt leaves no response token; count what ``max_length`` will truncate.
+
+    Token counts are the lengths of the ids the trainer gets (:func:`tokenize_pairs`):
+    ``prompt_ids``, ``chosen_ids``, ``rejected_ids``.
+
+    A pair is dropped (reason ``prompt_too_long``) when its prompt is longer than
+    ``max_prompt_length``, or, with ``keep_start`` truncation, when the prompt alone has
+    ``>= max_length`` tokens (TRL would drop it silently; every kept sequence then keeps at least
+    one response token). Kept pairs over ``max_length`` lose tokens from the end of the response
+    (``keep_start``) or the start of the prompt (``keep_end``); they are counted, not dropped.
+
+    Returns:
+        (kept pairs, info) with info holding ``dropped``, ``examples`` and ``truncation`` counts.
+    """
+    kept, dropped, examples = [], Counter(), {}
+    trunc = Counter()
+    max_p = max_seq = 0
+    for p in pairs:
+        n_p, n_c, n_r = len(p["prompt_ids"]), len(p["chosen_ids"]), len(p["rejected_ids"])
+        max_p, max_seq = max(max_p, n_p), max(max_seq, n_p + n_c, n_p + n_r)
+        too_long = (max_prompt_length is not None and n_p > max_prompt_length) or (
+            max_length is not None and truncation_mode == "keep_start" and n_p >= max_length)
+        if too_long:
+            dropped["prompt_too_long"] += 1
+            ex = examples.setdefault("prompt_too_long", [])
+            if len(ex) < _MAX_EXAMPLES:
+                ex.append(f"{p['_where']} ({n_p} prompt tokens)")
+            continue
+        if max_length is not None:
+            c_over, r_over = n_p + n_c > max_length, n_p + n_r > max_length
+            trunc["chosen_truncated"] += c_over
+            trunc["rejected_truncated"] += r_over
+            trunc["pairs_truncated"] += c_over or r_over
+        kept.append(p)
+    info = {"dropped": dict(dropped), "examples": examples,
+            "truncation": {"max_length": max_length, "max_prompt_length": max_prompt_length,
+                           "truncation_mode": truncation_mode, "pairs_truncated": trunc["pairs_truncated"],
+                           "chosen_truncated": trunc["chosen_truncated"],
+                           "rejected_truncated": trunc["rejected_truncated"],
+                           "prompt_tokens_max": max_p, "sequence_tokens_max": max_seq}}
+    return kept, info
+
+
+def _load_causal_lm(path: str, dtype: str, attn: str, trust_remote_code: bool):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=attn,
+                                                trust_remote_code=trust_remote_code)
+
+
+def _timed_trainer_class():
+    from trl import DPOTrainer
+
+    class TimedDPOTrainer(DPOTrainer):
+        """DPOTrainer that trains on the stage's token ids and records the seconds spent precomputing
+        reference log-probs (for the stats).
+
+        Overrides TRL 1.9's ``_prepare_dataset`` and wraps its ``_precompute_ref_logps`` (private;
+        pinned version). A dataset that already holds ``prompt_ids``, ``chosen_ids`` and
+        ``rejected_ids`` (:func:`tokenize_pairs`) is used as it is: TRL would otherwise tokenize
+        the text again with ``apply_chat_template(tokenize=True)``, which turns a special-token
+        string inside a message into a special token. TRL's drop of prompts that fill
+        ``max_length`` is kept (a no-op here: :func:`check_lengths` dropped them, counted).
+        """
+
+        precompute_seconds = 0.0
+
+        def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+            if not {"prompt_ids", "chosen_ids", "rejected_ids"} <= set(dataset.column_names or ()):
+                return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+            if args.max_length is not None and args.truncation_mode == "keep_start":
+                dataset = dataset.filter(lambda ex: len(ex["prompt_ids"]) < args.max_length,
+                                         desc=f"Dropping fully truncated examples from {dataset_name} dataset")
+            return dataset
+
+        def _precompute_ref_logps(self, *args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return super()._precompute_ref_logps(*args, **kwargs)
+            finally:
+                self.precompute_seconds += time.perf_counter() - t
+
+    return TimedDPOTrainer
+
+
+def summarize_log_history(history: list[dict]) -> dict:
+    """First/last training loss, reward accuracy and margin from ``trainer.state.log_history``."""
+    steps = [h for h in history if "loss" in h]
+    keys = ("loss", "rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected")
+    out = {"history": [{"step": h.get("step"), **{k: h[k] for k in keys if k in h}} for h in steps]}
+    for name, key in (("train_loss", "loss"), ("rewards_accuracies", "rewards/accuracies"),
+                      ("rewards_margins", "rewards/margins")):
+        vals = [h[key] for h in steps if key in h]
+        out[f"{name}_first"] = vals[0] if vals else None
+        out[f"{name}_last"] = vals[-1] if vals else None
+    return out
+
+
+def _rmtree(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+
+
+def save_checkpoint(trainer, tmp_dir: Path, policy_path: str, orig_config: dict, is_lora: bool,
+                    trust_remote_code: bool) -> None:
+    """Write the trained policy to ``tmp_dir`` (all ranks call this; rank 0 writes).
+
+    Weights as safetensors (LoRA adapters merged, so vLLM loads a plain model); tokenizer, chat
+    template and generation_config copied from the input policy unchanged; config.json keeps the
+    input's bos/eos/pad ids and use_cache. No optimizer state, no training_args.bin.
+    """
+    from transformers import AutoTokenizer, GenerationConfig
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if is_lora:
+        model = model.merge_and_unload()
+    for key in _RESTORE_CONFIG_KEYS:
+        if key in orig_config:
+            setattr(model.config, key, orig_config[key])
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(policy_path)
+    except OSError:
+        pass  # the input had no generation_config.json; keep the model's own
+    if is_lora:
+        if trainer.accelerator.is_main_process:
+            model.save_pretrained(tmp_dir, safe_serialization=True)
+    else:
+        trainer.save_model(str(tmp_dir))  # gathers ZeRO-3 shards; writes on rank 0 only
+    trainer.accelerator.wait_for_everyone()
+    if trainer.accelerator.is_main_process:
+        # The trainer's tokenizer may have been given a pad token; save the input's untouched one.
+        AutoTokenizer.from_pretrained(policy_path, trust_remote_code=trust_remote_code).save_pretrained(tmp_dir)
+        for junk in ("training_args.bin", "README.md"):
+            (tmp_dir / junk).unlink(missing_ok=True)
+        if not any(tmp_dir.glob("*.safetensors")):
+            raise RuntimeError(f"{tmp_dir}: no safetensors weights were written; the checkpoint is incomplete.")
+
+
+def main(cfg: DPOStageConfig) -> dict:
+    """Run the DPO stage; return the stats dict (also written to the stats JSON by rank 0)."""
+    t_start = time.perf_counter()
+    setup_cache_env()
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:  # a stage alone on the machine: every usable core, split between the ranks
+        torch.set_num_threads(stage_threads(_world_size()))
+    out_dir = Path(cfg.output_dir).resolve()
+    tmp_dir, work_dir = Path(f"{out_dir}.tmp"), Path(f"{out_dir}.work")
+    stats_path = Path(cfg.stats_output) if cfg.stats_output else Path(f"{out_dir}.stats.json")
+
+    # 1. config checks, before any weight is loaded
+    args = build_dpo_args(cfg, work_dir, on_gpu)
+    lora_config = build_lora_config(cfg.lora)
+    trust = args.trust_remote_code
+    policy_path = resolve_model(cfg.policy)
+    ref_path = resolve_model(cfg.reference) if cfg.reference is not None else None
+    if ref_path is not None and Path(ref_path).exists() and Path(policy_path).exists() and \
+            Path(ref_path).resolve() == Path(policy_path).resolve():
+        ref_path = None  # the same checkpoint: treat as "reference = policy"
+    pol_stored = stored_dtype(policy_path, trust)
+    ref_stored = stored_dtype(ref_path, trust) if ref_path else pol_stored
+    pol_dtype, ref_dtype = resolve_load_dtypes(cfg.torch_dtype, pol_stored, ref_stored, on_gpu, args.fp16, args.bf16)
+    if lora_config is not None and args.deepspeed_plugin is not None and args.deepspeed_plugin.zero_stage == 3:
+        raise ConfigError("lora with DeepSpeed ZeRO-3 is not supported by this stage (the merge needs the full "
+                          "weights on one rank); use the zero2 profile for LoRA.")
+
+    # 2. pairs
+    pairs, read_info = load_pairs(cfg.pairs)
+    if read_info["in"] == 0:
+        why = ""
+        stats_file = Path(f"{cfg.pairs}.stats.json")
+        if stats_file.is_file():
+            skipped = json.loads(stats_file.read_text(encoding="utf-8")).get("skipped") or {}
+            why = f" make_pairs skipped: {', '.join(f'{k} {v}' for k, v in sorted(skipped.items())) or 'nothing'}."
+        raise DataError(f"{cfg.pairs}: the pairs file is empty, nothing to train on.{why} More prompts "
+                        "(prompts_per_iteration) or samples (generation.k), a smaller pairs.min_margin, or "
+                        "pairs.truncated=penalize instead of exclude give more pairs.")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(policy_path, trust_remote_code=trust)
+    if tokenizer.chat_template is None:
+        raise ConfigError(f"{policy_path}: the tokenizer has no chat template; conversational pairs need one.")
+    tokenized, tok_info = tokenize_pairs(pairs, tokenizer)
+    kept, len_info = check_lengths(tokenized, args.max_length, cfg.max_prompt_length, args.truncation_mode)
+    dropped = Counter(read_info["dropped"]) + Counter(tok_info["dropped"]) + Counter(len_info["dropped"])
+    examples = {**read_info["examples"], **tok_info["examples"], **len_info["examples"]}
+    special = special_text_counts(kept, tokenizer)
+    if not kept:
+        raise DataError(f"{cfg.pairs}: none of the {read_info['in']} pairs can be trained on "
+                        f"(dropped: {dict(dropped)}; e.g. {examples}). Fix the pairs, or raise "
+                        "training.max_length / max_prompt_length if prompts are too long.")
+
+    # The kept pairs as a file-backed dataset in <output_dir>.work: TRL's reference precompute
+    # names its cache file after the dataset's cache directory, which must be the same for every
+    # rank (an in-memory dataset gets a random per-process path and rank 1 finds no file).
+    with args.main_process_first(local=True, desc="DPO pairs dataset"):
+        if args.local_process_index == 0:
+            # stale leftovers of a crashed run (never look like a checkpoint: they end in .tmp / .work)
+            _rmtree(tmp_dir)
+            _rmtree(work_dir)
+            write_jsonl(work_dir / "pairs_kept.jsonl",
+                        ({k: p[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for p in kept))
+        import datasets
+
+        train_ds = datasets.load_dataset("json", data_files=str(work_dir / "pairs_kept.jsonl"), split="train",
+                                         cache_dir=str(work_dir / "hf_datasets"))
+
+    # 3. models
+    t0 = time.perf_counter()
+    policy = _load_causal_lm(policy_path, pol_dtype, cfg.attn_implementation, trust)
+    orig_config = policy.config.to_dict()
+    ref_model, reference_kind = None, "policy"
+    if ref_path is not None:
+        ref_model, reference_kind = _load_causal_lm(ref_path, ref_dtype, cfg.attn_implementation, trust), "explicit"
+    elif not args.precompute_ref_log_probs and lora_config is None:
+        # no precompute: TRL needs a frozen copy; load it here, explicitly, in the same dtype
+        ref_model = _load_causal_lm(policy_path, pol_dtype, cfg.attn_implementation, trust)
+    load_s = time.perf_counter() - t0
+
+    # 4. train
+    t0 = time.perf_counter()
+    trainer = _timed_trainer_class()(model=policy, ref_model=ref_model, args=args, train_dataset=train_ds,
+                                     processing_class=tokenizer, peft_config=lora_config)
+    init_s = time.perf_counter() - t0
+    if len(trainer.train_dataset) != len(kept):  # TRL dropped something we did not count
+        raise RuntimeError(f"TRL kept {len(trainer.train_dataset)} of {len(kept)} pairs; the stage's length "
+                           "check disagrees with the trainer's (a TRL version change?).")
+    for col in ("prompt_ids", "chosen_ids", "rejected_ids"):  # TRL trains on the stage's ids, not its own
+        if [list(x) for x in trainer.train_dataset[col]] != [p[col] for p in kept]:
+            raise RuntimeError(f"the trainer's {col} differ from the stage's tokenization; TRL tokenized the pairs "
+                               "itself (a TRL version change? see _timed_trainer_class).")
+    if args.precompute_ref_log_probs and trainer.ref_model is not None:
+        trainer.ref_model = None  # its log-probs are in the dataset now; free the memory
+        ref_model = None
+        gc.collect()
+    t0 = time.perf_counter()
+    train_out = trainer.train()
+    train_s = time.perf_counter() - t0
+
+    # 5. save: <output_dir>.tmp, then rename; a crash leaves only *.tmp / *.work
+    t0 = time.perf_counter()
+    is_main = trainer.accelerator.is_main_process
+    try:
+        save_checkpoint(trainer, tmp_dir, policy_path, orig_config, lora_config is not None, trust)
+        if is_main:
+            old = Path(f"{out_dir}.old")
+            _rmtree(old)
+            if out_dir.exists():
+                os.replace(out_dir, old)
+            os.replace(tmp_dir, out_dir)
+            _rmtree(old)
+            _rmtree(work_dir)
+    except BaseException:
+        if is_main:
+            _rmtree(tmp_dir)
+        raise
+    trainer.accelerator.wait_for_everyone()
+    save_s = time.perf_counter() - t0
+
+    stats = {
+        "stage": "dpo",
+        "policy": policy_path,
+        "reference": {"source": reference_kind, "path": ref_path or policy_path,
+                      "precomputed_log_probs": bool(args.precompute_ref_log_probs),
+                      "lora_adapter_disabled": lora_config is not None and ref_path is None},
+        "pairs_file": str(cfg.pairs),
+        "pairs_in": read_info["in"],
+        "pairs_used": len(kept),
+        "pairs_dropped": dict(dropped),
+        "dropped_examples": examples,
+        "truncation": len_info["truncation"],
+        "special_token_text": special,
+        "loss_type": list(args.loss_type),
+        "beta": args.beta,
+        "learning_rate": args.learning_rate,
+        "dtype": {"policy_stored": pol_stored, "reference_stored": ref_stored, "loaded": pol_dtype,
+                  "bf16": bool(args.bf16), "fp16": bool(args.fp16)},
+        "lora": cfg.lora,
+        "hardware": describe("cuda" if on_gpu else "cpu",
+                             pol_dtype + (" + bf16 autocast" if args.bf16 else " + fp16 autocast" if args.fp16 else ""),
+                             processes=trainer.accelerator.num_processes),
+        "num_processes": trainer.accelerator.num_processes,
+        "deepspeed_zero_stage": args.deepspeed_plugin.zero_stage if args.deepspeed_plugin else None,
+        "steps": trainer.state.global_step,
+        "train_loss_mean": train_out.training_loss,
+        **summarize_log_history(trainer.state.log_history),
+        "output_dir": str(out_dir),
+        "seconds": {"total": time.perf_counter() - t_start, "model_loading": load_s,
+                    "trainer_init": init_s, "reference_precompute": trainer.precompute_seconds,
+                    "train_steps": train_s, "save": save_s},
+    }
+    if is_main:
+        write_json(stats_path, stats)
+        loss = (f"loss {stats['train_loss_first']} (one step: log(2) = 0.6931 is the loss before any update)"
+                if stats["steps"] == 1 else f"loss {stats['train_loss_first']} -> {stats['train_loss_last']}")
+        print(f"dpo: {len(kept)}/{read_info['in']} pairs, {stats['steps']} step{'s' * (stats['steps'] != 1)}, {loss}, "
+              f"special-token strings kept as text in {special['prompts']} prompts, {special['chosen']} chosen, "
+              f"{special['rejected']} rejected; saved {out_dir} ({stats_path})")
+    return stats
+
+
+def cli() -> None:
+    """Command-line entry point (the script in the design card's folder calls this)."""
+    run_main(main, DPOStageConfig)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,427 @@
+"""SFT stage: supervised fine-tuning with Axolotl, run once before the loop; saves an HF checkpoint.
+
+    .venv-train/bin/python sft/run_sft.py --config configs/sft.yaml \
+        base_model=default dataset=runs/x/sft/data.jsonl output_dir=runs/x/sft/model
+
+The config file is an Axolotl config plus a few keys this stage owns (``SFTStageConfig`` in
+online_rlhf/stage_configs.py): ``base_model`` ('default' allowed), ``dataset`` (one local JSONL in
+the conversational ``messages`` format), ``output_dir``, ``stats_output``, ``axolotl_config_output``,
+``launcher`` and ``num_processes``. Any key can be overridden as ``key=value`` (YAML values, dotted
+keys for nesting: ``learning_rate=1e-5 max_steps=20``).
+
+Order of work (top to bottom in :func:`main`):
+  1. config: the stage's keys are typed; the Axolotl keys are checked against Axolotl's own schema
+     (Axolotl itself silently ignores an unknown key); LoRA adapters are refused (the loop needs a
+     full checkpoint);
+  2. data: every row of ``dataset`` is checked (a ``messages`` list, roles system/user/assistant,
+     at least one assistant turn, no empty assistant turn); the first bad row stops the stage
+     with its file and line, before Axolotl or any model is loaded;
+  3. the resolved Axolotl config (``datasets[0].path`` = the dataset, ``output_dir`` =
+     ``<output_dir>.tmp``, eos = pad = the base model's eos unless ``special_tokens`` says
+     otherwise, our log plugin) is written to ``<output_dir>.axolotl.yaml``;
+  4. ``python -m axolotl.cli.train <yaml>`` (or ``accelerate launch -m axolotl.cli.train``) runs
+     with ``AXOLOTL_DO_NOT_TRACK=1``; its log is echoed;
+  5. the output becomes a clean HF checkpoint: only weights, config, tokenizer files and chat
+     template are kept (no optimizer states, checkpoint-*/ folders, logs, model card); eos and pad
+     are set in tokenizer, config and generation_config (the base model's generation_config is
+     copied: Axolotl saves one with ``do_sample=true``); ``use_cache`` is switched back on; then
+     ``<output_dir>.tmp`` is renamed to ``output_dir``;
+  6. ``<output_dir>.stats.json``: rows in, rows used, rows dropped by Axolotl by reason, steps,
+     loss first/last, seconds per step, wall seconds, and ``special_token_text``.
+
+Special-token strings in the data are NOT kept as text here. Axolotl 0.19 tokenizes each row with
+``apply_chat_template(tokenize=True)``, which turns a ``<|im_end|>`` written inside a message into
+the special token: an assistant turn containing it is trained as if the turn ended there, and a
+user turn can open a new turn. The other stages tokenize contents as text
+(``online_rlhf.chat_tokens``); changing Axolotl's tokenizer path is out of this stage's reach, so
+it counts the rows that hold such strings (``special_token_text`` in the stats, per role) and
+warns before training. Remove those rows from the data set if that matters.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+
+import yaml
+
+from online_rlhf.chat_tokens import has_special_text
+from online_rlhf.config import ConfigError, run_main
+from online_rlhf.hardware import compute_dtype, describe, stage_threads
+from online_rlhf.jsonl import DataError, iter_jsonl, read_json, write_json
+from online_rlhf.paths import PROJECT_ROOT, resolve_model, setup_cache_env
+from online_rlhf.records import ROLES, check_messages
+from online_rlhf.stage_configs import SFTStageConfig
+from online_rlhf.trl_args import check_axolotl_keys as _check_axolotl_keys
+
+PLUGIN = "online_rlhf.stages.axolotl_plugin.TrainLogPlugin"
+TRAIN_LOG = "sft_train_log.json"  # written by the plugin into Axolotl's output_dir
+# Axolotl keys the stage sets itself.
+_STAGE_OWNED = {
+    "dataset_prepared_path": "the stage tokenizes into <output_dir>.prepared and removes it after training",
+    "hub_model_id": "the stage saves a local checkpoint only",
+}
+# Files of an HF checkpoint; everything else Axolotl leaves in its output_dir is removed.
+_CHECKPOINT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                     "special_tokens_map.json", "chat_template.jinja", "chat_template.json", "added_tokens.json",
+                     "vocab.json", "merges.txt", "tokenizer.model", "model.safetensors.index.json")
+_WEIGHT_PATTERNS = ("model*.safetensors",)
+# Axolotl 0.19's log lines about rows it removed while preparing the data.
+_DROP_PATTERNS = {
+    "outside_length_range": re.compile(r"Dropped (\d+) sequences outside valid range"),
+    "too_short": re.compile(r"Dropped (\d+) short sequences"),
+}
+_DEDUP = re.compile(r"Deduplication complete for train dataset\. New size: (\d+)")
+_DEDUP_START = re.compile(r"Starting deduplication for train dataset\. Original size: (\d+)")
+
+
+def validate_sft_dataset(path: str | os.PathLike, field: str = "messages") -> int:
+    """Check every row of an SFT JSONL file; return the number of rows.
+
+    A row is ``{field: [{"role": "system"|"user"|"assistant", "content": str}, ...], ...}`` with at
+    least one assistant turn and no assistant turn that is empty (or only whitespace). Other
+    columns (``id``, ``reward``) are allowed and ignored.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        DataError: the first bad row, naming ``path:line`` and the fix; also an empty file.
+    """
+    path = Path(path)
+    n = 0
+    for lineno, rec in iter_jsonl(path):
+        where = f"{path}:{lineno}"
+        if field not in rec:
+            raise DataError(f"{where}: no {field!r} column (columns: {', '.join(rec) or 'none'}). Each line must be "
+                            f'{{"{field}": [{{"role": "user", "content": "..."}}, {{"role": "assistant", "content": "..."}}]}}.')
+        messages = check_messages(rec[field], where)
+        assistant = [j for j, m in enumerate(messages) if m["role"] == "assistant"]
+        if not assistant:
+            raise DataError(f"{where}: no assistant turn, so nothing to train on. Add the response as "
+                            f"{{\"role\": \"assistant\", ...}} or remove the row (roles: {', '.join(ROLES)}).")
+        for j in assistant:
+            if not messages[j]["content"].strip():
+                raise DataError(f"{where}: message {j} (assistant) is empty; training on it teaches the model to "
+                                "stop at once. Remove the row or give the turn its text.")
+        n += 1
+    if n == 0:
+        raise DataError(f"{path}: the SFT data set is empty.")
+    return n
+
+
+def special_text_rows(path: str | os.PathLike, tokenizer, field: str = "messages") -> dict:
+    """Rows of an SFT JSONL file whose messages hold a special-token string of ``tokenizer``.
+
+    Axolotl parses such strings as special tokens (module docstring); this only counts them. Call
+    it on a file :func:`validate_sft_dataset` accepted.
+
+    Returns:
+        ``{"rows": n rows with at least one, "messages": {"system": n, "user": n, "assistant": n}}``
+        (messages per role that hold one).
+    """
+    rows, by_role = 0, dict.fromkeys(ROLES, 0)
+    for _, rec in iter_jsonl(path):
+        hits = [m["role"] for m in rec[field] if has_special_text(tokenizer, m["content"])]
+        rows += bool(hits)
+        for role in hits:
+            by_role[role] += 1
+    return {"rows": rows, "messages": by_role}
+
+
+def dataset_entry(datasets, dataset: str) -> dict:
+    """The Axolotl ``datasets`` entry for ``dataset``, from the config's one-entry template.
+
+    The template (``datasets: [{type: chat_template, field_messages: messages, ...}]``) gives the
+    format options; its ``path`` is set here. Raises ConfigError on more than one entry, a ``path``
+    in the template, or a type other than ``chat_template``.
+    """
+    if datasets is None:
+        datasets = [{"type": "chat_template", "field_messages": "messages"}]
+    if not isinstance(datasets, list) or len(datasets) != 1 or not isinstance(datasets[0], dict):
+        raise ConfigError("datasets: give exactly one entry with the format options (type: chat_template, "
+                          "field_messages, roles_to_train, ...); the stage trains on one file, `dataset`. "
+                          "Concatenate several SFT files into one JSONL first.")
+    entry = dict(datasets[0])
+    if entry.get("path") not in (None, dataset):
+        raise ConfigError(f"datasets[0].path={entry['path']!r}: set the stage's `dataset=` instead of the path "
+                          "inside `datasets` (the stage validates that file before Axolotl runs).")
+    if entry.get("type", "chat_template") != "chat_template":
+        raise ConfigError(f"datasets[0].type={entry['type']!r}: this stage trains on conversational "
+                          "`messages` rows; use type: chat_template.")
+    entry.update(type="chat_template", path=str(Path(dataset).absolute()), ds_type="json")
+    entry.setdefault("field_messages", "messages")
+    return entry
+
+
+def check_axolotl_keys(keys: dict) -> None:
+    """Raise ConfigError for keys Axolotl does not know (``online_rlhf.trl_args.check_axolotl_keys``;
+    the stage's own keys are allowed)."""
+    _check_axolotl_keys(keys, also_known=set(SFTStageConfig.model_fields))
+
+
+def _abs_path(value: str) -> str:
+    """A config file path (e.g. ``deepspeed: configs/deepspeed/zero2.json``) made absolute: from the
+    working directory if it exists there, else from the project root."""
+    p = Path(value)
+    if p.is_absolute() or p.exists():
+        return str(p.absolute())
+    if (PROJECT_ROOT / p).exists():
+        return str(PROJECT_ROOT / p)
+    raise ConfigError(f"{value}: no such file (looked in {Path.cwd()} and {PROJECT_ROOT}).")
+
+
+def axolotl_config(cfg: SFTStageConfig, base: str, eos: str, tmp: Path, prepared: Path) -> dict:
+    """The Axolotl config to run: the file's Axolotl keys plus the keys the stage sets."""
+    ax = dict(cfg.model_extra or {})
+    for key, why in _STAGE_OWNED.items():
+        if key in ax:
+            raise ConfigError(f"{key}: set by the stage ({why}); remove it from the config.")
+    if ax.get("adapter"):
+        raise ConfigError(f"adapter={ax['adapter']!r}: the loop needs a full checkpoint; this stage trains all "
+                          "weights. Remove `adapter` (or merge the adapter yourself with `axolotl merge-lora`).")
+    if ax.get("rl"):
+        raise ConfigError(f"rl={ax['rl']!r}: this is the SFT stage; preference training is dpo_iteration/.")
+    entry = dataset_entry(ax.pop("datasets", None), cfg.dataset)
+    special = dict(ax.get("special_tokens") or {})
+    special.setdefault("eos_token", eos)
+    special.setdefault("pad_token", special["eos_token"])
+    if ax.get("deepspeed"):
+        ax["deepspeed"] = _abs_path(ax["deepspeed"])
+    if ax.get("bf16", "auto") == "auto" and not _on_gpu():
+        # Axolotl's own "auto" looks at GPUs only; on CPU bf16 autocast pays only with native bf16.
+        ax["bf16"] = compute_dtype("cpu") == "bfloat16"
+    ax.setdefault("chat_template", "tokenizer_default")
+    ax.setdefault("val_set_size", 0)
+    ax.setdefault("save_strategy", "no")  # intermediate checkpoints would be deleted anyway
+    return {"base_model": base, **ax, "datasets": [entry], "special_tokens": special,
+            "plugins": [*(ax.get("plugins") or []), PLUGIN],
+            "output_dir": str(tmp), "dataset_prepared_path": str(prepared)}
+
+
+def _precision(ax: dict) -> str:
+    """What the stats say of the run's precision, e.g. ``float32 + bf16 autocast``."""
+    mixed = "bf16" if ax.get("bf16") is True else "fp16" if ax.get("fp16") is True else \
+        "bf16 if the GPU has it" if ax.get("bf16") == "auto" else None
+    return "float32" + (f" + {mixed} autocast" if mixed else "")
+
+
+def _on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def launch_command(cfg: SFTStageConfig, yaml_path: Path) -> list[str]:
+    """``python -m axolotl.cli.train YAML`` or ``accelerate launch --num_processes N -m axolotl.cli.train YAML``
+    (what ``axolotl train`` runs, with this env's interpreter instead of whatever is first on PATH)."""
+    if cfg.launcher == "python":
+        return [sys.executable, "-m", "axolotl.cli.train", str(yaml_path)]
+    n = cfg.num_processes
+    if n is None:
+        import torch
+
+        n = max(torch.cuda.device_count(), 1)
+    accelerate = Path(sys.executable).parent / "accelerate"
+    return [str(accelerate), "launch", "--num_processes", str(n), "-m", "axolotl.cli.train", str(yaml_path)]
+
+
+def run_axolotl(cmd: list[str]) -> tuple[dict, deque]:
+    """Run Axolotl, echoing its output; return (rows Axolotl dropped by reason, last 40 log lines).
+
+    Raises:
+        RuntimeError: Axolotl exited with an error (the message holds the exit code; its log is above).
+    """
+    env = dict(os.environ)
+    env["AXOLOTL_DO_NOT_TRACK"] = "1"
+    env.setdefault("OMP_NUM_THREADS", str(stage_threads()))  # one process on CPU: every usable core
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    print("+ " + " ".join(cmd), flush=True)
+    dropped: dict[str, int] = {}
+    dedup_in = None
+    tail: deque = deque(maxlen=40)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                            env=env, cwd=PROJECT_ROOT)
+    try:
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            tail.append(line.rstrip("\n"))
+            for reason, pat in _DROP_PATTERNS.items():
+                if m := pat.search(line):
+                    dropped[reason] = dropped.get(reason, 0) + int(m.group(1))
+            if m := _DEDUP_START.search(line):
+                dedup_in = int(m.group(1))
+            elif (m := _DEDUP.search(line)) and dedup_in is not None:
+                dropped["duplicate"] = dropped.get("duplicate", 0) + dedup_in - int(m.group(1))
+        rc = proc.wait()
+    except BaseException:
+        proc.terminate()
+        proc.wait()
+        raise
+    sys.stdout.flush()
+    if rc != 0:
+        raise RuntimeError(f"Axolotl failed (exit {rc}); its log is above. Command: {' '.join(cmd)}")
+    return dropped, tail
+
+
+def finalize_checkpoint(ckpt: Path, base: str, eos: str) -> dict:
+    """Turn Axolotl's output_dir into a clean HF checkpoint, in place.
+
+    Keeps weights, config, tokenizer files and chat template; removes the rest. Sets eos = pad =
+    ``eos`` in tokenizer, config and generation_config; copies the base model's generation_config
+    (falls back to one built from the config); keeps the trained chat template, or copies the
+    base tokenizer's when Axolotl saved none; turns ``use_cache`` back on.
+
+    Returns a summary: removed entries, where the chat template came from, eos/pad ids.
+    Raises:
+        RuntimeError: no safetensors weights in ``ckpt`` (nothing a loader could use).
+    """
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    removed = []
+    for p in sorted(ckpt.iterdir()):
+        keep = p.is_file() and (p.name in _CHECKPOINT_FILES or any(fnmatch.fnmatch(p.name, w) for w in _WEIGHT_PATTERNS))
+        if not keep:
+            removed.append(p.name + ("/" if p.is_dir() else ""))
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    if not any(fnmatch.fnmatch(p.name, w) for p in ckpt.iterdir() for w in _WEIGHT_PATTERNS):
+        raise RuntimeError(f"{ckpt}: Axolotl saved no model*.safetensors weights.")
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    template_from = "trained checkpoint"
+    if not tok.chat_template:
+        tok.chat_template = AutoTokenizer.from_pretrained(base).chat_template
+        template_from = "base model"
+    if not tok.chat_template:
+        raise RuntimeError(f"neither {ckpt} nor the base model {base} has a chat template; set Axolotl's chat_template.")
+    tok.eos_token = eos
+    tok.pad_token = eos
+    eos_id = tok.convert_tokens_to_ids(eos)
+    tok.save_pretrained(ckpt)
+
+    config = AutoConfig.from_pretrained(ckpt)
+    config.eos_token_id = eos_id
+    config.pad_token_id = eos_id
+    config.use_cache = True  # Axolotl turns it off for training (gradient checkpointing)
+    config.save_pretrained(ckpt)
+
+    try:
+        gen = GenerationConfig.from_pretrained(base)
+        gen_from = "base model"
+    except OSError:
+        gen = GenerationConfig.from_model_config(config)
+        gen_from = "model config"
+    ids = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
+    gen.eos_token_id = [eos_id, *[i for i in ids if i is not None and i != eos_id]]
+    gen.pad_token_id = eos_id
+    gen.save_pretrained(ckpt)
+    return {"removed_from_checkpoint": removed, "chat_template_from": template_from,
+            "generation_config_from": gen_from, "eos_token": eos, "eos_token_id": eos_id, "pad_token_id": eos_id}
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Rename ``src`` to ``dst``; an existing ``dst`` is moved aside first and deleted after."""
+    old = dst.with_name(dst.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if dst.exists():
+        os.replace(dst, old)
+    os.replace(src, dst)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def loss_summary(train_log: dict) -> dict:
+    """steps, first/last logged training loss and seconds per step from the plugin's log."""
+    history = train_log.get("log_history", [])
+    losses = [float(h["loss"]) for h in history if "loss" in h]
+    steps = int(train_log.get("global_step") or 0)
+    runtime = next((float(h["train_runtime"]) for h in reversed(history) if "train_runtime" in h), None)
+    return {"steps": steps, "train_loss_first": losses[0] if losses else None,
+            "train_loss_last": losses[-1] if losses else None, "train_losses": losses,
+            "train_runtime_s": runtime, "seconds_per_step": round(runtime / steps, 3) if runtime and steps else None}
+
+
+def main(cfg: SFTStageConfig) -> dict:
+    t0 = time.monotonic()
+    setup_cache_env()
+    out = Path(cfg.output_dir).absolute()
+    tmp, prepared = out.with_name(out.name + ".tmp"), out.with_name(out.name + ".prepared")
+    stats_path = Path(cfg.stats_output or f"{out}.stats.json")
+    yaml_path = Path(cfg.axolotl_config_output or f"{out}.axolotl.yaml")
+    base = resolve_model(cfg.base_model)
+
+    # 1-2. config and data, before anything heavy.
+    extra = dict(cfg.model_extra or {})
+    entry = dataset_entry(extra.get("datasets"), cfg.dataset)
+    check_axolotl_keys(extra)
+    rows_in = validate_sft_dataset(cfg.dataset, entry["field_messages"])
+    from transformers import AutoTokenizer
+
+    base_tok = AutoTokenizer.from_pretrained(base)
+    eos = (extra.get("special_tokens") or {}).get("eos_token") or base_tok.eos_token
+    if not eos:
+        raise ConfigError(f"the base model {base} has no eos token; set special_tokens.eos_token.")
+    special = special_text_rows(cfg.dataset, base_tok, entry["field_messages"])
+    print(f"[sft] {rows_in} rows in {cfg.dataset}; base {base}; eos = pad = {eos!r}", flush=True)
+    if special["rows"]:
+        print(f"[sft] warning: {special['rows']} rows hold special-token strings in their messages "
+              f"({special['messages']}); Axolotl tokenizes them as special tokens (e.g. an end of turn inside an "
+              "assistant turn), not as text. Remove those rows from the data set to avoid that.",
+              file=sys.stderr, flush=True)
+
+    # 3. the resolved Axolotl config.
+    ax = axolotl_config(cfg, base, eos, tmp, prepared)
+    yaml_path.parent.mkdir(parents=True, exist_ok=True)
+    write_text = f"# written by sft/run_sft.py; Axolotl trains into {tmp}, renamed to {out}\n" + \
+        yaml.safe_dump(ax, sort_keys=False, allow_unicode=True)
+    tmp_yaml = yaml_path.with_name(yaml_path.name + ".tmp")
+    tmp_yaml.write_text(write_text, encoding="utf-8")
+    os.replace(tmp_yaml, yaml_path)
+
+    # 4. train.
+    for stale in (tmp, prepared):
+        shutil.rmtree(stale, ignore_errors=True)
+    dropped, _ = run_axolotl(launch_command(cfg, yaml_path))
+    train_log = read_json(tmp / TRAIN_LOG)
+    (tmp / TRAIN_LOG).unlink()
+
+    # 5. clean checkpoint, then rename.
+    summary = finalize_checkpoint(tmp, base, eos)
+    _replace_dir(tmp, out)
+    shutil.rmtree(prepared, ignore_errors=True)
+
+    # 6. stats.
+    rows_used = train_log.get("rows_used")
+    if rows_used is not None:
+        other = rows_in - rows_used - sum(dropped.values())
+        if other:
+            dropped["other"] = other  # e.g. rows whose assistant turns Axolotl could not find
+    stats = {"stage": "sft", "base_model": base, "dataset": str(cfg.dataset), "output_dir": str(out),
+             "axolotl_config": str(yaml_path), "rows_in": rows_in, "rows_used": rows_used, "dropped": dropped,
+             **loss_summary(train_log), "wall_seconds": round(time.monotonic() - t0, 1),
+             "launcher": cfg.launcher, "sequence_len": ax.get("sequence_len"), "special_token_text": special,
+             "hardware": describe("cuda" if _on_gpu() else "cpu", _precision(ax),
+                                  threads=None if _on_gpu() else stage_threads()),
+             **summary}
+    write_json(stats_path, stats)
+    print(f"[sft] saved {out}: {stats['steps']} steps, loss {stats['train_loss_first']} -> {stats['train_loss_last']}, "
+          f"{rows_used}/{rows_in} rows used, {stats['wall_seconds']} s. Stats: {stats_path}", flush=True)
+    return stats
+
+
+def cli() -> None:
+    """Command-line entry point (the script in the design card's folder calls this)."""
+    try:
+        run_main(main, SFTStageConfig)
+    except RuntimeError as e:  # Axolotl failed: its log is above; one line here, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    cli()
