@@ -7,6 +7,9 @@
 #   CONFIG defaults to configs/loop.yaml (the embedded default: SmolLM2-135M + IFBench verifier).
 #   Rerunning the same command resumes at the first stage whose .done marker is missing or stale.
 #   --fresh (or fresh=true) empties the run directory first (only one this loop made).
+#   Every config key, with its default: .venv-train/bin/python -m online_rlhf.loop -h
+#   Each stage runs as its resolved config runs/<name>/iter_<i>/configs/<stage>.yaml says (the
+#   command is written on top of that file; the stage table is online_rlhf/stage_table.py).
 #   Relative paths you pass (CONFIG, train_prompts=, eval_prompts=, policy=, sft.dataset=,
 #   reward.reward_model=, output_root=) are taken from where you run the command; without
 #   output_root=, runs go to this project's runs/.
@@ -50,7 +53,6 @@ say() { printf '[run_loop %s] %s\n' "$(clock)" "$*"; }
 bash scripts/setup_envs.sh all                       # no-op when both envs are up to date
 TRAIN="$ROOT/.venv-train/bin/python"
 INFER="$ROOT/.venv-infer/bin/python"
-ACCELERATE="$ROOT/.venv-train/bin/accelerate"
 "$TRAIN" scripts/prepare_default.py >/dev/null       # embedded model + prompts; cached after the first run
 
 # The config is checked and the run directory found before anything is written to it.
@@ -71,24 +73,28 @@ if [[ "$FRESH" == 1 ]]; then
   find "$RUN_DIR" -mindepth 1 -maxdepth 1 ! -name .lock -exec rm -rf -- {} +
 fi
 PLAN="$("$TRAIN" -m online_rlhf.loop plan "$CONFIG" "${OVERRIDES[@]}")"
-eval "$PLAN"    # RUN_DIR ITERATIONS LAUNCH_PROFILE NUM_PROCESSES GENERATION_SHARDS SFT_ENABLED REWARD_SOURCE
+eval "$PLAN"    # RUN_DIR ITERATIONS LAUNCH_PROFILE
 say "run directory: $RUN_DIR ($ITERATIONS iterations, launch profile $LAUNCH_PROFILE)"
 
 CHILD=""
 RESUME_HINT="rerun the same command to resume"; [[ "$FRESH" == 1 ]] && RESUME_HINT="rerun it without --fresh to resume"
 trap 'say "interrupted; $RESUME_HINT"; [[ -n "$CHILD" ]] && kill -TERM -- -"$CHILD" 2>/dev/null; exit 130' INT TERM
 
-# run_stage ITER STAGE ENV COMMAND...: skip when done and fresh; else run with a log and a live status line.
+# run_stage ITER STAGE: skip when done and fresh (or not in this run's plan, e.g. sft when it is
+# off); else run it as its config file says (`loop exec`), with a log and a live status line.
 run_stage() {
-  local i="$1" stage="$2" env="$3"; shift 3
-  if "$TRAIN" -m online_rlhf.loop check "$RUN_DIR" "$i" "$stage"; then
-    say "iteration $i/$ITERATIONS · $stage: done earlier, skipped"
-    return 0
-  fi
+  local i="$1" stage="$2" rc=0
+  "$TRAIN" -m online_rlhf.loop check "$RUN_DIR" "$i" "$stage" || rc=$?
+  case "$rc" in
+    0) say "iteration $i/$ITERATIONS · $stage: done earlier, skipped"; return 0 ;;
+    3) return 0 ;;
+    1) ;;
+    *) exit "$rc" ;;
+  esac
   local log="$RUN_DIR/iter_$i/logs/$stage.log" start=$SECONDS
   mkdir -p "$(dirname "$log")"
-  say "iteration $i/$ITERATIONS · $stage ($env env) · log $log"
-  set -m; "$@" >"$log" 2>&1 & CHILD=$!; set +m
+  say "iteration $i/$ITERATIONS · $stage · log $log"
+  set -m; "$TRAIN" -m online_rlhf.loop exec "$RUN_DIR" "$i" "$stage" >"$log" 2>&1 & CHILD=$!; set +m
   local ticks=0
   while kill -0 "$CHILD" 2>/dev/null; do   # a status line every 15 s: stage, elapsed, last log line
     sleep 1; ticks=$((ticks + 1))
@@ -109,39 +115,17 @@ run_stage() {
   say "iteration $i/$ITERATIONS · $stage: finished in $((SECONDS - start))s"
 }
 
-# Reward scoring with a model runs data-parallel under accelerate; verifiers need no launcher.
-rewards_cmd() {
-  if [[ "$REWARD_SOURCE" == reward_model && "$NUM_PROCESSES" -gt 1 ]]; then
-    ACCELERATE_USE_CPU="$([[ "$LAUNCH_PROFILE" == cpu ]] && echo true || echo false)" \
-      "$ACCELERATE" launch --multi_gpu --num_processes "$NUM_PROCESSES" annotate_data/get_rewards.py --config "$1"
-  else
-    "$TRAIN" annotate_data/get_rewards.py --config "$1"
-  fi
-}
-# DPO: the cpu profile is one process; N > 1 CPU ranks are plain DDP over gloo (one thread each).
-dpo_cmd() {
-  if [[ "$LAUNCH_PROFILE" == cpu && "$NUM_PROCESSES" -gt 1 ]]; then
-    ACCELERATE_USE_CPU=true "$ACCELERATE" launch --multi_gpu --num_processes "$NUM_PROCESSES" dpo_iteration/run_dpo.py --config "$1"
-  else
-    "$ACCELERATE" launch --config_file "configs/accelerate/$LAUNCH_PROFILE.yaml" \
-      --num_processes "$NUM_PROCESSES" dpo_iteration/run_dpo.py --config "$1"
-  fi
-}
-cfg() { echo "$RUN_DIR/iter_$1/configs/$2.yaml"; }
-
-if [[ "$SFT_ENABLED" == 1 ]]; then
-  run_stage 0 sft           train  "$TRAIN" sft/run_sft.py --config "$(cfg 0 sft)"
-fi
-run_stage 0 eval_generate   infer  "$INFER" generation/launch.py --config "$(cfg 0 eval_generate)" num_shards="$GENERATION_SHARDS"
-run_stage 0 eval_rewards    train  rewards_cmd "$(cfg 0 eval_rewards)"
+run_stage 0 sft
+run_stage 0 eval_generate
+run_stage 0 eval_rewards
 "$TRAIN" -m online_rlhf.loop metrics "$RUN_DIR" 0 | while read -r line; do say "$line"; done
 for ((i = 1; i <= ITERATIONS; i++)); do
-  run_stage "$i" generate      infer  "$INFER" generation/launch.py --config "$(cfg "$i" generate)" num_shards="$GENERATION_SHARDS"
-  run_stage "$i" rewards       train  rewards_cmd "$(cfg "$i" rewards)"
-  run_stage "$i" pairs         train  "$TRAIN" annotate_data/make_pairs.py --config "$(cfg "$i" pairs)"
-  run_stage "$i" dpo           train  dpo_cmd "$(cfg "$i" dpo)"
-  run_stage "$i" eval_generate infer  "$INFER" generation/launch.py --config "$(cfg "$i" eval_generate)" num_shards="$GENERATION_SHARDS"
-  run_stage "$i" eval_rewards  train  rewards_cmd "$(cfg "$i" eval_rewards)"
+  run_stage "$i" generate
+  run_stage "$i" rewards
+  run_stage "$i" pairs
+  run_stage "$i" dpo
+  run_stage "$i" eval_generate
+  run_stage "$i" eval_rewards
   "$TRAIN" -m online_rlhf.loop metrics "$RUN_DIR" "$i" | while read -r line; do say "$line"; done
 done
 REPORT="$("$TRAIN" -m online_rlhf.loop report "$RUN_DIR")"

@@ -197,9 +197,20 @@ class StageConfig(BaseModel):
         prog = os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0] else "stage.py"
         lines = [f"{cls.__name__}: {(cls.__doc__ or '').strip().splitlines()[0] if cls.__doc__ else ''}",
                  f"usage: {prog} [--config FILE] [key=value ...]", "", "keys:"]
+        return "\n".join(lines + cls._field_lines("  "))
+
+    @classmethod
+    def _field_lines(cls, indent: str, prefix: str = "") -> list[str]:
+        """One line per field (``name (default; choices): description``); a field typed by another
+        ``StageConfig`` (a loop section) lists that class's fields below it as ``section.key``."""
+        lines = []
         for name, f in cls.model_fields.items():
+            nested = f.annotation if isinstance(f.annotation, type) and issubclass(f.annotation, StageConfig) else None
             if f.is_required():
                 default = "required"
+            elif nested is not None:
+                set_keys = f.default_factory().model_dump(exclude_unset=True) if f.default_factory else {}
+                default = f"section{'; set: ' + repr(set_keys) if set_keys else ''}"
             elif f.default_factory is not None:
                 default = f"default {f.default_factory()!r}"
             else:
@@ -207,8 +218,10 @@ class StageConfig(BaseModel):
             ann = getattr(f.annotation, "__args__", None)
             if ann and all(isinstance(a, str) for a in ann):  # Literal choices
                 default += f"; one of {', '.join(ann)}"
-            lines.append(f"  {name} ({default}): {f.description or ''}")
-        return "\n".join(lines)
+            lines.append(f"{indent}{prefix}{name} ({default}): {f.description or ''}")
+            if nested is not None:
+                lines += nested._field_lines(indent + "  ", prefix=f"{prefix}{name}.")
+        return lines
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False, allow_unicode=True)

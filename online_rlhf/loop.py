@@ -2,14 +2,21 @@
 
     python -m online_rlhf.loop plan CONFIG [key=value ...]   # resolve + validate, write stage configs
     python -m online_rlhf.loop check RUN_DIR ITER STAGE       # exit 0 if STAGE is done and fresh
+    python -m online_rlhf.loop exec RUN_DIR ITER STAGE        # run STAGE as its config file says
     python -m online_rlhf.loop mark RUN_DIR ITER STAGE SECONDS
     python -m online_rlhf.loop metrics RUN_DIR ITER           # one row of metrics.jsonl
     python -m online_rlhf.loop report RUN_DIR                 # report.md + report.png (+ wandb)
 
+    python -m online_rlhf.loop -h                             # every loop config key, sections included
+
 ``plan`` writes ``runs/<name>/config.yaml`` (the resolved loop config) and, per iteration,
-``iter_<i>/configs/<stage>.yaml`` plus ``iter_<i>/plan.json`` naming each stage's config, inputs
-and outputs. A stage's freshness hash covers its config file and its inputs, so a changed config
-or a re-made input reruns that stage and, through its outputs, every stage after it.
+``iter_<i>/configs/<stage>.yaml`` plus ``iter_<i>/plan.json`` naming each stage's config, command,
+inputs and outputs (the stages are the rows of ``online_rlhf.stage_table.STAGES``). A stage's YAML
+holds everything it needs, launch settings included (``num_shards``, ``num_processes``,
+``launch_profile``), with comments saying how to run it by hand and where each value that is not
+the stage's default came from. A stage's freshness hash covers its config values and its inputs,
+so any changed setting or a re-made input reruns that stage and, through its outputs, every stage
+after it.
 """
 
 from __future__ import annotations
@@ -26,34 +33,20 @@ from typing import Any
 
 import yaml
 
-from .config import ConfigError, apply_overrides, deep_merge, load_yaml
+from .config import ConfigError, apply_overrides, load_yaml
 from .jsonl import DataError, read_json, read_jsonl, write_json, write_jsonl, atomic_open
-from .paths import PROJECT_ROOT, default_data_dir, default_model_dir, resolve_model, setup_cache_env
+from .paths import PROJECT_ROOT, resolve_model, setup_cache_env
 from .rundir import fingerprint, is_done, mark_done
-from .stage_configs import DPOStageConfig, GenerateConfig, LoopConfig, PairsConfig, RewardConfig, SFTStageConfig
+from .stage_configs import GenerateConfig, LoopConfig, SFTStageConfig
+from .stage_table import STAGES, Stage, iteration_config, launch_command, prompt_source, stage_file
 from .loop_keys import check_loop_keys
 from .trl_args import check_axolotl_keys, check_dpo_training, check_lora, per_device_batch
 
 # First line of <run>/config.yaml; run_loop.sh --fresh only clears a folder whose config.yaml has it.
 RUN_CONFIG_HEADER = "# online_rlhf run config, resolved from"
 
-# Stage name -> (env, config class). The order is the order of one iteration.
-STAGES = {
-    "generate": ("infer", GenerateConfig),
-    "rewards": ("train", RewardConfig),
-    "pairs": ("train", PairsConfig),
-    "dpo": ("train", DPOStageConfig),
-    "eval_generate": ("infer", GenerateConfig),
-    "eval_rewards": ("train", RewardConfig),
-}
 # Keys of the loop config whose values are fixed per run, not per iteration.
 _RUN_LEVEL = ("run_name", "output_root", "iterations", "policy", "sft", "per_iteration", "wandb")
-
-
-def _prompt_source(name: str, split: str) -> str:
-    if name == "default":
-        return str(default_data_dir() / f"ifbench_{split}.jsonl")
-    return name
 
 
 def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
@@ -68,11 +61,11 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
     data = load_yaml(config_path) if config_path else {}
     data = apply_overrides(data, overrides)
     src = f"{config_path or 'defaults'}" + (f" + {' '.join(overrides)}" if overrides else "")
+    check_loop_keys(data, src, _RUN_LEVEL)  # every section key, named as written, before any stage check
     cfg = LoopConfig.from_dict(data, src)
     for i in cfg.per_iteration:
         if not 1 <= i <= cfg.iterations:
             raise ConfigError(f"{src}: per_iteration has iteration {i}, but iterations={cfg.iterations}.")
-    check_loop_keys(data, src, _RUN_LEVEL)  # every section key, named as written, before any stage check
     if cfg.policy != "default":  # the default is prepared by run_loop.sh before the plan runs
         try:
             resolve_model(cfg.policy)
@@ -86,20 +79,20 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
     # Dry validation: build every stage config of every iteration without touching models.
     dpo_dicts: dict[int, dict] = {}  # iteration -> resolved DPO stage dict (batch split checked below)
     for i in range(0, cfg.iterations + 1):
-        for stage, (_, cls) in STAGES.items():
-            if i == 0 and not stage.startswith("eval"):
+        for stage in STAGES.values():
+            if not stage.runs_in(cfg, i) or stage.name == "sft":
                 continue
-            d = stage_dict(cfg, Path("/dry-run"), i, stage)
-            stage_cfg = cls.from_dict(d, f"{src}, iteration {i}, stage {stage}")
-            if stage == "generate" and stage_cfg.k < 2:
+            d = stage_dict(cfg, Path("/dry-run"), i, stage.name)
+            stage_cfg = stage.config.from_dict(d, f"{src}, iteration {i}, stage {stage.name}")
+            if stage.name == "generate" and stage_cfg.k < 2:
                 raise ConfigError(f"{src}, iteration {i}: generation.k={stage_cfg.k}, but a chosen/rejected pair needs "
                                   "at least 2 responses per train prompt; set generation.k >= 2 (4-8 is usual).")
-            if stage == "dpo":  # the merged section: also the keys of the dpo_config file
+            if stage.name == "dpo":  # the merged section: also the keys of the dpo_config file
                 check_dpo_training(d["training"], f"{src}, iteration {i}: dpo.training")
                 check_lora(d.get("lora"), f"{src}, iteration {i}: dpo.lora", required=False)
                 dpo_dicts[i] = d
     for section in ("generation", "evaluation"):
-        if getattr(cfg, section).get("dtype") == "bfloat16" and cfg.launch_profile == "cpu":
+        if getattr(cfg, section).dtype == "bfloat16" and cfg.launch_profile == "cpu":
             from .hardware import compute_dtype
 
             compute_dtype("cpu", "bfloat16")  # one-line warning where the CPU has no native bf16
@@ -140,91 +133,12 @@ def sft_dict(cfg: LoopConfig, run_dir: Path) -> dict:
     """The SFT stage config (run once, before iteration 1): the Axolotl stage file ``sft.config``,
     the loop's other ``sft`` keys over it (e.g. ``sft.dataset``, ``sft.learning_rate``), the starting
     policy as ``base_model`` and ``<run>/sft/model`` as ``output_dir``."""
-    s = dict(cfg.sft)
-    s.pop("enabled", None)
-    d = deep_merge(_stage_file(s.pop("config", "configs/sft.yaml")), s)
-    if not d.get("dataset"):
-        raise ConfigError("sft.enabled=true needs sft.dataset=<SFT JSONL of {messages: [...]}> "
-                          "(e.g. from sft/build_sft_data.py).")
-    d["base_model"] = str(default_model_dir()) if cfg.policy == "default" else cfg.policy
-    d["output_dir"] = str(run_dir / "sft" / "model")
-    return d
-
-
-def iteration_config(cfg: LoopConfig, i: int) -> LoopConfig:
-    """The loop config as seen by iteration ``i`` (``per_iteration[i]`` merged in).
-
-    Raises:
-        ConfigError: a ``per_iteration.<i>`` value of the wrong type (names ``per_iteration.<i>``).
-    """
-    if i not in cfg.per_iteration:
-        return cfg
-    merged = deep_merge(cfg.model_dump(), cfg.per_iteration[i])
-    return LoopConfig.from_dict(merged, f"per_iteration.{i}")
-
-
-def starting_policy(cfg: LoopConfig, run_dir: Path) -> str:
-    if cfg.sft.get("enabled"):
-        return str(run_dir / "sft" / "model")
-    return str(default_model_dir()) if cfg.policy == "default" else cfg.policy
-
-
-def policy_of(cfg: LoopConfig, run_dir: Path, i: int) -> str:
-    """Policy that iteration ``i`` samples from: the starting policy for i <= 1, else model of i-1."""
-    return starting_policy(cfg, run_dir) if i <= 1 else str(run_dir / f"iter_{i - 1}" / "model")
+    return STAGES["sft"].build(cfg, run_dir, 0)
 
 
 def stage_dict(cfg: LoopConfig, run_dir: Path, i: int, stage: str) -> dict:
-    """The config mapping of ``stage`` in iteration ``i`` (before validation)."""
-    c = iteration_config(cfg, i)
-    it = run_dir / f"iter_{i}"
-    if stage == "generate":
-        return {"model": policy_of(c, run_dir, i), "seed": c.seed + 1000 * i, **c.generation,
-                "prompts": str(it / "prompts.jsonl"), "output": str(it / "generated.jsonl")}
-    if stage == "eval_generate":
-        # The held-out set is generated by the model *after* iteration i (iteration 0: the start).
-        model = policy_of(c, run_dir, i + 1)
-        gen = {k: v for k, v in c.generation.items() if k not in ("k", "temperature", "top_p")}
-        return {"model": model, "seed": c.seed, **gen, **c.evaluation,
-                "prompts": _prompt_source(c.eval_prompts, "eval"), "prompt_field": c.eval_prompt_field or c.prompt_field,
-                "limit": c.eval_limit, "output": str(it / "eval_generated.jsonl")}
-    if stage == "rewards":
-        return {**c.reward, "input": str(it / "generated.jsonl"), "output": str(it / "rewards.jsonl")}
-    if stage == "eval_rewards":
-        return {**c.reward, "input": str(it / "eval_generated.jsonl"), "output": str(it / "eval.jsonl")}
-    if stage == "pairs":
-        return {"seed": c.seed + i, **c.pairs, "input": str(it / "rewards.jsonl"), "output": str(it / "pairs.jsonl")}
-    if stage == "dpo":
-        base = _stage_file(c.dpo_config)
-        dpo = deep_merge(base, c.dpo)
-        # the loop's seed beats the stage file's; the loop's own dpo.training beats both
-        training = {**dpo.pop("training", {}), "seed": c.seed, **c.dpo.get("training", {})}
-        ref = starting_policy(c, run_dir) if c.ref_model == "initial" else None
-        return {**dpo, "training": training, "policy": policy_of(c, run_dir, i), "reference": ref,
-                "pairs": str(it / "pairs.jsonl"), "output_dir": str(it / "model")}
-    raise KeyError(stage)
-
-
-def _stage_file(path: str | None) -> dict:
-    """A stage's own YAML (relative paths from the project root); {} for None."""
-    if not path:
-        return {}
-    p = Path(path) if Path(path).is_absolute() else PROJECT_ROOT / path
-    return load_yaml(p)
-
-
-def _stage_io(cfg: dict, stage: str) -> tuple[list[str], list[str]]:
-    if stage in ("generate", "eval_generate"):
-        return [cfg["model"], cfg["prompts"]], [cfg["output"]]
-    if stage in ("rewards", "eval_rewards"):
-        extra = [cfg["reward_model"]] if cfg.get("reward_model") else []
-        return [cfg["input"], *extra], [cfg["output"]]
-    if stage == "pairs":
-        return [cfg["input"]], [cfg["output"]]
-    if stage == "dpo":
-        ref = [cfg["reference"]] if cfg.get("reference") else []
-        return [cfg["policy"], cfg["pairs"], *ref], [cfg["output_dir"]]
-    raise KeyError(stage)
+    """The config mapping of ``stage`` in iteration ``i`` (before validation), as the stage table wires it."""
+    return STAGES[stage].build(iteration_config(cfg, i), run_dir, i)
 
 
 def plan(config_path: str | None, overrides: list[str]) -> Path:
@@ -237,26 +151,25 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
     warnings: list[str] = []
     eval_ids = _eval_ids(cfg, run_dir)
     seen_train: dict[str, int] = {}  # train prompt id -> first iteration that used it
+    layers = _Layers(config_path, overrides)
     for i in range(0, cfg.iterations + 1):
         it = run_dir / f"iter_{i}"
         c = iteration_config(cfg, i)
         entries = {}
-        for stage in STAGES:
-            if i == 0 and not stage.startswith("eval"):
+        for stage in STAGES.values():
+            if not stage.runs_in(cfg, i):
                 continue
-            d = STAGES[stage][1].from_dict(stage_dict(cfg, run_dir, i, stage)).model_dump(mode="json")
-            path = it / "configs" / f"{stage}.yaml"
-            _write_if_changed(path, yaml.safe_dump(d, sort_keys=False, allow_unicode=True))
-            inputs, outputs = _stage_io(d, stage)
-            entries[stage] = {"env": STAGES[stage][0], "config": str(path), "inputs": inputs, "outputs": outputs}
-        if i == 0 and cfg.sft.get("enabled"):
-            d = SFTStageConfig.from_dict(sft_dict(cfg, run_dir)).model_dump(mode="json")
-            path = it / "configs" / "sft.yaml"
-            _write_if_changed(path, yaml.safe_dump(d, sort_keys=False, allow_unicode=True))
-            entries["sft"] = {"env": "train", "config": str(path), "inputs": [d["base_model"], d["dataset"]],
-                              "outputs": [d["output_dir"]]}
+            d = stage.config.from_dict(stage_dict(cfg, run_dir, i, stage.name)).model_dump(mode="json")
+            path = it / "configs" / f"{stage.name}.yaml"
+            argv, env = launch_command(stage, str(path), d, root=Path("."))
+            command = " ".join([*(f"{k}={v}" for k, v in env.items()), *map(shlex.quote, argv)])
+            header = _stage_header(stage, i, layers, command, _provenance(stage, d, c, i, layers))
+            _write_if_changed(path, header + yaml.safe_dump(d, sort_keys=False, allow_unicode=True))
+            inputs, outputs = stage.io(d)
+            entries[stage.name] = {"env": stage.env, "config": str(path), "command": command,
+                                   "inputs": inputs, "outputs": outputs}
         if i >= 1:
-            src = _prompt_source(c.train_prompts, "train")
+            src = prompt_source(c.train_prompts, "train")
             if src not in train_sets:
                 from .records import load_prompts
 
@@ -264,11 +177,7 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
             rows = _write_prompt_slice(it / "prompts.jsonl", train_sets[src], c, i)
             warnings += _overlap_warnings(rows, i, eval_ids, seen_train)
         write_json(it / "plan.json", entries)
-    shell = {
-        "RUN_DIR": str(run_dir), "ITERATIONS": cfg.iterations, "LAUNCH_PROFILE": cfg.launch_profile,
-        "NUM_PROCESSES": cfg.num_processes, "GENERATION_SHARDS": cfg.generation_shards,
-        "SFT_ENABLED": int(bool(cfg.sft.get("enabled"))), "REWARD_SOURCE": cfg.reward.get("source", "verifier"),
-    }
+    shell = {"RUN_DIR": str(run_dir), "ITERATIONS": cfg.iterations, "LAUNCH_PROFILE": cfg.launch_profile}
     for w in warnings:
         print(f"WARNING: {w}", file=sys.stderr)
     write_json(run_dir / "plan_warnings.json", warnings)
@@ -277,6 +186,112 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
     for k, v in shell.items():
         print(f"{k}={shlex.quote(str(v))}")
     return run_dir
+
+
+class _Layers:
+    """The layers a loop config is resolved from, for the provenance comments of the stage YAMLs:
+    the loop config file as written and the command-line overrides."""
+
+    def __init__(self, config_path: str | None, overrides: list[str]):
+        self.file_name = str(config_path) if config_path else None
+        self.file = load_yaml(config_path) if config_path else {}
+        self.cli = apply_overrides({}, overrides)
+        self.overrides = list(overrides)
+
+    def find(self, path: list) -> str | None:
+        """Where the loop key ``path`` (e.g. ``["dpo", "training", "beta"]``) was set: the command
+        line or the config file; None when neither sets it."""
+        if _lookup(self.cli, path)[0]:
+            dotted = ".".join(map(str, path))
+            given = [o for o in self.overrides if dotted == o.split("=", 1)[0] or dotted.startswith(o.split("=", 1)[0] + ".")]
+            return f"command line: {given[-1] if given else dotted + '=...'}"
+        if _lookup(self.file, path)[0]:
+            return f"{_short(self.file_name)}: {'.'.join(map(str, path))}"
+        return None
+
+
+def _lookup(data: Any, path: list) -> tuple[bool, Any]:
+    for k in path:
+        if not isinstance(data, dict):
+            return False, None
+        if k not in data and str(k) in data:
+            k = str(k)
+        elif k not in data and isinstance(k, str) and k.isdigit() and int(k) in data:
+            k = int(k)
+        if k not in data:
+            return False, None
+        data = data[k]
+    return True, data
+
+
+def _short(path: str | None) -> str:
+    if not path:
+        return "defaults"
+    try:
+        return str(Path(path).resolve().relative_to(PROJECT_ROOT))
+    except ValueError:
+        return str(path)
+
+
+# Stage keys the plan derives from a top-level loop key (the rest of its own keys are the run layout).
+_DERIVED = {"seed": "seed", "prompts": None, "num_shards": "generation_shards", "num_processes": "num_processes",
+            "launch_profile": "launch_profile", "limit": "eval_limit", "prompt_field": "prompt_field",
+            "model": "policy", "policy": "policy", "base_model": "policy", "reference": "ref_model"}
+
+
+def _provenance(stage: Stage, d: dict, c: LoopConfig, i: int, layers: _Layers) -> list[tuple[str, Any, str]]:
+    """``(key, value, origin)`` for each value of the resolved stage config ``d`` that differs from
+    the stage class's default (each key of a dict field such as ``training``, one level down).
+    Origins, highest precedence first: ``per_iteration.<i>``, then the loop's section on the command
+    line or in the config file, then the stage's own YAML (``dpo_config`` / ``sft.config``), then
+    a top-level loop key the plan derives the value from, else the run layout."""
+    fields = stage.config.model_fields
+    own_file = None
+    if stage.stage_file_key:
+        parts = stage.stage_file_key.split(".")
+        own_file = _lookup(c.model_dump(), parts)[1] if len(parts) > 1 else getattr(c, parts[0])
+        if own_file is None and stage.name == "sft":
+            own_file = "configs/sft.yaml"
+    own = stage_file(own_file) if own_file else {}
+    leaves = []
+    for k, v in d.items():
+        f = fields.get(k)
+        if isinstance(v, dict) and v:
+            leaves += [([k, sub], sv) for sub, sv in v.items()]
+        elif f is None or f.is_required() or v != (f.default_factory() if f.default_factory else f.default):
+            leaves.append(([k], v))
+    out = []
+    for path, v in leaves:
+        origin = None
+        for sec in stage.sections:
+            for where in (["per_iteration", i, sec], [sec]):
+                origin = layers.find([*where, *path])
+                if origin:
+                    break
+            if origin:
+                break
+        if not origin and own_file and _lookup(own, path)[0]:
+            origin = _short(str(PROJECT_ROOT / own_file) if not Path(own_file).is_absolute() else own_file)
+        key = "eval_prompts" if (stage.name, path[-1]) == ("eval_generate", "prompts") else _DERIVED.get(path[-1])
+        if not origin and key and (path[0] != "training" or path[-1] == "seed"):
+            origin = f"loop key {key} ({layers.find([key]) or 'its default'})"
+        out.append((".".join(map(str, path)), v, origin or "the run layout"))
+    return out
+
+
+def _stage_header(stage: Stage, i: int, layers: _Layers, command: str, prov: list[tuple[str, Any, str]]) -> str:
+    """The comment block on top of a stage's YAML: what it is, the command that runs it (from the
+    project root, as run_loop.sh does) and where each non-default value came from."""
+    src = _short(layers.file_name) + (" + " + " ".join(layers.overrides) if layers.overrides else "")
+    lines = [f"# Stage {stage.name} of iteration {i}, resolved by `python -m online_rlhf.loop plan` from {src}.",
+             f"# {stage.config.__name__}; this file alone reproduces the stage. From the project root:",
+             f"#   {command}",
+             "# Values that differ from the stage's defaults, and where each came from:"]
+    for key, v, origin in prov:
+        text = json.dumps(v, ensure_ascii=False, default=str)
+        text = text if len(text) <= 60 else text[:57] + "..."
+        lines.append(f"#   {key}: {text}  <- {origin}")
+    return "\n".join(lines) + "\n"
 
 
 def _write_run_config(run_dir: Path, body: str, header: str) -> None:
@@ -359,11 +374,29 @@ def _stage_entry(run_dir: Path, i: int, stage: str) -> dict:
 
 
 def stage_hash(run_dir: Path, i: int, stage: str) -> str:
-    """Hash of a stage's config (with the run dir's own path masked) and its inputs' content:
-    a run directory moved or copied elsewhere resumes where it stopped."""
+    """Hash of a stage's config values (with the run dir's own path masked; launch settings
+    included, comments not) and its inputs' content: a run directory moved or copied elsewhere
+    resumes where it stopped, and a changed setting of any kind reruns the stage."""
     e = _stage_entry(run_dir, i, stage)
-    config_text = Path(e["config"]).read_text(encoding="utf-8").replace(str(run_dir), "<run_dir>")
+    values = yaml.safe_load(Path(e["config"]).read_text(encoding="utf-8"))  # values, not the comments
+    config_text = json.dumps(values, sort_keys=True, ensure_ascii=False).replace(str(run_dir), "<run_dir>")
     return fingerprint({"stage": stage, "config": config_text}, e["inputs"], root=run_dir)
+
+
+def exec_stage(run_dir: Path, i: int, stage: str) -> None:
+    """Replace this process by the command that runs ``stage`` of iteration ``i``, built from the
+    stage's config file by :func:`online_rlhf.stage_table.launch_command` (the command written on
+    top of that file), from the project root. Prints the command first (it heads the stage's log).
+
+    Raises:
+        ConfigError: no such stage in the iteration's plan.json.
+    """
+    e = _stage_entry(run_dir, i, stage)
+    d = yaml.safe_load(Path(e["config"]).read_text(encoding="utf-8"))
+    argv, env = launch_command(STAGES[stage], e["config"], d)
+    print("+ " + " ".join([*(f"{k}={v}" for k, v in env.items()), *map(shlex.quote, argv)]), flush=True)
+    os.chdir(PROJECT_ROOT)
+    os.execve(argv[0], argv, {**os.environ, **env})
 
 
 def _marker(run_dir: Path, i: int, stage: str) -> Path:
@@ -588,6 +621,11 @@ def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__)
         return 2
+    if argv[0] in ("-h", "--help"):
+        print(__doc__)
+        print("Loop config keys (configs/loop.yaml, or key=value after `bash run_loop.sh [CONFIG]`):")
+        print("\n".join(LoopConfig._field_lines("  ")))
+        return 0
     cmd, args = argv[0], argv[1:]
     try:
         if cmd in ("plan", "run-dir"):
@@ -598,8 +636,12 @@ def main(argv: list[str]) -> int:
             else:  # where the run lives, nothing written (run_loop.sh locks it before any change)
                 cfg = resolve(cfg_path, overrides)
                 print((Path(cfg.output_root) / cfg.run_name).resolve())
-        elif cmd == "check":
+        elif cmd == "check":  # 0 done and fresh, 1 to run, 3 not in this iteration's plan
+            if args[2] not in read_json(Path(args[0]) / f"iter_{int(args[1])}" / "plan.json"):
+                return 3
             return 0 if check(Path(args[0]), int(args[1]), args[2]) else 1
+        elif cmd == "exec":
+            exec_stage(Path(args[0]), int(args[1]), args[2])
         elif cmd == "mark":
             mark(Path(args[0]), int(args[1]), args[2], float(args[3]))
         elif cmd == "metrics":

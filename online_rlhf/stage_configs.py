@@ -7,9 +7,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, create_model, field_validator, model_validator
 
 from .config import StageConfig
+
+LaunchProfile = Literal["cpu", "zero2", "zero3"]
+_PROCESSES_DOC = ("processes the stage runs as (`accelerate launch --num_processes`); the stage refuses to start "
+                  "under another count, since it changes the batch split. null: as launched. The loop's plan sets it")
+_PROFILE_DOC = ("how the loop launches the stage: configs/accelerate/<profile>.yaml (cpu: plain processes over gloo; "
+                "zero2/zero3: DeepSpeed on GPUs). Ignored when you start the script yourself")
 
 
 class GenerateConfig(StageConfig):
@@ -74,6 +80,8 @@ class RewardConfig(StageConfig):
     retry_backoff_s: float = Field(1.0, ge=0, description="remote/judge: first retry waits this long, then 2x, 4x, ...")
     judge_max_tokens: int = Field(256, ge=1, description="judge: max tokens of the judge's reply (short reasoning + [[A]]/[[B]])")
     judge_concurrency: int = Field(8, ge=1, description="judge: requests in flight at once (the server batches them)")
+    num_processes: Optional[int] = Field(None, ge=1, description="reward_model: " + _PROCESSES_DOC + "; other sources run in one process")
+    launch_profile: LaunchProfile = Field("cpu", description="reward_model: " + _PROFILE_DOC)
 
     @model_validator(mode="after")
     def _check(self):
@@ -83,6 +91,9 @@ class RewardConfig(StageConfig):
             raise ValueError(f"source={self.source} needs url=<http://...>")
         if self.source == "judge" and not self.judge_model:
             raise ValueError("source=judge needs judge_model=<name>")
+        if self.source != "reward_model" and (self.num_processes or 1) > 1:
+            raise ValueError(f"num_processes={self.num_processes}: source={self.source} runs in one process; only "
+                             "source=reward_model runs data-parallel")
         return self
 
 
@@ -120,6 +131,8 @@ class DPOStageConfig(StageConfig):
     lora: Optional[dict[str, Any]] = Field(None, description="peft.LoraConfig fields; merged into the saved checkpoint")
     attn_implementation: str = Field("sdpa", description="sdpa (CPU/GPU) or flash_attention_2 (GPU with flash-attn)")
     torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="policy/reference load dtype (auto: fp32 on CPU, each checkpoint's stored dtype on GPU; float16 vs bfloat16 checkpoints are refused)")
+    num_processes: Optional[int] = Field(None, ge=1, description=_PROCESSES_DOC)
+    launch_profile: LaunchProfile = Field("cpu", description=_PROFILE_DOC)
 
     @model_validator(mode="after")
     def _output_is_not_a_model(self):
@@ -130,6 +143,46 @@ class DPOStageConfig(StageConfig):
                 raise ValueError(f"output_dir={self.output_dir} is the {name} checkpoint; saving there would replace it. "
                                  "Write the trained policy to another folder")
         return self
+
+
+# Keys of each stage that the loop's plan sets itself (files, policy, shard layout, processes); the
+# loop's sections cannot set them (``online_rlhf.loop_keys`` says what to set instead).
+_GEN_OWNED = ("model", "prompts", "prompt_field", "limit", "output", "stats_output", "shards_dir", "shard_index", "num_shards")
+LOOP_OWNED: dict[str, tuple[str, ...]] = {
+    "generation": _GEN_OWNED,
+    "evaluation": _GEN_OWNED,
+    "reward": ("input", "output", "stats_output", "num_processes", "launch_profile"),
+    "pairs": ("input", "output", "stats_output"),
+    "dpo": ("policy", "reference", "pairs", "output_dir", "stats_output", "num_processes", "launch_profile"),
+}
+
+
+def section_model(cls: type[StageConfig], section: str) -> type[StageConfig]:
+    """The loop config's ``section`` typed by the stage class ``cls``: the stage's fields (type,
+    default, description, constraints) minus the keys the loop sets (``LOOP_OWNED``), each optional.
+    The loop merges only the keys a user set (``model_dump(exclude_unset=True)``), so a default here
+    never overrides a stage file (e.g. ``configs/dpo.yaml`` under the ``dpo`` section). Cross-field
+    checks stay with the stage class, run by the plan on the merged stage config."""
+    import copy
+
+    fields = {}
+    for name, f in cls.model_fields.items():
+        if name in LOOP_OWNED[section]:
+            continue
+        info = copy.deepcopy(f)
+        ann = f.annotation
+        if f.is_required():
+            info.default, ann = None, Optional[ann]
+        fields[name] = (ann, info)
+    doc = f"The loop's `{section}` section: {cls.__name__} fields ({(cls.__doc__ or '').strip().splitlines()[0]})"
+    return create_model(f"{section.capitalize()}Section", __base__=StageConfig, __doc__=doc, **fields)
+
+
+GenerationSection = section_model(GenerateConfig, "generation")
+EvaluationSection = section_model(GenerateConfig, "evaluation")
+RewardSection = section_model(RewardConfig, "reward")
+PairsSection = section_model(PairsConfig, "pairs")
+DPOSection = section_model(DPOStageConfig, "dpo")
 
 
 class LoopConfig(StageConfig):
@@ -148,15 +201,15 @@ class LoopConfig(StageConfig):
     train_limit: Optional[int] = Field(None, ge=1, description="first N train prompts per iteration")
     eval_limit: Optional[int] = Field(None, ge=1, description="first N held-out prompts")
     prompts_per_iteration: Optional[int] = Field(None, ge=1, description="iteration i takes the i-th slice of this many train prompts (wrapping); None = all (or train_limit)")
-    launch_profile: Literal["cpu", "zero2", "zero3"] = Field("cpu", description="configs/accelerate/<profile>.yaml for DPO")
+    launch_profile: LaunchProfile = Field("cpu", description="configs/accelerate/<profile>.yaml for DPO (and a reward model)")
     num_processes: Union[int, Literal["auto"]] = Field("auto", description="processes of accelerate launch (DPO, reward model). auto: one per GPU; on CPU one per usable core (each with one thread; 2 ranks over gloo trained faster than 2 threads in one process), the most that divides dpo.train_batch_size")
     generation_shards: int = Field(1, ge=1, description="vLLM shards W (one per GPU; 1 on CPU)")
-    generation: dict[str, Any] = Field(default_factory=dict, description="GenerateConfig fields for training rollouts")
-    evaluation: dict[str, Any] = Field(default_factory=lambda: {"k": 1, "temperature": 0.0}, description="GenerateConfig fields for held-out generation")
-    reward: dict[str, Any] = Field(default_factory=dict, description="RewardConfig fields")
-    pairs: dict[str, Any] = Field(default_factory=dict, description="PairsConfig fields")
+    generation: GenerationSection = Field(default_factory=GenerationSection, description="GenerateConfig fields for training rollouts")
+    evaluation: EvaluationSection = Field(default_factory=lambda: EvaluationSection(k=1, temperature=0.0), description="GenerateConfig fields for held-out generation (over `generation`, without its k/temperature/top_p)")
+    reward: RewardSection = Field(default_factory=RewardSection, description="RewardConfig fields")
+    pairs: PairsSection = Field(default_factory=PairsSection, description="PairsConfig fields")
     dpo_config: Optional[str] = Field("configs/dpo.yaml", description="DPO stage YAML that the `dpo` section is layered on (relative to the project root); null = none")
-    dpo: dict[str, Any] = Field(default_factory=dict, description="DPOStageConfig fields (over dpo_config)")
+    dpo: DPOSection = Field(default_factory=DPOSection, description="DPOStageConfig fields (over dpo_config)")
     ref_model: Literal["initial", "previous"] = Field("initial", description="DPO reference: the starting (SFT) policy, or last iteration's policy")
     per_iteration: dict[int, dict[str, Any]] = Field(default_factory=dict, description="{i: {section: {key: value}}} overrides for iteration i")
     wandb: bool = Field(False, description="log the loop's metrics to wandb (offline unless WANDB_MODE is set)")

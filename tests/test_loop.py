@@ -39,17 +39,17 @@ def test_missing_local_policy_is_refused_at_start(small_cfg, tmp_path):
 
 def test_default_config_resolves():
     cfg = loop.resolve(str(ROOT / "configs/loop.yaml"), [])
-    assert cfg.iterations == 2 and cfg.reward["source"] == "verifier"
+    assert cfg.iterations == 2 and cfg.reward.source == "verifier"
 
 
 def test_rlhflow_gpu_config_validates_dry():
     """Everything resolved and checked without loading a model, DPO keys against TRL's DPOConfig."""
     trl = pytest.importorskip("trl")
     cfg = loop.resolve(str(ROOT / "configs/rlhflow_llama3_8b.yaml"), [])
-    assert (cfg.iterations, cfg.launch_profile, cfg.generation["k"]) == (3, "zero2", 8)
+    assert (cfg.iterations, cfg.launch_profile, cfg.generation.k) == (3, "zero2", 8)
     assert (ROOT / "configs/accelerate" / f"{cfg.launch_profile}.yaml").is_file()
     dpo_fields = {f.name for f in dataclasses.fields(trl.DPOConfig)}
-    assert set(cfg.dpo["training"]) <= dpo_fields, set(cfg.dpo["training"]) - dpo_fields
+    assert set(cfg.dpo.training) <= dpo_fields, set(cfg.dpo.training) - dpo_fields
     it3 = loop.iteration_config(cfg, 3)
     assert it3.train_prompts.endswith("iter3-20K") and cfg.train_prompts.endswith("iter1-20K")
     assert loop.stage_dict(cfg, Path("/r"), 1, "eval_generate")["prompt_field"] == "instruction"
@@ -61,7 +61,9 @@ def test_rlhflow_gpu_config_validates_dry():
 def test_default_dpo_training_keys_are_trl_fields():
     trl = pytest.importorskip("trl")
     cfg = loop.resolve(str(ROOT / "configs/loop.yaml"), [])
-    assert set(cfg.dpo["training"]) <= {f.name for f in dataclasses.fields(trl.DPOConfig)}
+    training = loop.stage_dict(cfg, Path("/r"), 1, "dpo")["training"]  # configs/dpo.yaml + the loop's seed
+    assert training["learning_rate"] == 5.0e-5 and training["seed"] == cfg.seed
+    assert set(training) <= {f.name for f in dataclasses.fields(trl.DPOConfig)}
 
 
 def test_bad_key_in_stage_section_is_named_as_written(small_cfg):
@@ -153,7 +155,7 @@ def test_plan_writes_configs_and_fresh_prompt_slices(small_cfg, capsys):
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["iterations"] == 2
     for i in (1, 2):
         plan = read_json(run_dir / f"iter_{i}" / "plan.json")
-        assert list(plan) == list(loop.STAGES)
+        assert list(plan) == [name for name in loop.STAGES if name != "sft"]  # sft is off
         assert Path(plan["dpo"]["config"]).is_file()
     ids1 = [r["id"] for r in read_jsonl(run_dir / "iter_1" / "prompts.jsonl")]
     ids2 = [r["id"] for r in read_jsonl(run_dir / "iter_2" / "prompts.jsonl")]
@@ -178,6 +180,98 @@ def test_done_marker_goes_stale_when_config_or_input_changes(small_cfg):
     assert loop.check(run_dir, 1, "rewards")
     (it / "rewards.jsonl").unlink()  # output gone
     assert not loop.check(run_dir, 1, "rewards")
+
+
+def _stage_yaml(run_dir: Path, i: int, stage: str) -> tuple[dict, str]:
+    text = (run_dir / f"iter_{i}" / "configs" / f"{stage}.yaml").read_text()
+    return yaml.safe_load(text), text
+
+
+def test_launch_settings_are_in_the_stage_yaml_and_rerun_what_they_affect(small_cfg):
+    """num_processes and generation_shards live in the stage configs and their hashes: changing
+    one makes exactly the stages it affects stale (issue: a changed process count skipped DPO)."""
+    run_dir = loop.plan(None, small_cfg + ["num_processes=1"])
+    assert _stage_yaml(run_dir, 1, "dpo")[0]["num_processes"] == 1
+    assert _stage_yaml(run_dir, 1, "generate")[0]["num_shards"] == 1
+    assert _stage_yaml(run_dir, 1, "rewards")[0]["num_processes"] == 1  # a verifier: one process
+    it = run_dir / "iter_1"
+    for name in ("generated.jsonl", "rewards.jsonl", "pairs.jsonl", "eval_generated.jsonl", "eval.jsonl"):
+        write_jsonl(it / name, [{"id": "p0"}])
+    for name in ("prompts.jsonl",):
+        assert (it / name).is_file()
+    (it / "model").mkdir()
+    (it / "model" / "config.json").write_text("{}")
+    (it / "model" / "model.safetensors").write_text("x")
+    stages = ["generate", "rewards", "pairs", "dpo", "eval_generate", "eval_rewards"]
+    for stage in stages:
+        loop.mark(run_dir, 1, stage, 1.0)
+    assert all(loop.check(run_dir, 1, s) for s in stages)
+
+    loop.plan(None, small_cfg + ["num_processes=2"])
+    assert _stage_yaml(run_dir, 1, "dpo")[0]["num_processes"] == 2
+    assert [s for s in stages if not loop.check(run_dir, 1, s)] == ["dpo"]
+    loop.plan(None, small_cfg + ["num_processes=2", "generation_shards=2"])
+    assert _stage_yaml(run_dir, 1, "eval_generate")[0]["num_shards"] == 2
+    assert [s for s in stages if not loop.check(run_dir, 1, s)] == ["generate", "dpo", "eval_generate"]
+    loop.plan(None, small_cfg + ["num_processes=1"])  # back to what ran: fresh again
+    assert all(loop.check(run_dir, 1, s) for s in stages)
+
+
+def test_stage_yaml_says_how_to_run_it_and_where_each_value_came_from(small_cfg):
+    run_dir = loop.plan("configs/loop.yaml", small_cfg + [
+        "num_processes=2", "dpo.training.beta=0.05", "per_iteration={2: {dpo: {training: {beta: 0.2}}}}"])
+    d, text = _stage_yaml(run_dir, 1, "dpo")
+    assert d["training"]["beta"] == 0.05 and d["num_processes"] == 2 and d["launch_profile"] == "cpu"
+    cfg_path = run_dir / "iter_1" / "configs" / "dpo.yaml"
+    assert (f"#   ACCELERATE_USE_CPU=true .venv-train/bin/accelerate launch --multi_gpu --num_processes 2 "
+            f"dpo_iteration/run_dpo.py --config {cfg_path}\n") in text
+    assert "#   training.beta: 0.05  <- command line: dpo.training.beta=0.05" in text
+    assert "#   training.learning_rate: 5e-05  <- configs/dpo.yaml" in text
+    assert "#   num_processes: 2  <- loop key num_processes (command line: num_processes=2)" in text
+    assert "#   training.seed: 42  <- loop key seed (configs/loop.yaml: seed)" in text
+    assert "#   training.beta: 0.2  <- command line: per_iteration=" in _stage_yaml(run_dir, 2, "dpo")[1]
+    _, gen = _stage_yaml(run_dir, 1, "generate")
+    assert "#   max_tokens: 160  <- configs/loop.yaml: generation.max_tokens" in gen
+    assert "#   .venv-infer/bin/python generation/launch.py --config " in gen
+    assert "  k: 4  <-" not in gen  # the stage's default is not listed
+    # the plan records the same command
+    assert read_json(run_dir / "iter_1" / "plan.json")["dpo"]["command"].startswith("ACCELERATE_USE_CPU=true ")
+
+
+def test_loop_help_lists_the_section_keys(capsys):
+    assert loop.main(["-h"]) == 0
+    out = capsys.readouterr().out
+    for key in ("generation.max_tokens (default 256)", "dpo.train_batch_size", "pairs.truncated_penalty",
+                "reward.source (default 'verifier'"):
+        assert key in out, key
+    assert "generation.model" not in out and "dpo.output_dir" not in out  # set by the loop
+
+
+def test_exec_runs_a_stage_from_its_config_file(small_cfg, tmp_path):
+    """`loop exec` starts the stage with the command on top of its YAML (here: pairs)."""
+    import subprocess
+    import sys
+
+    run_dir = loop.plan(None, small_cfg)
+    write_jsonl(run_dir / "iter_1" / "rewards.jsonl", [
+        {"id": "p0", "prompt": [{"role": "user", "content": "q"}], "responses": ["a", "b"],
+         "finish_reasons": ["stop", "stop"], "rewards": [1.0, 0.0], "reward_source": "verifier"}])
+    r = subprocess.run([sys.executable, "-m", "online_rlhf.loop", "exec", str(run_dir), "1", "pairs"],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("+ ") and "annotate_data/make_pairs.py --config" in r.stdout.splitlines()[0]
+    assert [p["id"] for p in read_jsonl(run_dir / "iter_1" / "pairs.jsonl")] == ["p0"]
+    assert loop.main(["check", str(run_dir), "0", "dpo"]) == 3  # not a stage of iteration 0
+
+
+def test_stage_refuses_another_process_count_than_planned(monkeypatch):
+    from online_rlhf.stage_table import check_process_count
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    check_process_count(None, "dpo")
+    check_process_count(1, "dpo")
+    with pytest.raises(ConfigError, match=r"num_processes=2, but this run has 1 process.*--num_processes 2"):
+        check_process_count(2, "dpo")
 
 
 def _eval_file(path: Path, rewards: list[float]) -> None:
@@ -359,7 +453,7 @@ def test_both_dpo_batch_sizes_are_refused_at_plan_time(small_cfg):
         loop.resolve("configs/loop.yaml", small_cfg + ["dpo.training.per_device_train_batch_size=2"])
     cfg = loop.resolve("configs/loop.yaml", small_cfg + ["dpo.training.per_device_train_batch_size=2",
                                                          "dpo.train_batch_size=null"])
-    assert cfg.dpo["train_batch_size"] is None
+    assert cfg.dpo.train_batch_size is None
 
 
 def test_num_processes_must_divide_the_dpo_batch(small_cfg):

@@ -37,6 +37,7 @@ from online_rlhf.jsonl import DataError, check_finite, iter_jsonl, write_json, w
 from online_rlhf.paths import setup_cache_env
 from online_rlhf.records import validate_generated
 from online_rlhf.stage_configs import RewardConfig
+from online_rlhf.stage_table import check_process_count
 
 SOURCES = {
     "reward_model": "online_rlhf.reward_model",
@@ -178,6 +179,7 @@ def main(cfg: RewardConfig) -> dict | None:
         DataError: a malformed input record, a bad reward value, or no record could be scored.
     """
     setup_cache_env()
+    check_process_count(cfg.num_processes, f"rewards (source={cfg.source})")
     t0 = time.time()
     records = load_generated(cfg.input)
     scorable = [r for r in records if r["responses"]]

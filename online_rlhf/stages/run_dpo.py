@@ -58,6 +58,7 @@ from online_rlhf.jsonl import DataError, iter_jsonl, write_json, write_jsonl
 from online_rlhf.paths import resolve_model, setup_cache_env
 from online_rlhf.records import validate_pair
 from online_rlhf.stage_configs import DPOStageConfig
+from online_rlhf.stage_table import check_process_count
 from online_rlhf.trl_args import check_dpo_training, check_lora
 from online_rlhf.trl_args import per_device_batch as split_batch
 
@@ -417,6 +418,7 @@ def main(cfg: DPOStageConfig) -> dict:
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     import torch
 
+    check_process_count(cfg.num_processes, "dpo")
     on_gpu = torch.cuda.is_available()
     if not on_gpu:  # a stage alone on the machine: every usable core, split between the ranks
         torch.set_num_threads(stage_threads(_world_size()))

@@ -1,0 +1,253 @@
+"""The loop's stages in one declarative table: what each stage runs, in which environment, how it
+is launched, which config class it reads, which of that config's fields name its inputs and
+outputs, and which stats class its stats file follows. Importable without torch or vLLM.
+
+``online_rlhf.loop plan`` walks this table to write each stage's YAML (everything the stage needs,
+launch settings included) and ``plan.json``; ``online_rlhf.loop exec`` starts a stage from its YAML
+with :func:`launch_command`; ``run_loop.sh`` has one ``run_stage`` line per stage.
+
+Adding a stage: its config class (``online_rlhf.stage_configs``), its module
+(``online_rlhf/stages/``) with a thin entry script, one :class:`Stage` row here with the function
+that wires its config from the loop config, and one ``run_stage`` line in ``run_loop.sh``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional
+
+from .config import ConfigError, deep_merge, load_yaml
+from .paths import PROJECT_ROOT, default_data_dir, default_model_dir
+from .stage_configs import (DPOStageConfig, GenerateConfig, LoopConfig, PairsConfig, RewardConfig, SFTStageConfig,
+                            StageConfig)
+
+
+def check_process_count(planned: Optional[int], where: str) -> None:
+    """Refuse a stage started with another process count than its config was planned for (the
+    count changes how a batch is split and summed, so a rerun must train the same numbers).
+
+    Args:
+        planned: the config's ``num_processes`` (None: any count).
+        where: the stage, for the message.
+    Raises:
+        ConfigError: ``WORLD_SIZE`` (set by ``accelerate launch``; 1 without it) differs from ``planned``.
+    """
+    import os
+
+    actual = int(os.environ.get("WORLD_SIZE", "1"))
+    if planned is not None and planned != actual:
+        how = (f"accelerate launch --num_processes {planned} ..." if planned > 1 else "one process (plain python)")
+        raise ConfigError(f"{where}: the config says num_processes={planned}, but this run has {actual} process(es). "
+                          f"Start it with {how} (the command on top of the loop's stage YAML), or set "
+                          f"num_processes={actual} (or null) to train with this count.")
+
+
+def iteration_config(cfg: LoopConfig, i: int) -> LoopConfig:
+    """The loop config as seen by iteration ``i`` (``per_iteration[i]`` merged in).
+
+    Raises:
+        ConfigError: a ``per_iteration.<i>`` value of the wrong type (names ``per_iteration.<i>``).
+    """
+    if i not in cfg.per_iteration:
+        return cfg
+    merged = deep_merge(cfg.model_dump(exclude_unset=True), cfg.per_iteration[i])
+    return LoopConfig.from_dict(merged, f"per_iteration.{i}")
+
+
+def section(c: LoopConfig, name: str) -> dict:
+    """The keys a user set in the loop's ``name`` section (defaults left to the stage class)."""
+    return getattr(c, name).model_dump(exclude_unset=True)
+
+
+def stage_file(path: str | None) -> dict:
+    """A stage's own YAML (relative paths from the project root); {} for None."""
+    if not path:
+        return {}
+    p = Path(path) if Path(path).is_absolute() else PROJECT_ROOT / path
+    return load_yaml(p)
+
+
+def prompt_source(name: str, split: str) -> str:
+    """``default`` -> the prepared IFBench split file; anything else as given."""
+    if name == "default":
+        return str(default_data_dir() / f"ifbench_{split}.jsonl")
+    return name
+
+
+def starting_policy(cfg: LoopConfig, run_dir: Path) -> str:
+    if cfg.sft.get("enabled"):
+        return str(run_dir / "sft" / "model")
+    return str(default_model_dir()) if cfg.policy == "default" else cfg.policy
+
+
+def policy_of(cfg: LoopConfig, run_dir: Path, i: int) -> str:
+    """Policy that iteration ``i`` samples from: the starting policy for i <= 1, else model of i-1."""
+    return starting_policy(cfg, run_dir) if i <= 1 else str(run_dir / f"iter_{i - 1}" / "model")
+
+
+def _processes(c: LoopConfig) -> Optional[int]:
+    """The loop's process count; None while it is still ``auto`` (the plan resolves it from the DPO
+    batch sizes, which it reads from these same stage configs, then builds them again)."""
+    return None if c.num_processes == "auto" else c.num_processes
+
+
+# --- how the loop wires each stage's config (run_dir: the run directory; i: the iteration) ---
+
+def _sft(c: LoopConfig, run_dir: Path, i: int) -> dict:
+    s = dict(c.sft)
+    s.pop("enabled", None)
+    d = deep_merge(stage_file(s.pop("config", "configs/sft.yaml")), s)
+    if not d.get("dataset"):
+        raise ConfigError("sft.enabled=true needs sft.dataset=<SFT JSONL of {messages: [...]}> "
+                          "(e.g. from sft/build_sft_data.py).")
+    d["base_model"] = str(default_model_dir()) if c.policy == "default" else c.policy
+    d["output_dir"] = str(run_dir / "sft" / "model")
+    return d
+
+
+def _generate(c: LoopConfig, run_dir: Path, i: int) -> dict:
+    it = run_dir / f"iter_{i}"
+    return {"model": policy_of(c, run_dir, i), "seed": c.seed + 1000 * i, **section(c, "generation"),
+            "num_shards": c.generation_shards, "prompts": str(it / "prompts.jsonl"), "output": str(it / "generated.jsonl")}
+
+
+def _eval_generate(c: LoopConfig, run_dir: Path, i: int) -> dict:
+    # The held-out set is generated by the model *after* iteration i (iteration 0: the start).
+    gen = {k: v for k, v in section(c, "generation").items() if k not in ("k", "temperature", "top_p")}
+    return {"model": policy_of(c, run_dir, i + 1), "seed": c.seed, **gen, **section(c, "evaluation"),
+            "num_shards": c.generation_shards, "prompts": prompt_source(c.eval_prompts, "eval"),
+            "prompt_field": c.eval_prompt_field or c.prompt_field, "limit": c.eval_limit,
+            "output": str(run_dir / f"iter_{i}" / "eval_generated.jsonl")}
+
+
+def _reward_launch(c: LoopConfig) -> dict:
+    """A reward model runs data-parallel on the loop's processes; other sources in one process."""
+    if c.reward.source == "reward_model":
+        return {"num_processes": _processes(c), "launch_profile": c.launch_profile}
+    return {"num_processes": 1}
+
+
+def _rewards(c: LoopConfig, run_dir: Path, i: int) -> dict:
+    it = run_dir / f"iter_{i}"
+    return {**section(c, "reward"), **_reward_launch(c), "input": str(it / "generated.jsonl"),
+            "output": str(it / "rewards.jsonl")}
+
+
+def _eval_rewards(c: LoopConfig, run_dir: Path, i: int) -> dict:
+    it = run_dir / f"iter_{i}"
+    return {**section(c, "reward"), **_reward_launch(c), "input": str(it / "eval_generated.jsonl"),
+            "output": str(it / "eval.jsonl")}
+
+
+def _pairs(c: LoopConfig, run_dir: Path, i: int) -> dict:
+    it = run_dir / f"iter_{i}"
+    return {"seed": c.seed + i, **section(c, "pairs"), "input": str(it / "rewards.jsonl"), "output": str(it / "pairs.jsonl")}
+
+
+def _dpo(c: LoopConfig, run_dir: Path, i: int) -> dict:
+    own = section(c, "dpo")
+    dpo = deep_merge(stage_file(c.dpo_config), own)
+    # the loop's seed beats the stage file's; the loop's own dpo.training beats both
+    training = {**dpo.pop("training", {}), "seed": c.seed, **own.get("training", {})}
+    ref = starting_policy(c, run_dir) if c.ref_model == "initial" else None
+    return {**dpo, "training": training, "policy": policy_of(c, run_dir, i), "reference": ref,
+            "pairs": str(run_dir / f"iter_{i}" / "pairs.jsonl"), "output_dir": str(run_dir / f"iter_{i}" / "model"),
+            "num_processes": _processes(c), "launch_profile": c.launch_profile}
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One row of the stage table.
+
+    Attributes:
+        name: the stage's name in ``run_loop.sh``, ``iter_<i>/configs/<name>.yaml`` and ``<name>.done``.
+        env: ``infer`` (.venv-infer, vLLM) or ``train`` (.venv-train).
+        entry: the entry script, relative to the project root.
+        launcher: ``python`` (one process; the stage may start its own shards) or ``accelerate``
+            (``accelerate launch`` with the config's ``num_processes`` / ``launch_profile``; a single
+            CPU process without a DeepSpeed profile runs as plain python).
+        config: the stage's config class.
+        inputs / outputs: the config fields naming the files or checkpoint folders the stage reads /
+            writes (a field set to null is left out). Inputs' content goes into the freshness hash.
+        stats: the name of the stage's stats class in ``online_rlhf.stats``.
+        when: ``start`` (iteration 0, before the loop), ``train`` (iterations 1..N) or ``every`` (0..N).
+        build: ``(loop config of the iteration, run dir, i) -> config mapping`` (before validation).
+        sections: the loop sections the stage's values come from (for the provenance comments).
+        stage_file_key: the loop key naming the stage's own YAML that the section is layered on.
+        enabled: whether the loop runs the stage at all.
+    """
+
+    name: str
+    env: Literal["infer", "train"]
+    entry: str
+    launcher: Literal["python", "accelerate"]
+    config: type[StageConfig]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    stats: str
+    when: Literal["start", "train", "every"]
+    build: Callable[[LoopConfig, Path, int], dict]
+    sections: tuple[str, ...] = ()
+    stage_file_key: Optional[str] = None
+    enabled: Callable[[LoopConfig], bool] = field(default=lambda c: True)
+
+    def runs_in(self, cfg: LoopConfig, i: int) -> bool:
+        """Whether this stage is part of iteration ``i`` of the loop ``cfg``."""
+        if not self.enabled(cfg):
+            return False
+        return {"start": i == 0, "train": i >= 1, "every": True}[self.when]
+
+    def io(self, d: dict) -> tuple[list[str], list[str]]:
+        """(inputs, outputs) of a resolved config mapping ``d``: the paths in the table's fields."""
+        return ([str(d[k]) for k in self.inputs if d.get(k)], [str(d[k]) for k in self.outputs if d.get(k)])
+
+
+# In the order of one iteration.
+STAGES: dict[str, Stage] = {s.name: s for s in (
+    Stage("sft", "train", "sft/run_sft.py", "python", SFTStageConfig, ("base_model", "dataset"), ("output_dir",),
+          "SFTStats", "start", _sft, ("sft",), "sft.config", enabled=lambda c: bool(c.sft.get("enabled"))),
+    Stage("generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"), ("output",),
+          "GenerateStats", "train", _generate, ("generation",)),
+    Stage("rewards", "train", "annotate_data/get_rewards.py", "accelerate", RewardConfig, ("input", "reward_model"),
+          ("output",), "RewardStats", "train", _rewards, ("reward",)),
+    Stage("pairs", "train", "annotate_data/make_pairs.py", "python", PairsConfig, ("input",), ("output",),
+          "PairsStats", "train", _pairs, ("pairs",)),
+    Stage("dpo", "train", "dpo_iteration/run_dpo.py", "accelerate", DPOStageConfig, ("policy", "pairs", "reference"),
+          ("output_dir",), "DPOStats", "train", _dpo, ("dpo",), "dpo_config"),
+    Stage("eval_generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"),
+          ("output",), "GenerateStats", "every", _eval_generate, ("evaluation", "generation")),
+    Stage("eval_rewards", "train", "annotate_data/get_rewards.py", "accelerate", RewardConfig,
+          ("input", "reward_model"), ("output",), "RewardStats", "every", _eval_rewards, ("reward",)),
+)}
+
+
+def launch_command(stage: Stage, config_path: str, d: dict[str, Any], root: Path = PROJECT_ROOT
+                   ) -> tuple[list[str], dict[str, str]]:
+    """The command that runs ``stage`` on its resolved config file, and the environment variables
+    it adds: ``(argv, env)``, the same for ``run_loop.sh`` and for a user reproducing the stage.
+
+    - ``python``: ``<env>/bin/python <entry> --config <file>``.
+    - ``accelerate``: ``accelerate launch`` with the config's ``num_processes``: on the ``cpu``
+      profile, N > 1 plain processes over gloo (``--multi_gpu`` with ``ACCELERATE_USE_CPU=true``);
+      on ``zero2``/``zero3``, ``--config_file configs/accelerate/<profile>.yaml``. One process on
+      the ``cpu`` profile runs as plain python for a reward model, and through
+      ``configs/accelerate/cpu.yaml`` for DPO.
+    """
+    py = str(root / f".venv-{stage.env}" / "bin" / "python")
+    tail = [stage.entry, "--config", config_path]
+    if stage.launcher == "python":
+        return [py, *tail], {}
+    n = int(d.get("num_processes") or 1)
+    profile = d.get("launch_profile", "cpu")
+    accelerate = str(root / f".venv-{stage.env}" / "bin" / "accelerate")
+    if profile == "cpu" and n == 1:
+        if stage.config is RewardConfig:
+            return [py, *tail], {}
+        return [accelerate, "launch", "--config_file", "configs/accelerate/cpu.yaml", "--num_processes", "1", *tail], {}
+    if profile == "cpu":
+        return [accelerate, "launch", "--multi_gpu", "--num_processes", str(n), *tail], {"ACCELERATE_USE_CPU": "true"}
+    if stage.config is RewardConfig:  # data-parallel scoring needs no DeepSpeed
+        return [accelerate, "launch", "--multi_gpu", "--num_processes", str(n), *tail], {}
+    return [accelerate, "launch", "--config_file", f"configs/accelerate/{profile}.yaml", "--num_processes", str(n),
+            *tail], {}
