@@ -31,14 +31,17 @@ _GEN_OWNED = {
 _EVAL_OWNED = {**_GEN_OWNED, "prompts": "set eval_prompts at the top level", "limit": "set eval_limit at the top level",
                "prompt_field": "set eval_prompt_field at the top level"}
 _IO_OWNED = {"input": _FILES, "output": _FILES, "stats_output": _FILES}
+_LAUNCH = {"num_processes": "set num_processes at the top level (the loop writes it into the stage's config)",
+           "launch_profile": "set launch_profile at the top level (the loop writes it into the stage's config)"}
 _DPO_OWNED = {"policy": "set policy= at the top level (later iterations train the previous model)",
               "reference": "set ref_model: initial | previous at the top level",
-              "pairs": _FILES, "output_dir": _FILES, "stats_output": _FILES}
-# loop section -> (stage config class it feeds, keys the loop sets itself -> what to set instead)
+              "pairs": _FILES, "output_dir": _FILES, "stats_output": _FILES, **_LAUNCH}
+# loop section -> (stage config class it feeds, keys the loop sets itself -> what to set instead);
+# the keys are those of online_rlhf.stage_configs.LOOP_OWNED (checked by tests/test_loop.py)
 SECTIONS: dict[str, tuple[type[BaseModel], dict[str, str]]] = {
     "generation": (GenerateConfig, _GEN_OWNED),
     "evaluation": (GenerateConfig, _EVAL_OWNED),
-    "reward": (RewardConfig, _IO_OWNED),
+    "reward": (RewardConfig, {**_IO_OWNED, **_LAUNCH}),
     "pairs": (PairsConfig, _IO_OWNED),
     "dpo": (DPOStageConfig, _DPO_OWNED),
 }

@@ -238,6 +238,19 @@ def test_stage_yaml_says_how_to_run_it_and_where_each_value_came_from(small_cfg)
     assert read_json(run_dir / "iter_1" / "plan.json")["dpo"]["command"].startswith("ACCELERATE_USE_CPU=true ")
 
 
+def test_owned_keys_agree_between_the_typed_sections_and_the_key_checks():
+    from online_rlhf.loop_keys import SECTIONS
+    from online_rlhf.stage_configs import LOOP_OWNED
+
+    for name, (cls, owned) in SECTIONS.items():
+        assert set(owned) == {k for k in LOOP_OWNED[name] if k in cls.model_fields}, name
+
+
+def test_launch_keys_in_a_stage_section_point_to_the_top_level(small_cfg):
+    with pytest.raises(ConfigError, match=r"dpo\.num_processes: cannot be set here; set num_processes at the top level"):
+        loop.resolve(None, small_cfg + ["dpo.num_processes=2"])
+
+
 def test_loop_help_lists_the_section_keys(capsys):
     assert loop.main(["-h"]) == 0
     out = capsys.readouterr().out
