@@ -270,6 +270,10 @@ def _provenance(stage: Stage, d: dict, c: LoopConfig, i: int, layers: _Layers) -
                     break
             if origin:
                 break
+        if not origin:  # a loop section's own default (e.g. evaluation: greedy, k=1)
+            sec = next((sec for sec in stage.sections if sec != "sft"
+                        and _lookup(getattr(c, sec).model_dump(exclude_unset=True), path)[0]), None)
+            origin = f"the loop's default ({sec}.{'.'.join(map(str, path))})" if sec else None
         if not origin and own_file and _lookup(own, path)[0]:
             origin = _short(str(PROJECT_ROOT / own_file) if not Path(own_file).is_absolute() else own_file)
         key = "eval_prompts" if (stage.name, path[-1]) == ("eval_generate", "prompts") else _DERIVED.get(path[-1])
