@@ -38,7 +38,7 @@ from .jsonl import DataError, read_json, read_jsonl, write_json, write_jsonl, at
 from .paths import PROJECT_ROOT, resolve_model, setup_cache_env
 from .rundir import fingerprint, is_done, mark_done
 from .stage_configs import GenerateConfig, LoopConfig, SFTStageConfig
-from .stage_table import STAGES, Stage, iteration_config, launch_command, prompt_source, stage_file
+from .stage_table import STAGES, Stage, iteration_config, launch_command, prompt_source, stage_file, starting_policy
 from .loop_keys import check_loop_keys
 from .trl_args import check_axolotl_keys, check_dpo_training, check_lora, per_device_batch
 
@@ -163,7 +163,8 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
             path = it / "configs" / f"{stage.name}.yaml"
             argv, env = launch_command(stage, str(path), d, root=Path("."))
             command = " ".join([*(f"{k}={v}" for k, v in env.items()), *map(shlex.quote, argv)])
-            header = _stage_header(stage, i, layers, command, _provenance(stage, d, c, i, layers))
+            header = _stage_header(stage, i, layers, command,
+                                   _provenance(stage, d, c, i, layers, start=starting_policy(c, run_dir)))
             _write_if_changed(path, header + yaml.safe_dump(d, sort_keys=False, allow_unicode=True))
             inputs, outputs = stage.io(d)
             entries[stage.name] = {"env": stage.env, "config": str(path), "command": command,
@@ -239,7 +240,8 @@ _DERIVED = {"seed": "seed", "prompts": None, "num_shards": "generation_shards", 
             "model": "policy", "policy": "policy", "base_model": "policy", "reference": "ref_model"}
 
 
-def _provenance(stage: Stage, d: dict, c: LoopConfig, i: int, layers: _Layers) -> list[tuple[str, Any, str]]:
+def _provenance(stage: Stage, d: dict, c: LoopConfig, i: int, layers: _Layers,
+                start: str | None = None) -> list[tuple[str, Any, str]]:
     """``(key, value, origin)`` for each value of the resolved stage config ``d`` that differs from
     the stage class's default (each key of a dict field such as ``training``, one level down).
     Origins, highest precedence first: ``per_iteration.<i>``, then the loop's section on the command
@@ -277,6 +279,9 @@ def _provenance(stage: Stage, d: dict, c: LoopConfig, i: int, layers: _Layers) -
         if not origin and own_file and _lookup(own, path)[0]:
             origin = _short(str(PROJECT_ROOT / own_file) if not Path(own_file).is_absolute() else own_file)
         key = "eval_prompts" if (stage.name, path[-1]) == ("eval_generate", "prompts") else _DERIVED.get(path[-1])
+        if not origin and path[-1] in ("model", "policy") and start is not None and v != start:
+            origin = ("this iteration's trained model" if str(v).endswith(f"iter_{i}/model")
+                      else "the model of the iteration before")
         if not origin and key and (path[0] != "training" or path[-1] == "seed"):
             origin = f"loop key {key} ({layers.find([key]) or 'its default'})"
         out.append((".".join(map(str, path)), v, origin or "the run layout"))
