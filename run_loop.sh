@@ -83,8 +83,8 @@ trap 'say "interrupted; $RESUME_HINT"; [[ -n "$CHILD" ]] && kill -TERM -- -"$CHI
 # run_stage ITER STAGE: skip when done and fresh (or not in this run's plan, e.g. sft when it is
 # off); else run it as its config file says (`loop exec`), with a log and a live status line.
 run_stage() {
-  local i="$1" stage="$2" rc=0
-  "$TRAIN" -m online_rlhf.loop check "$RUN_DIR" "$i" "$stage" || rc=$?
+  local i="$1" stage="$2" rc=0 env
+  env="$("$TRAIN" -m online_rlhf.loop check "$RUN_DIR" "$i" "$stage")" || rc=$?
   case "$rc" in
     0) say "iteration $i/$ITERATIONS · $stage: done earlier, skipped"; return 0 ;;
     3) return 0 ;;
@@ -93,7 +93,7 @@ run_stage() {
   esac
   local log="$RUN_DIR/iter_$i/logs/$stage.log" start=$SECONDS
   mkdir -p "$(dirname "$log")"
-  say "iteration $i/$ITERATIONS · $stage · log $log"
+  say "iteration $i/$ITERATIONS · $stage ($env env) · log $log"
   set -m; "$TRAIN" -m online_rlhf.loop exec "$RUN_DIR" "$i" "$stage" >"$log" 2>&1 & CHILD=$!; set +m
   local ticks=0
   while kill -0 "$CHILD" 2>/dev/null; do   # a status line every 15 s: stage, elapsed, last log line

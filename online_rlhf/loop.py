@@ -1,7 +1,7 @@
 """The loop's bookkeeping, called by run_loop.sh (training env):
 
     python -m online_rlhf.loop plan CONFIG [key=value ...]   # resolve + validate, write stage configs
-    python -m online_rlhf.loop check RUN_DIR ITER STAGE       # exit 0 if STAGE is done and fresh
+    python -m online_rlhf.loop check RUN_DIR ITER STAGE       # exit 0 if STAGE is done and fresh, 1 to run, 3 not planned
     python -m online_rlhf.loop exec RUN_DIR ITER STAGE        # run STAGE as its config file says
     python -m online_rlhf.loop mark RUN_DIR ITER STAGE SECONDS
     python -m online_rlhf.loop metrics RUN_DIR ITER           # one row of metrics.jsonl
@@ -645,10 +645,14 @@ def main(argv: list[str]) -> int:
             else:  # where the run lives, nothing written (run_loop.sh locks it before any change)
                 cfg = resolve(cfg_path, overrides)
                 print((Path(cfg.output_root) / cfg.run_name).resolve())
-        elif cmd == "check":  # 0 done and fresh, 1 to run, 3 not in this iteration's plan
-            if args[2] not in read_json(Path(args[0]) / f"iter_{int(args[1])}" / "plan.json"):
+        elif cmd == "check":  # 0 done and fresh, 1 to run (prints the stage's env), 3 not in this iteration's plan
+            entries = read_json(Path(args[0]) / f"iter_{int(args[1])}" / "plan.json")
+            if args[2] not in entries:
                 return 3
-            return 0 if check(Path(args[0]), int(args[1]), args[2]) else 1
+            if check(Path(args[0]), int(args[1]), args[2]):
+                return 0
+            print(entries[args[2]]["env"])
+            return 1
         elif cmd == "exec":
             exec_stage(Path(args[0]), int(args[1]), args[2])
         elif cmd == "mark":
