@@ -25,15 +25,15 @@ _GEN_OWNED = {
     "prompts": "set train_prompts (and prompts_per_iteration / train_limit) at the top level",
     "prompt_field": "set prompt_field / eval_prompt_field at the top level",
     "limit": "set prompts_per_iteration or train_limit (train), eval_limit (held-out) at the top level",
-    "output": _FILES, "stats_output": _FILES, "shards_dir": _FILES,
+    "output": _FILES, "shards_dir": _FILES,
     "shard_index": "the launcher sets it for each shard", "num_shards": "set generation_shards at the top level",
 }
 _EVAL_OWNED = {**_GEN_OWNED, "prompts": "set eval_prompts at the top level", "limit": "set eval_limit at the top level",
                "prompt_field": "set eval_prompt_field at the top level"}
-_IO_OWNED = {"input": _FILES, "output": _FILES, "stats_output": _FILES}
+_IO_OWNED = {"input": _FILES, "output": _FILES}
 _DPO_OWNED = {"policy": "set policy= at the top level (later iterations train the previous model)",
               "reference": "set ref_model: initial | previous at the top level",
-              "pairs": _FILES, "output_dir": _FILES, "stats_output": _FILES}
+              "pairs": _FILES, "output_dir": _FILES}
 # loop section -> (stage config class it feeds, keys the loop sets itself -> what to set instead)
 SECTIONS: dict[str, tuple[type[BaseModel], dict[str, str]]] = {
     "generation": (GenerateConfig, _GEN_OWNED),
