@@ -130,7 +130,7 @@ def account(n_none: int, n_unscored: int, result: ScoreResult, source: str) -> t
     Raises:
         RuntimeError: the source claims more than it returned.
     """
-    result = []
+    out = []
     for given, n, rest in ((result.skipped, n_none, "unscorable_unspecified"),
                            (result.responses_unscored, n_unscored, "unspecified")):
         counts = {k: int(v) for k, v in given.items() if v}
@@ -139,8 +139,8 @@ def account(n_none: int, n_unscored: int, result: ScoreResult, source: str) -> t
             raise RuntimeError(f"source {source} reports {explained} unscored {counts} but returned None for {n}.")
         if explained < n:  # the source did not account for every None: say so rather than lose count
             counts[rest] = n - explained
-        result.append(counts)
-    return result[0], result[1]
+        out.append(counts)
+    return out[0], out[1]
 
 
 def _all_tied(rw: list[float]) -> bool:
