@@ -5,6 +5,8 @@
 Reads ``RUN_DIR/iter_<I>/`` (default: the last iteration with a ``dpo.done``):
 - ``<stage>.done``: each stage's wall seconds as run_loop.sh measured them (whole seconds, process
   start-up and model loading included) and ``finished_at``;
+Stats files are read through their classes in ``online_rlhf.stats`` (a missing or renamed key is an
+error naming the file):
 - ``generated.jsonl.stats.json`` / ``eval_generated.jsonl.stats.json``: ``engine_startup_s`` (vLLM
   engine start-up, model load into vLLM included) and ``generation_s`` (generation/generate.py);
 - ``rewards.jsonl.stats.json`` / ``eval.jsonl.stats.json``: ``seconds`` of scoring
@@ -40,6 +42,7 @@ from pathlib import Path
 
 
 from online_rlhf.jsonl import DataError, read_json
+from online_rlhf.stats import DPOStats, GenerateStats, PairsStats, RewardStats, StageStats, stats_path
 
 CATEGORIES = {  # key -> label, in print order
     "startup_loading": "process start-up and model loading",
@@ -69,6 +72,22 @@ def _read_json(path: Path) -> dict:
         raise BreakdownError(f"{path}: missing. Is this a finished iteration of a run_loop.sh run directory?") from None
     except DataError as e:
         raise BreakdownError(str(e)) from None
+
+
+def _stage_stats(cls: type[StageStats], it: Path, output: str):
+    """The stats of the stage whose output is ``it/output``, read through its class."""
+    try:
+        return cls.read(stats_path(it / output))
+    except FileNotFoundError:
+        raise BreakdownError(f"{stats_path(it / output)}: missing. Is this a finished iteration of a run_loop.sh "
+                             "run directory?") from None
+    except DataError as e:
+        raise BreakdownError(str(e)) from None
+
+
+def _s(v: float | None) -> float:
+    """Seconds, 0 for None (e.g. engine_startup_s of a shard that had no prompt and started no engine)."""
+    return 0.0 if v is None else float(v)
 
 
 def _num(d: dict, key: str, where: Path) -> float:
@@ -159,25 +178,21 @@ def breakdown(run_dir: str | Path, iteration: int | None = None) -> dict:
             notes.append(f"{stage}: its own timers ({accounted:.1f} s) exceed its marker ({stage_s[stage]:.0f} s).")
         return max(0.0, r)
 
-    p = it / "generated.jsonl.stats.json"
-    g = _read_json(p)
-    sec["vllm_startup"] += _num(g, "engine_startup_s", p)
-    sec["generation"] += _num(g, "generation_s", p)
-    sec["startup_loading"] += rest("generate", _num(g, "engine_startup_s", p) + _num(g, "generation_s", p))
+    g = _stage_stats(GenerateStats, it, "generated.jsonl")
+    sec["vllm_startup"] += _s(g.engine_startup_s)
+    sec["generation"] += _s(g.generation_s)
+    sec["startup_loading"] += rest("generate", _s(g.engine_startup_s) + _s(g.generation_s))
 
-    p = it / "rewards.jsonl.stats.json"
-    r = _num(_read_json(p), "seconds", p)
+    r = _stage_stats(RewardStats, it, "rewards.jsonl").seconds
     sec["scoring"] += r
     sec["startup_loading"] += rest("rewards", r)
 
-    p = it / "pairs.jsonl.stats.json"
-    r = _num(_read_json(p), "seconds", p)
+    r = _stage_stats(PairsStats, it, "pairs.jsonl").seconds
     sec["pair_building"] += r
     sec["startup_loading"] += rest("pairs", r)
 
-    p = it / "model.stats.json"
-    d = _read_json(p).get("seconds") or {}
-    ref, steps, save = (_num(d, k, p) for k in ("reference_precompute", "train_steps", "save"))
+    d = _stage_stats(DPOStats, it, "model").seconds
+    ref, steps, save = d.reference_precompute, d.train_steps, d.save
     sec["reference_pass"] += ref
     sec["dpo_steps"] += steps
     sec["checkpoint_save"] += save
@@ -191,12 +206,13 @@ def breakdown(run_dir: str | Path, iteration: int | None = None) -> dict:
     if len(have_eval) < len(EVAL_STAGES):
         notes.append(f"evaluation markers missing ({', '.join(s for s in EVAL_STAGES if s not in have_eval)}); "
                      "evaluation counted as far as it ran.")
-    if (it / "eval_generated.jsonl.stats.json").exists():
-        e = _read_json(it / "eval_generated.jsonl.stats.json")
-        eval_detail["vllm_startup_s"] = _num(e, "engine_startup_s", it)
-        eval_detail["generation_s"] = _num(e, "generation_s", it)
-    if (it / "eval.jsonl.stats.json").exists():
-        eval_detail["scoring_s"] = _num(_read_json(it / "eval.jsonl.stats.json"), "seconds", it)
+    # evaluation may not have run yet (the breakdown of an iteration stopped after its DPO)
+    if stats_path(it / "eval_generated.jsonl").exists():
+        e = _stage_stats(GenerateStats, it, "eval_generated.jsonl")
+        eval_detail["vllm_startup_s"] = _s(e.engine_startup_s)
+        eval_detail["generation_s"] = _s(e.generation_s)
+    if stats_path(it / "eval.jsonl").exists():
+        eval_detail["scoring_s"] = _stage_stats(RewardStats, it, "eval.jsonl").seconds
     if eval_detail and "eval_generate" in stage_s:
         work = eval_detail.get("generation_s", 0.0) + eval_detail.get("scoring_s", 0.0)
         eval_detail["overhead_s"] = max(0.0, sec["evaluation"] - work)

@@ -54,6 +54,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 from online_rlhf.jsonl import read_json, read_jsonl
+from online_rlhf.stats import DPOStats, GenerateStats, stats_path
 
 TRAIN_PY = ROOT / ".venv-train" / "bin" / "python"
 TRUNCATION_PENALTY = 0.5  # configs/loop.yaml: pairs.truncated_penalty (truncated: penalize)
@@ -87,8 +88,7 @@ def make_verifier_reward(records_by_id: dict[str, dict]):
         for rid, comp in zip(id, completions):
             text = comp[-1]["content"] if isinstance(comp, list) else comp
             recs.append({**records_by_id[rid], "responses": [text], "finish_reasons": ["stop"]})
-        rewards, _stats = verifiers.score(recs, cfg)
-        return [None if r is None else float(r[0]) for r in rewards]
+        return [None if r is None else float(r[0]) for r in verifiers.score(recs, cfg).rewards]
 
     return verifier_reward
 
@@ -238,14 +238,14 @@ def run_ours(args: argparse.Namespace, work: Path) -> dict:
     markers = {s: read_json(it / f"{s}.done")["seconds"] for s in ("generate", "rewards", "pairs", "dpo")}
     ids = [r["id"] for r in read_jsonl(it / "prompts.jsonl")]
     pairs = len(read_jsonl(it / "pairs.jsonl"))
-    dpo_stats = read_json(it / "model.stats.json")
-    gen_stats = read_json(it / "generated.jsonl.stats.json")
+    dpo_stats = DPOStats.read(stats_path(it / "model"))
+    gen_stats = GenerateStats.read(stats_path(it / "generated.jsonl"))
     return {
         "wall_s": stamps["dpo_end"][1] - stamps["generate_start"][1],
         "marker_sum_s": sum(markers.values()), "markers": markers, "run_loop_total_s": total,
-        "ids": ids, "pairs": pairs, "dpo_steps": dpo_stats.get("steps"),
-        "generated_tokens": gen_stats.get("generated_tokens"),
-        "truncated": gen_stats.get("finish_reasons", {}).get("length", 0),
+        "ids": ids, "pairs": pairs, "dpo_steps": dpo_stats.steps,
+        "generated_tokens": gen_stats.generated_tokens,
+        "truncated": gen_stats.finish_reasons.get("length", 0),
         "load_start": load0, "load_end": _load1(), "log": str(log_path), "run_dir": str(out_root / name),
     }
 

@@ -11,7 +11,7 @@ tie without asking. A reply with no verdict, or with two different ones (``[[B]]
 unparsable: counted (``unparsed_verdicts``), never scored. A request that fails (no reply after the
 retries, an HTTP error, a reply without a message) is counted too (``failed_calls``) and never
 scored; only when every request fails does the stage stop, naming the endpoint. A response with
-no scored comparison left gets ``null`` as its reward (``unscored_responses``); the stats list up
+no scored comparison left gets ``null`` as its reward (``responses_unscored``); the stats list up
 to five example ids per cause (``examples``).
 
 Endpoint: ``POST {url}/chat/completions`` with ``{"model", "messages", "temperature": 0,
@@ -23,12 +23,14 @@ run ``judge_concurrency`` at a time; each is retried like the remote source (see
 from __future__ import annotations
 
 import re
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 from .config import ConfigError
 from .jsonl import DataError
 from .remote import base_url, openai_headers, post_json
+from .stats import ScoreResult
 
 JUDGE_SYSTEM = (
     "You are an impartial judge. You compare two responses written by AI assistants to the same "
@@ -151,14 +153,18 @@ def _example(examples: dict, cause: str, text: str) -> None:
         bucket.append(text)
 
 
-def score(records: list[dict], cfg) -> tuple[list[Optional[list[Optional[float]]]], dict]:
+def score(records: list[dict], cfg) -> ScoreResult:
     """``source=judge``: win rate of each response in pairwise, both-order comparisons.
 
-    Records with a single response cannot be compared: None, counted as ``single_response``.
-    Makes K(K-1) requests per record (fewer when responses repeat). Unparsable replies and failed
-    requests are counted (``unparsed_verdicts``, ``failed_calls``, example ids in ``examples``) and
-    left out of the win rates; a response left with no scored comparison gets None
-    (``unscored_responses``).
+    Returns:
+        :class:`~online_rlhf.stats.ScoreResult`. Records with a single response cannot be compared:
+        None, counted in ``skipped`` as ``single_response``. Makes K(K-1) requests per record (fewer
+        when responses repeat). Unparsable replies and failed requests are counted
+        (``source_stats["unparsed_verdicts"]``, ``source_stats["failed_calls"]``, example ids in
+        ``examples``) and left out of the win rates; a response left with no scored comparison gets
+        None (``responses_unscored["no_scored_comparison"]``). ``source_stats`` also holds ``url``,
+        ``judge_model``, ``requests``, ``verdicts``, ``identical_pairs_not_asked`` and
+        ``position_agreement``.
 
     Raises:
         ConfigError: every request failed (names the endpoint and the first error).
@@ -182,14 +188,14 @@ def score(records: list[dict], cfg) -> tuple[list[Optional[list[Optional[float]]
     n_single = sum(r is None for r in out)
     n_unscored = sum(x is None for r in out if r is not None for x in r)
     verdicts = [v for v, _ in replies]
-    stats = {"skipped": {"single_response": n_single} if n_single else {}, "url": cfg.url,
-             "judge_model": cfg.judge_model, "requests": len(jobs),
-             "verdicts": {v: verdicts.count(v) for v in ("A", "B", "tie")},
-             "unparsed_verdicts": verdicts.count(None), "failed_calls": len(failed),
-             "unscored_responses": {"no_scored_comparison": n_unscored} if n_unscored else {},
-             "examples": examples, "identical_pairs_not_asked": identical // 2,
-             "position_agreement": _position_agreement(jobs, verdicts)}
-    return out, stats
+    source_stats = {"url": cfg.url, "judge_model": cfg.judge_model, "requests": len(jobs),
+                    "verdicts": {v: verdicts.count(v) for v in ("A", "B", "tie")},
+                    "unparsed_verdicts": verdicts.count(None), "failed_calls": len(failed),
+                    "identical_pairs_not_asked": identical // 2,
+                    "position_agreement": _position_agreement(jobs, verdicts)}
+    return ScoreResult(rewards=out, skipped=Counter({"single_response": n_single} if n_single else {}),
+                       responses_unscored=Counter({"no_scored_comparison": n_unscored} if n_unscored else {}),
+                       examples=examples, source_stats=source_stats)
 
 
 def _position_agreement(jobs, verdicts) -> Optional[float]:

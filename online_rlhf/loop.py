@@ -39,6 +39,7 @@ from .paths import PROJECT_ROOT, resolve_model, setup_cache_env
 from .rundir import fingerprint, is_done, mark_done
 from .stage_configs import GenerateConfig, LoopConfig, SFTStageConfig
 from .stage_table import STAGES, Stage, iteration_config, launch_command, prompt_source, stage_file, starting_policy
+from .stats import DPOStats, PairsStats, RewardStats, StageStats, stats_path
 from .loop_keys import check_loop_keys
 from .trl_args import check_axolotl_keys, check_dpo_training, check_lora, per_device_batch
 
@@ -441,45 +442,57 @@ def mean_ci95(xs: list[float]) -> tuple[float, float, float]:
     return (m, m - half, m + half)
 
 
-def _stats(path: Path) -> dict:
-    try:
-        return read_json(path)
-    except (FileNotFoundError, DataError):
-        return {}
+# The stats files of an iteration folder: name -> class. Iteration 0 only evaluates (no train stages).
+def iteration_stats(it: Path, i: int) -> dict[str, StageStats]:
+    """Every stage's stats of iteration folder ``it`` (iteration ``i``), read through the classes of
+    the stage table: ``{name of the stage's first output: stats}`` for the stages of the iteration's
+    ``plan.json`` (iteration 0: the held-out evaluation, and no SFT stats here).
+
+    Raises:
+        FileNotFoundError: a stage's stats file is missing (its stage has not run).
+        DataError: a stats file is not what its stage writes (names the file and the key).
+    """
+    entries = read_json(it / "plan.json")
+    return {Path(e["outputs"][0]).name: STAGES[name].stats.read(stats_path(e["outputs"][0]))
+            for name, e in entries.items() if name != "sft"}
 
 
 def metrics(run_dir: Path, i: int) -> dict:
-    """Write (or replace) iteration ``i``'s row of ``metrics.jsonl`` and return it.
+    """Write (or replace) iteration ``i``'s row of ``metrics.jsonl`` and ``iter_<i>/stats.json``
+    (every stage's stats of the iteration); return the row.
 
     Unscored responses (``null`` rewards) are left out of the held-out means and counted
     (``eval_unscored_responses``). ``warnings`` lists what the loop prints after the row, e.g. most
     train prompts with fewer than 2 distinct responses (``train_prompts_fewer_than_2_distinct``).
+
+    Raises:
+        FileNotFoundError: ``eval.jsonl`` or a stage's stats file is missing (for ``i >= 1`` the
+            train stages' too: generated, rewards, pairs, model).
+        DataError: a stats file is not what its stage writes (names the file and the key).
     """
     it = run_dir / f"iter_{i}"
     evals = read_jsonl(it / "eval.jsonl")
+    stats = iteration_stats(it, i)
     firsts = [r["rewards"][0] for r in evals]  # held-out: first (greedy) response
     rewards = [float(x) for x in firsts if x is not None]
     all_rewards = [float(x) for r in evals for x in r["rewards"] if x is not None]
     m, lo, hi = mean_ci95(all_rewards if len(all_rewards) > len(rewards) else rewards)
-    eval_gen = _stats(it / "eval_generated.jsonl.stats.json")
     row: dict[str, Any] = {
         "iteration": i, "eval_reward_mean": m, "eval_reward_ci95": [lo, hi], "eval_prompts": len(evals),
         "eval_mean_response_tokens": _mean([t for r in evals for t in r.get("response_tokens", [])]),
         "eval_truncation_rate": _rate([f for r in evals for f in r["finish_reasons"]]),
-        "eval_unscored": eval_gen.get("prompts_in", len(evals)) - len(evals),
+        "eval_unscored": stats["eval_generated.jsonl"].prompts_in - len(evals),
         "eval_unscored_responses": sum(x is None for r in evals for x in r["rewards"]),
         "warnings": [],
     }
     if i >= 1:
-        row.update(_train_metrics(it, i))
+        row.update(_train_metrics(it, i, stats))
     # One stats.json per iteration: every stage's counts.
-    write_json(it / "stats.json", {name: _stats(it / f"{name}.stats.json") for name in
-                                   ("generated.jsonl", "rewards.jsonl", "pairs.jsonl", "model",
-                                    "eval_generated.jsonl", "eval.jsonl")
-                                   if (it / f"{name}.stats.json").exists()})
-    row["stage_seconds"] = {s: _stats(_marker(run_dir, i, s)).get("seconds") for s in STAGES
+    write_json(it / "stats.json", {name: st.model_dump(mode="json") for name, st in stats.items()})
+    # Markers exist only for stages that ran (no train stages in iteration 0).
+    row["stage_seconds"] = {s: read_json(_marker(run_dir, i, s)).get("seconds") for s in STAGES
                             if _marker(run_dir, i, s).exists()}
-    row["hardware"] = _hardware(it)
+    row["hardware"] = _hardware(stats)
     rows = [r for r in (read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else [])
             if r["iteration"] != i]
     rows = sorted([*rows, row], key=lambda r: r["iteration"])
@@ -487,12 +500,13 @@ def metrics(run_dir: Path, i: int) -> dict:
     return row
 
 
-def _hardware(it: Path) -> dict:
-    """``{stage stats file: {device, dtype, threads, cpu_model, cpu_capability, cpu_native_bf16}}``
-    for the stages of iteration folder ``it`` that recorded what they ran on."""
+def _hardware(stats: dict[str, StageStats]) -> dict:
+    """``{stage output: {device, dtype, threads, processes, cpu_model, cpu_capability, cpu_native_bf16}}``
+    for the stages of one iteration (:func:`iteration_stats`) that recorded what they ran on
+    (pairs record nothing; a verifier, remote or judge reward source ran no model here)."""
     out = {}
-    for name in ("generated.jsonl", "rewards.jsonl", "model", "eval_generated.jsonl", "eval.jsonl"):
-        hw = _stats(it / f"{name}.stats.json").get("hardware")
+    for name, st in stats.items():
+        hw = getattr(st, "hardware", None)
         if hw:
             out[name.split(".")[0]] = hw
     return out
@@ -514,12 +528,15 @@ def _hardware_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
-def _train_metrics(it: Path, i: int) -> dict:
-    """The train-side columns of iteration ``i``'s metrics row (generation, rewards, pairs, DPO)."""
+def _train_metrics(it: Path, i: int, stats: dict[str, StageStats]) -> dict:
+    """The train-side columns of iteration ``i``'s metrics row (generation, rewards, pairs, DPO),
+    from the generated records, the pairs file and the stages' stats (:func:`iteration_stats`)."""
     from .pairs import distinct_texts, low_diversity_warning
 
     gen = read_jsonl(it / "generated.jsonl")
-    pairs_stats = _stats(it / "pairs.jsonl.stats.json")
+    pairs_stats: PairsStats = stats["pairs.jsonl"]
+    rewards_stats: RewardStats = stats["rewards.jsonl"]
+    dpo: DPOStats = stats["model"]
     sampled = [r for r in gen if len(r.get("responses", [])) >= 2]
     low = sum(distinct_texts(r["responses"]) < 2 for r in sampled)
     warning = low_diversity_warning(len(sampled), low, f"iteration {i}, generated.jsonl")
@@ -527,13 +544,13 @@ def _train_metrics(it: Path, i: int) -> dict:
         "train_prompts": len(gen),
         # mean reward of this iteration's K rollouts per train prompt (sampled from the policy of
         # iteration i-1, on prompts it has not trained on): the on-policy reward, before DPO.
-        "rollout_reward_mean": _stats(it / "rewards.jsonl.stats.json").get("reward", {}).get("mean"),
+        "rollout_reward_mean": rewards_stats.reward.mean,
         "train_truncation_rate": _rate([f for r in gen for f in r["finish_reasons"]]),
         "train_prompts_fewer_than_2_distinct": low,
         "pairs": sum(1 for _ in open(it / "pairs.jsonl", encoding="utf-8")),
-        "pairs_skipped": pairs_stats.get("skipped", {}),
-        "dpo": {k: v for k, v in _stats(it / "model.stats.json").items()
-                if k in ("train_loss_first", "train_loss_last", "rewards_accuracies_last", "steps")},
+        "pairs_skipped": pairs_stats.skipped,
+        "dpo": {"train_loss_first": dpo.train_loss_first, "train_loss_last": dpo.train_loss_last,
+                "rewards_accuracies_last": dpo.rewards_accuracies_last, "steps": dpo.steps},
         "warnings": [warning] if warning else [],
     }
 

@@ -25,17 +25,17 @@ _GEN_OWNED = {
     "prompts": "set train_prompts (and prompts_per_iteration / train_limit) at the top level",
     "prompt_field": "set prompt_field / eval_prompt_field at the top level",
     "limit": "set prompts_per_iteration or train_limit (train), eval_limit (held-out) at the top level",
-    "output": _FILES, "stats_output": _FILES, "shards_dir": _FILES,
+    "output": _FILES, "shards_dir": _FILES,
     "shard_index": "the launcher sets it for each shard", "num_shards": "set generation_shards at the top level",
 }
 _EVAL_OWNED = {**_GEN_OWNED, "prompts": "set eval_prompts at the top level", "limit": "set eval_limit at the top level",
                "prompt_field": "set eval_prompt_field at the top level"}
-_IO_OWNED = {"input": _FILES, "output": _FILES, "stats_output": _FILES}
+_IO_OWNED = {"input": _FILES, "output": _FILES}
 _LAUNCH = {"num_processes": "set num_processes at the top level (the loop writes it into the stage's config)",
            "launch_profile": "set launch_profile at the top level (the loop writes it into the stage's config)"}
 _DPO_OWNED = {"policy": "set policy= at the top level (later iterations train the previous model)",
               "reference": "set ref_model: initial | previous at the top level",
-              "pairs": _FILES, "output_dir": _FILES, "stats_output": _FILES, **_LAUNCH}
+              "pairs": _FILES, "output_dir": _FILES, **_LAUNCH}
 # loop section -> (stage config class it feeds, keys the loop sets itself -> what to set instead);
 # the keys are those of online_rlhf.stage_configs.LOOP_OWNED (checked by tests/test_loop.py)
 SECTIONS: dict[str, tuple[type[BaseModel], dict[str, str]]] = {

@@ -21,10 +21,12 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections import Counter
 from typing import Any, Optional
 
 from .config import ConfigError
 from .jsonl import DataError
+from .stats import ScoreResult
 
 MAX_EXAMPLES = 5  # example ids kept per cause in the stats
 
@@ -117,14 +119,15 @@ def score_items(url: str, prompts: list[list[dict]], responses: list[str], batch
     return [None if unscored_cause(x) else float(x) for x in raw]
 
 
-def score(records: list[dict], cfg) -> tuple[list[Optional[list[Optional[float]]]], dict]:
+def score(records: list[dict], cfg) -> ScoreResult:
     """``source=remote``: one reward per response from the service at ``cfg.url``.
 
     Returns:
-        (rewards, stats): ``rewards[i]`` aligned with ``records[i]["responses"]``; a response the
-        service gave null, NaN, inf or a non-number for is ``None`` there (the others still count).
-        ``stats["unscored_responses"]`` counts those by cause (``null``, ``nan``, ``inf``,
-        ``not_a_number``) and ``stats["examples"][cause]`` names up to 5 as ``"<id> (response j)"``.
+        :class:`~online_rlhf.stats.ScoreResult`: ``rewards[i]`` aligned with ``records[i]["responses"]``;
+        a response the service gave null, NaN, inf or a non-number for is ``None`` there (the others
+        still count). ``responses_unscored`` counts those by cause (``null``, ``nan``, ``inf``,
+        ``not_a_number``) and ``examples[cause]`` names up to 5 as ``"<id> (response j)"``;
+        ``source_stats`` = ``{"url", "requests"}``. No record is skipped.
     Raises:
         ConfigError / DataError: see :func:`fetch_items`.
     """
@@ -133,19 +136,18 @@ def score(records: list[dict], cfg) -> tuple[list[Optional[list[Optional[float]]
                       [records[ri]["responses"][j] for ri, j in items], cfg.batch_size, cfg.timeout_s,
                       cfg.retries, cfg.retry_backoff_s)
     out: list[Optional[list[Optional[float]]]] = [[] for _ in records]
-    causes: dict[str, int] = {}
+    causes: Counter = Counter()
     examples: dict[str, list[str]] = {}
     for (ri, j), x in zip(items, raw):
         cause = unscored_cause(x)
         out[ri].append(None if cause else float(x))
         if cause:
-            causes[cause] = causes.get(cause, 0) + 1
+            causes[cause] += 1
             ex = examples.setdefault(cause, [])
             if len(ex) < MAX_EXAMPLES:
                 ex.append(f"{records[ri]['id']} (response {j})")
-    stats = {"skipped": {}, "unscored_responses": causes, "examples": examples, "url": cfg.url,
-             "requests": math.ceil(len(items) / cfg.batch_size)}
-    return out, stats
+    return ScoreResult(rewards=out, responses_unscored=causes, examples=examples,
+                       source_stats={"url": cfg.url, "requests": math.ceil(len(items) / cfg.batch_size)})
 
 
 def openai_headers() -> dict:

@@ -30,10 +30,12 @@ label (e.g. FsfairX-LLaMA3-RM, Skywork-Reward): the scalar it outputs at the las
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from typing import Any, Optional, Sequence
 
 from .chat_tokens import chat_token_ids, count_special_texts, messages_have_special_text
 from .config import ConfigError
+from .stats import ScoreResult
 
 # Reasons an item (one prompt + response) cannot be scored; a record with any such item is skipped.
 # (chat_template_error includes chat_tokens.ChatTokenError: a content holding a special-token string that
@@ -277,7 +279,7 @@ def distributed_state():
     return PartialState(cpu=not torch.cuda.is_available() or parse_flag_from_env("ACCELERATE_USE_CPU"))
 
 
-def score(records: list[dict], cfg) -> tuple[list[Optional[list[float]]], dict]:
+def score(records: list[dict], cfg) -> ScoreResult:
     """``source=reward_model``: one reward per response of each generated record.
 
     Runs data-parallel when started by ``accelerate launch`` with N processes: every process must
@@ -288,12 +290,13 @@ def score(records: list[dict], cfg) -> tuple[list[Optional[list[float]]], dict]:
         records: generated records (``prompt``: messages, ``responses``: K strings).
         cfg: ``RewardConfig`` (``reward_model``, ``batch_size``, ``max_length``, ``dtype``).
     Returns:
-        (rewards, stats): ``rewards[i]`` is a list of K floats aligned with
+        :class:`~online_rlhf.stats.ScoreResult`: ``rewards[i]`` is a list of K floats aligned with
         ``records[i]["responses"]``, or ``None`` when one of its inputs could not be rendered
-        (counted in ``stats["skipped"]``). Stats also hold ``truncated_inputs``,
-        ``response_truncated``, ``num_processes``, ``dtype``, ``batch_size``, ``max_length`` and
-        ``special_token_text`` = ``{"prompts": records whose prompt holds a special-token string of
-        the RM's tokenizer, "responses": such responses}`` (scored as text, not dropped).
+        (counted in ``skipped``); ``truncated_inputs``; ``hardware``; ``source_stats`` holds
+        ``response_truncated``, ``num_processes``, ``dtype``, ``batch_size``, ``max_length``,
+        ``exact_batched_pooling`` and ``special_token_text`` = ``{"prompts": records whose prompt holds
+        a special-token string of the RM's tokenizer, "responses": such responses}`` (scored as text,
+        not dropped).
     """
     import torch
     from accelerate.utils import gather_object
@@ -321,22 +324,21 @@ def score(records: list[dict], cfg) -> tuple[list[Optional[list[float]]], dict]:
     for (ri, _), r in zip(items, flat):
         if out[ri] is not None:
             out[ri] = None if r is None else out[ri] + [r]
-    stats: dict[str, Any] = {"skipped": {}, "truncated_inputs": 0, "response_truncated": 0,
-                             "num_processes": state.num_processes, "dtype": str(rm.dtype).replace("torch.", ""),
-                             "batch_size": cfg.batch_size if rm.exact_head else 1, "max_length": rm.max_length,
-                             "exact_batched_pooling": rm.exact_head,
-                             "hardware": describe(rm.device.type, str(rm.dtype).replace("torch.", ""),
-                                                  processes=state.num_processes),
-                             "special_token_text": {
-                                 "prompts": sum(1 for rec in records if messages_have_special_text(rm.tokenizer, rec["prompt"])),
-                                 "responses": count_special_texts(rm.tokenizer, (x for rec in records for x in rec["responses"]))}}
-    if state.is_main_process and any(stats["special_token_text"].values()):
-        print(f"reward model: special-token strings scored as text in {stats['special_token_text']['prompts']} prompts and "
-              f"{stats['special_token_text']['responses']} responses.", file=sys.stderr)
-    for s in all_stats:
-        stats["truncated_inputs"] += s["truncated_inputs"]
-        stats["response_truncated"] += s["response_truncated"]
+    source_stats: dict[str, Any] = {
+        "response_truncated": sum(st["response_truncated"] for st in all_stats),
+        "num_processes": state.num_processes, "dtype": str(rm.dtype).replace("torch.", ""),
+        "batch_size": cfg.batch_size if rm.exact_head else 1, "max_length": rm.max_length,
+        "exact_batched_pooling": rm.exact_head,
+        "special_token_text": {
+            "prompts": sum(1 for rec in records if messages_have_special_text(rm.tokenizer, rec["prompt"])),
+            "responses": count_special_texts(rm.tokenizer, (x for rec in records for x in rec["responses"]))}}
+    special = source_stats["special_token_text"]
+    if state.is_main_process and any(special.values()):
+        print(f"reward model: special-token strings scored as text in {special['prompts']} prompts and "
+              f"{special['responses']} responses.", file=sys.stderr)
     n_bad = sum(1 for r in out if r is None)
-    if n_bad:
-        stats["skipped"][REASON_TEMPLATE] = n_bad
-    return out, stats
+    return ScoreResult(rewards=out, skipped=Counter({REASON_TEMPLATE: n_bad} if n_bad else {}),
+                       truncated_inputs=sum(st["truncated_inputs"] for st in all_stats),
+                       hardware=describe(rm.device.type, str(rm.dtype).replace("torch.", ""),
+                                         processes=state.num_processes),
+                       source_stats=source_stats)

@@ -10,6 +10,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import ConfigDict, Field, create_model, field_validator, model_validator
 
 from .config import StageConfig
+from .stats import stats_path
 
 LaunchProfile = Literal["cpu", "zero2", "zero3"]
 _PROCESSES_DOC = ("processes the stage runs as (`accelerate launch --num_processes`); the stage refuses to start "
@@ -40,7 +41,6 @@ class GenerateConfig(StageConfig):
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per shard for large models")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="GPU only: share of memory vLLM may use")
     kv_cache_gb: float = Field(2.0, gt=0.0, description="CPU only: KV cache size in GiB per shard (an explicit VLLM_CPU_KVCACHE_SPACE wins)")
-    stats_output: Optional[str] = Field(None, description="stats JSON (default: <output>.stats.json)")
     shards_dir: Optional[str] = Field(None, description="launch.py/merge_data.py: folder of shard_XX.jsonl files (default: <output> without .jsonl, e.g. generated.jsonl -> generated/)")
 
     @model_validator(mode="after")
@@ -61,7 +61,6 @@ class RewardConfig(StageConfig):
 
     input: str = Field(..., description="generated.jsonl")
     output: str = Field(..., description="rewards.jsonl")
-    stats_output: Optional[str] = Field(None, description="stats JSON (default: <output>.stats.json)")
     source: Literal["reward_model", "verifier", "remote", "judge"] = Field("verifier", description="where rewards come from")
     # reward_model
     reward_model: Optional[str] = Field(None, description="source=reward_model: AutoModelForSequenceClassification dir or Hub id (one label)")
@@ -102,7 +101,6 @@ class PairsConfig(StageConfig):
 
     input: str = Field(..., description="rewards.jsonl")
     output: str = Field(..., description="pairs.jsonl")
-    stats_output: Optional[str] = Field(None, description="stats JSON (default: <output>.stats.json)")
     strategy: Literal["max_min", "max_random", "random"] = Field("max_min", description="max_min: best vs worst (RLHFlow)")
     min_margin: float = Field(0.0, ge=0.0, description="skip a prompt when chosen - rejected reward <= this (ties always skipped)")
     truncated: Literal["keep", "exclude", "penalize"] = Field("exclude", description="responses with finish_reason 'length'")
@@ -112,7 +110,7 @@ class PairsConfig(StageConfig):
     @model_validator(mode="after")
     def _output_is_not_input(self):
         out = Path(self.output).resolve()
-        if out == Path(self.input).resolve() or (self.stats_output and Path(self.stats_output).resolve() == Path(self.input).resolve()):
+        if Path(self.input).resolve() in (out, stats_path(out)):
             raise ValueError(f"output={self.output} would overwrite the input rewards file; write the pairs to another file")
         return self
 
@@ -124,7 +122,6 @@ class DPOStageConfig(StageConfig):
     reference: Optional[str] = Field(None, description="reference model (dir/Hub id); None = the policy itself")
     pairs: str = Field(..., description="pairs.jsonl")
     output_dir: str = Field(..., description="where the trained checkpoint is saved")
-    stats_output: Optional[str] = Field(None, description="stats JSON (default: <output_dir>.stats.json, beside the checkpoint)")
     train_batch_size: Optional[int] = Field(None, ge=1, description="pairs per optimizer step over all processes (OpenRLHF's name); per_device_train_batch_size = this / (processes x training.gradient_accumulation_steps), so the recipe is the same on 1 or N processes. null: set training.per_device_train_batch_size instead")
     training: dict[str, Any] = Field(default_factory=dict, description="any trl.DPOConfig field (beta, loss_type, learning_rate, max_length, precompute_ref_log_probs, report_to, ...); stage defaults: bf16=false on CPU, precompute_ref_log_probs=true, report_to=none")
     max_prompt_length: Optional[int] = Field(None, ge=1, description="drop (and count) pairs whose prompt has more tokens than this; TRL 1.9 has no prompt truncation. Pairs whose prompt fills training.max_length are always dropped")
@@ -147,13 +144,13 @@ class DPOStageConfig(StageConfig):
 
 # Keys of each stage that the loop's plan sets itself (files, policy, shard layout, processes); the
 # loop's sections cannot set them (``online_rlhf.loop_keys`` says what to set instead).
-_GEN_OWNED = ("model", "prompts", "prompt_field", "limit", "output", "stats_output", "shards_dir", "shard_index", "num_shards")
+_GEN_OWNED = ("model", "prompts", "prompt_field", "limit", "output", "shards_dir", "shard_index", "num_shards")
 LOOP_OWNED: dict[str, tuple[str, ...]] = {
     "generation": _GEN_OWNED,
     "evaluation": _GEN_OWNED,
-    "reward": ("input", "output", "stats_output", "num_processes", "launch_profile"),
-    "pairs": ("input", "output", "stats_output"),
-    "dpo": ("policy", "reference", "pairs", "output_dir", "stats_output", "num_processes", "launch_profile"),
+    "reward": ("input", "output", "num_processes", "launch_profile"),
+    "pairs": ("input", "output"),
+    "dpo": ("policy", "reference", "pairs", "output_dir", "num_processes", "launch_profile"),
 }
 
 
@@ -243,7 +240,6 @@ class SFTStageConfig(StageConfig):
     base_model: str = Field("default", description="policy to fine-tune: dir, HF Hub id or 'default' (embedded SmolLM2-135M-Instruct)")
     dataset: str = Field(..., description="SFT data: local JSONL, one {'messages': [{role, content}, ...]} per line (roles system/user/assistant); checked before Axolotl starts")
     output_dir: str = Field(..., description="where the HF checkpoint is saved (Axolotl trains into <output_dir>.tmp; renamed at the end)")
-    stats_output: Optional[str] = Field(None, description="stats JSON (default: <output_dir>.stats.json, beside the checkpoint)")
     axolotl_config_output: Optional[str] = Field(None, description="where the resolved Axolotl YAML is written (default: <output_dir>.axolotl.yaml)")
     launcher: Literal["python", "accelerate"] = Field("python", description="python: one process (CPU, one GPU); accelerate: `accelerate launch` with num_processes (multi-GPU, DeepSpeed via Axolotl's `deepspeed:` key)")
     num_processes: Optional[int] = Field(None, ge=1, description="launcher=accelerate: processes (default: all visible GPUs, else 1)")
@@ -260,6 +256,5 @@ class SFTDataConfig(StageConfig):
 
     rewards: str = Field(..., description="rewards.jsonl of a run (generated records + 'rewards')")
     output: str = Field(..., description="SFT JSONL: {id, messages: [...prompt, {role: assistant, content: best}], reward}")
-    stats_output: Optional[str] = Field(None, description="stats JSON (default: <output>.stats.json)")
     min_reward: float = Field(1.0, description="keep a prompt only when its best response's reward is >= this (1.0 with verifier rewards in [0, 1]: only fully correct responses)")
     truncated: Literal["exclude", "keep"] = Field("exclude", description="responses with finish_reason 'length': exclude (SFT on them teaches the model not to stop) or keep")

@@ -21,6 +21,7 @@ from .config import ConfigError, deep_merge, load_yaml
 from .paths import PROJECT_ROOT, default_data_dir, default_model_dir
 from .stage_configs import (DPOStageConfig, GenerateConfig, LoopConfig, PairsConfig, RewardConfig, SFTStageConfig,
                             StageConfig)
+from .stats import DPOStats, GenerateStats, PairsStats, RewardStats, SFTStats, StageStats
 
 
 def check_process_count(planned: Optional[int], where: str) -> None:
@@ -170,7 +171,8 @@ class Stage:
         config: the stage's config class.
         inputs / outputs: the config fields naming the files or checkpoint folders the stage reads /
             writes (a field set to null is left out). Inputs' content goes into the freshness hash.
-        stats: the name of the stage's stats class in ``online_rlhf.stats``.
+        stats: the stage's stats class (``online_rlhf.stats``); its file is
+            ``stats_path(<first output>)``, read back through the class by ``loop.metrics``.
         when: ``start`` (iteration 0, before the loop), ``train`` (iterations 1..N) or ``every`` (0..N).
         build: ``(loop config of the iteration, run dir, i) -> config mapping`` (before validation).
         sections: the loop sections the stage's values come from (for the provenance comments).
@@ -185,7 +187,7 @@ class Stage:
     config: type[StageConfig]
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
-    stats: str
+    stats: type[StageStats]
     when: Literal["start", "train", "every"]
     build: Callable[[LoopConfig, Path, int], dict]
     sections: tuple[str, ...] = ()
@@ -206,19 +208,19 @@ class Stage:
 # In the order of one iteration.
 STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("sft", "train", "sft/run_sft.py", "python", SFTStageConfig, ("base_model", "dataset"), ("output_dir",),
-          "SFTStats", "start", _sft, ("sft",), "sft.config", enabled=lambda c: bool(c.sft.get("enabled"))),
+          SFTStats, "start", _sft, ("sft",), "sft.config", enabled=lambda c: bool(c.sft.get("enabled"))),
     Stage("generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"), ("output",),
-          "GenerateStats", "train", _generate, ("generation",)),
+          GenerateStats, "train", _generate, ("generation",)),
     Stage("rewards", "train", "annotate_data/get_rewards.py", "accelerate", RewardConfig, ("input", "reward_model"),
-          ("output",), "RewardStats", "train", _rewards, ("reward",)),
+          ("output",), RewardStats, "train", _rewards, ("reward",)),
     Stage("pairs", "train", "annotate_data/make_pairs.py", "python", PairsConfig, ("input",), ("output",),
-          "PairsStats", "train", _pairs, ("pairs",)),
+          PairsStats, "train", _pairs, ("pairs",)),
     Stage("dpo", "train", "dpo_iteration/run_dpo.py", "accelerate", DPOStageConfig, ("policy", "pairs", "reference"),
-          ("output_dir",), "DPOStats", "train", _dpo, ("dpo",), "dpo_config"),
+          ("output_dir",), DPOStats, "train", _dpo, ("dpo",), "dpo_config"),
     Stage("eval_generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"),
-          ("output",), "GenerateStats", "every", _eval_generate, ("evaluation", "generation")),
+          ("output",), GenerateStats, "every", _eval_generate, ("evaluation", "generation")),
     Stage("eval_rewards", "train", "annotate_data/get_rewards.py", "accelerate", RewardConfig,
-          ("input", "reward_model"), ("output",), "RewardStats", "every", _eval_rewards, ("reward",)),
+          ("input", "reward_model"), ("output",), RewardStats, "every", _eval_rewards, ("reward",)),
 )}
 
 

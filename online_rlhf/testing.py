@@ -187,3 +187,66 @@ class serve_in_thread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+def example_stats(cls, **overrides):
+    """A valid instance of a stage stats class of ``online_rlhf.stats`` with small made-up values
+    (every required key set), ``overrides`` replacing top-level keys: for tests that need a run
+    directory's stats files without running the stages.
+
+    Raises:
+        KeyError: ``cls`` is not a stage stats class of ``online_rlhf.stats``.
+        pydantic.ValidationError: an override of the wrong type or an unknown key.
+    """
+    from . import stats as S
+
+    hw = {"device": "cpu", "dtype": "float32", "threads": 1, "processes": 1, "cpu_model": "test CPU",
+          "cpu_capability": "AVX2", "cpu_native_bf16": False}
+    summary = {"mean": 0.5, "std": 0.1, "min": 0.0, "max": 1.0}
+    gen = {"stage": "generate", "num_shards": 1, "prompts": "prompts.jsonl", "prompts_in": 2, "skipped": {},
+           "skipped_ids": {}, "records_out": 2, "responses": 4, "finish_reasons": {"stop": 4}, "empty_responses": 0,
+           "generated_tokens": 40, "mean_response_tokens": 10.0, "prompts_all_distinct": 2,
+           "mean_distinct_responses": 2.0, "prompts_fewer_than_2_distinct": 0, "warnings": [],
+           "input_fields_replaced": {}, "special_token_text": {"prompts": 0, "responses": 0},
+           "response_ids_differ_from_text": 0, "k": 2, "engine_startup_s": 5.0, "generation_s": 10.0,
+           "generated_tokens_per_s": 4.0, "model": "model"}
+    shard = {"shard_index": 0, "shard_prompts": 2, "records_out": 2, "skipped": {}, "engine_startup_s": 5.0,
+             "generation_s": 10.0, "generated_tokens_per_s": 4.0, "hardware": hw}
+    examples = {
+        S.GenerateShardStats: {**gen, "shard_index": 0, "config_fingerprint": "0" * 16, "shard_prompts": 2,
+                               "max_prompt_tokens": 100, "hardware": hw},
+        S.GenerateStats: {**gen, "hardware": hw, "shards": [shard]},
+        S.RewardStats: {"stage": "get_rewards", "input": "generated.jsonl", "output": "rewards.jsonl",
+                        "source": "verifier", "records_in": 2, "records_scored": 2, "records_skipped": 0,
+                        "skipped": {}, "responses_scored": 4, "responses_unscored": {}, "examples": {},
+                        "truncated_inputs": 0, "reward": summary, "records_all_tied": 0, "source_stats": {},
+                        "warnings": [], "num_processes": 1, "hardware": None, "seconds": 1.0},
+        S.PairsStats: {"stage": "make_pairs", "input": "rewards.jsonl", "output": "pairs.jsonl", "records_in": 2,
+                       "pairs_out": 2, "skipped": {}, "skipped_examples": {}, "responses": {"total": 4},
+                       "prompts_fewer_than_2_distinct": 0, "warnings": [], "reward": summary,
+                       "chosen_reward_mean": 1.0, "rejected_reward_mean": 0.0, "margin_mean": 1.0,
+                       "strategy": "max_min", "min_margin": 0.0, "truncation": {"policy": "exclude", "penalty": None},
+                       "seed": 42, "seconds": 0.5},
+        S.DPOStats: {"stage": "dpo", "policy": "policy", "reference": {"source": "policy", "path": "policy",
+                     "precomputed_log_probs": True, "lora_adapter_disabled": False},
+                     "pairs_file": "pairs.jsonl", "pairs_in": 2, "pairs_used": 2, "pairs_dropped": {},
+                     "dropped_examples": {}, "truncation": {}, "special_token_text": {"prompts": 0, "chosen": 0, "rejected": 0},
+                     "loss_type": ["sigmoid"], "beta": 0.1, "learning_rate": 5e-5, "dtype": {}, "lora": None,
+                     "hardware": hw, "num_processes": 1, "deepspeed_zero_stage": None, "steps": 1,
+                     "train_loss_mean": 0.69, "history": [], "train_loss_first": 0.69, "train_loss_last": 0.69,
+                     "rewards_accuracies_first": 0.0, "rewards_accuracies_last": 0.0, "rewards_margins_first": 0.0,
+                     "rewards_margins_last": 0.0, "output_dir": "model",
+                     "seconds": {"total": 10.0, "model_loading": 1.0, "trainer_init": 2.0, "reference_precompute": 1.0,
+                                 "train_steps": 5.0, "save": 1.0}},
+        S.SFTStats: {"stage": "sft", "base_model": "base", "dataset": "sft.jsonl", "output_dir": "model",
+                     "axolotl_config": "model.axolotl.yaml", "rows_in": 2, "rows_used": 2, "dropped": {}, "steps": 1,
+                     "train_loss_first": 1.0, "train_loss_last": 1.0, "train_losses": [1.0], "train_runtime_s": 1.0,
+                     "seconds_per_step": 1.0, "wall_seconds": 5.0, "launcher": "python", "sequence_len": 512,
+                     "special_token_text": {"rows": 0, "messages": {}}, "hardware": hw, "removed_from_checkpoint": [],
+                     "chat_template_from": "trained checkpoint", "generation_config_from": "base model",
+                     "eos_token": "<|im_end|>", "eos_token_id": 2, "pad_token_id": 2},
+        S.SFTDataStats: {"stage": "build_sft_data", "rewards": "rewards.jsonl", "output": "sft.jsonl", "min_reward": 1.0,
+                         "truncated": "exclude", "prompts_in": 2, "kept": 1, "dropped": {"below_min_reward": 1},
+                         "dropped_examples": {}, "responses_excluded": {}, "kept_reward_mean": 1.0},
+    }
+    return cls.model_validate({**examples[cls], **overrides})

@@ -1,7 +1,8 @@
 """Rule-based rewards: instruction-following constraints (IFEval/IFBench) and math answers.
 
 ``score(records, cfg)`` gives one reward per response of each generated record, or ``None`` for
-a record that cannot be scored, with the reason counted in the returned stats (never a silent 0).
+a record that cannot be scored, with the reason counted in the returned
+:class:`~online_rlhf.stats.ScoreResult` (``skipped``; never a silent 0).
 
 - **ifeval** (records with ``instruction_id_list`` + ``kwargs``): the checkers of ``if-verifiable``
   (IFEval's 25 and IFBench's 58 instruction ids) and its scoring
@@ -32,6 +33,8 @@ import random
 import threading
 from collections import Counter
 from typing import Any
+
+from .stats import ScoreResult
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +182,7 @@ def pick_verifier(record: dict, verifier: str = "auto") -> str:
     raise Unscorable("missing_field")
 
 
-def score(records: list[dict], cfg) -> tuple[list[list[float] | None], dict]:
+def score(records: list[dict], cfg) -> ScoreResult:
     """Rule-based rewards of generated records.
 
     Args:
@@ -188,9 +191,10 @@ def score(records: list[dict], cfg) -> tuple[list[list[float] | None], dict]:
         cfg: a :class:`~online_rlhf.stage_configs.RewardConfig` (``verifier``, ``ifeval_mode``,
             ``ifeval_score``).
     Returns:
-        ``(rewards, stats)``: ``rewards[i]`` is a list of K floats in [0, 1] for record i, or
-        ``None`` when it cannot be scored; ``stats`` =
-        ``{"records", "scored", "by_verifier": {name: n}, "unscorable": {reason: n}}``.
+        :class:`~online_rlhf.stats.ScoreResult`: ``rewards[i]`` is a list of K floats in [0, 1] for
+        record i, or ``None`` when it cannot be scored (counted in ``skipped`` by reason, e.g.
+        ``checker_error:LookupError``; the rewards stage lists their ids);
+        ``source_stats`` = ``{"records", "scored", "by_verifier": {name: n}}`` (+ ``nltk_downloads_refused``).
     """
     out: list[list[float] | None] = []
     by_verifier: Counter = Counter()
@@ -209,8 +213,7 @@ def score(records: list[dict], cfg) -> tuple[list[list[float] | None], dict]:
                 log.debug("record %r unscorable: %s", rec.get("id"), e.__cause__)
             r = None
         out.append(r)
-    stats = {"records": len(records), "scored": sum(r is not None for r in out), "by_verifier": dict(by_verifier),
-             "unscorable": dict(unscorable)}
+    source_stats = {"records": len(records), "scored": sum(r is not None for r in out), "by_verifier": dict(by_verifier)}
     if _skipped_downloads:
-        stats["nltk_downloads_refused"] = sorted(set(_skipped_downloads))
-    return out, stats
+        source_stats["nltk_downloads_refused"] = sorted(set(_skipped_downloads))
+    return ScoreResult(rewards=out, skipped=unscorable, source_stats=source_stats)

@@ -11,6 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 from bench import iteration_breakdown as ib  # noqa: E402
+from online_rlhf.stats import DPOStats, GenerateStats, PairsStats, RewardStats  # noqa: E402
+from online_rlhf.testing import example_stats  # noqa: E402
 
 
 def _w(path: Path, obj) -> None:
@@ -36,13 +38,15 @@ def make_run(tmp_path: Path) -> Path:
                      ("eval_generate", 30), ("eval_rewards", 10)):
         t += s + 2  # 2 s of loop bookkeeping before each stage's marker: 12 s in all
         _marker(it, stage, s, f"2026-01-01T10:{t // 60:02d}:{t % 60:02d}")
-    _w(it / "generated.jsonl.stats.json", {"engine_startup_s": 30.0, "generation_s": 50.0})
-    _w(it / "rewards.jsonl.stats.json", {"seconds": 6.0})
-    _w(it / "pairs.jsonl.stats.json", {"seconds": 0.5})
-    _w(it / "model.stats.json", {"seconds": {"total": 40.0, "model_loading": 4.0, "trainer_init": 9.0,
-                                             "reference_precompute": 5.0, "train_steps": 20.0, "save": 3.0}})
-    _w(it / "eval_generated.jsonl.stats.json", {"engine_startup_s": 20.0, "generation_s": 6.0})
-    _w(it / "eval.jsonl.stats.json", {"seconds": 3.0})
+    # stats files as the stages write them (read back through online_rlhf.stats)
+    example_stats(GenerateStats, engine_startup_s=30.0, generation_s=50.0).write(it / "generated.jsonl.stats.json")
+    example_stats(RewardStats, seconds=6.0).write(it / "rewards.jsonl.stats.json")
+    example_stats(PairsStats, seconds=0.5).write(it / "pairs.jsonl.stats.json")
+    example_stats(DPOStats, seconds={"total": 40.0, "model_loading": 4.0, "trainer_init": 9.0,
+                                     "reference_precompute": 5.0, "train_steps": 20.0, "save": 3.0}
+                  ).write(it / "model.stats.json")
+    example_stats(GenerateStats, engine_startup_s=20.0, generation_s=6.0).write(it / "eval_generated.jsonl.stats.json")
+    example_stats(RewardStats, seconds=3.0).write(it / "eval.jsonl.stats.json")
     return run
 
 
@@ -93,6 +97,24 @@ def test_missing_stats_file_is_named(tmp_path):
     (run / "iter_1" / "model.stats.json").unlink()
     with pytest.raises(ib.BreakdownError, match="model.stats.json"):
         ib.breakdown(run, 1)
+
+
+def test_stats_file_with_a_missing_key_is_named(tmp_path):
+    run = make_run(tmp_path)
+    path = run / "iter_1" / "rewards.jsonl.stats.json"
+    data = json.loads(path.read_text())
+    del data["seconds"]
+    _w(path, data)
+    with pytest.raises(ib.BreakdownError, match=r"rewards\.jsonl\.stats\.json.*missing key 'seconds'"):
+        ib.breakdown(run, 1)
+
+
+def test_a_shard_without_engine_counts_zero_startup(tmp_path):
+    run = make_run(tmp_path)
+    example_stats(GenerateStats, engine_startup_s=None, generation_s=None).write(
+        run / "iter_1" / "generated.jsonl.stats.json")
+    b = ib.breakdown(run, 1)
+    assert b["seconds"]["vllm_startup"] == 0 and b["seconds"]["generation"] == 0
 
 
 def test_default_iteration_is_the_last_with_dpo_done(tmp_path):

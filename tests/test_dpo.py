@@ -23,7 +23,8 @@ from online_rlhf.config import ConfigError  # noqa: E402
 from online_rlhf.jsonl import DataError  # noqa: E402
 from online_rlhf.stage_configs import DPOStageConfig  # noqa: E402
 from online_rlhf.stages import run_dpo  # noqa: E402
-from online_rlhf.testing import chatml_reference_ids, make_tiny_policy  # noqa: E402
+from online_rlhf.testing import chatml_reference_ids, example_stats, make_tiny_policy  # noqa: E402
+from online_rlhf.stats import DPOStats, PairsStats, stats_path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "dpo_iteration" / "run_dpo.py"
@@ -110,7 +111,7 @@ def test_empty_pairs_file_is_a_clear_error(tmp_path, models):
     with pytest.raises(DataError, match="pairs file is empty"):
         run_dpo.main(_cfg(tmp_path, models["p0"], pairs))
     # with make_pairs' stats beside it, the error says why and what to change
-    (tmp_path / "pairs.jsonl.stats.json").write_text('{"skipped": {"tie": 5, "too_few_valid": 1}}')
+    example_stats(PairsStats, pairs_out=0, skipped={"tie": 5, "too_few_valid": 1}).write(stats_path(pairs))
     with pytest.raises(DataError, match=r"make_pairs skipped: tie 5, too_few_valid 1\. .*generation\.k"):
         run_dpo.main(_cfg(tmp_path, models["p0"], pairs))
 
@@ -155,14 +156,14 @@ def test_wandb_report_goes_offline_unless_set(tmp_path, monkeypatch):
 def test_training_separates_chosen_from_rejected(tmp_path, models):
     pairs = _write_pairs(tmp_path / "pairs.jsonl", [_pair(i) for i in range(16)])
     stats = run_dpo.main(_cfg(tmp_path, models["p0"], pairs, training={"num_train_epochs": 3}))
-    assert stats["pairs_in"] == stats["pairs_used"] == 16 and stats["steps"] == 12
-    assert stats["train_loss_first"] == pytest.approx(math.log(2), abs=1e-4)  # reference = policy at step 1
-    assert stats["train_loss_last"] < stats["train_loss_first"] - 0.2
-    assert stats["rewards_accuracies_first"] == 0.0 and stats["rewards_accuracies_last"] == 1.0
-    assert stats["rewards_margins_last"] > 0
-    assert stats["reference"]["source"] == "policy" and stats["reference"]["precomputed_log_probs"]
-    on_disk = json.loads((tmp_path / "model.stats.json").read_text())
-    assert on_disk["steps"] == 12 and on_disk["seconds"]["reference_precompute"] > 0
+    assert stats.pairs_in == stats.pairs_used == 16 and stats.steps == 12
+    assert stats.train_loss_first == pytest.approx(math.log(2), abs=1e-4)  # reference = policy at step 1
+    assert stats.train_loss_last < stats.train_loss_first - 0.2
+    assert stats.rewards_accuracies_first == 0.0 and stats.rewards_accuracies_last == 1.0
+    assert stats.rewards_margins_last > 0
+    assert stats.reference.source == "policy" and stats.reference.precomputed_log_probs
+    on_disk = DPOStats.read(stats_path(tmp_path / "model"))  # the stage's stats round-trip through their class
+    assert on_disk == stats and on_disk.steps == 12 and on_disk.seconds.reference_precompute > 0
 
 
 @pytest.mark.parametrize("loss_type,expected", [
@@ -173,7 +174,7 @@ def test_training_separates_chosen_from_rejected(tmp_path, models):
 def test_loss_type_reaches_trl(tmp_path, models, loss_type, expected):
     pairs = _write_pairs(tmp_path / "pairs.jsonl", [_pair(i) for i in range(4)])
     stats = run_dpo.main(_cfg(tmp_path, models["p0"], pairs, training={"loss_type": loss_type, "max_steps": 1}))
-    assert stats["train_loss_first"] == pytest.approx(expected, rel=1e-4)
+    assert stats.train_loss_first == pytest.approx(expected, rel=1e-4)
 
 
 def test_nll_augmented_loss_adds_the_chosen_nll(tmp_path, models):
@@ -182,8 +183,8 @@ def test_nll_augmented_loss_adds_the_chosen_nll(tmp_path, models):
     stats = run_dpo.main(_cfg(tmp_path, models["p0"], pairs, training={
         "loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 1.0], "max_steps": 1}))
     # a random model's NLL per token over a 512-token vocabulary is about log(512) = 6.2
-    assert stats["train_loss_first"] - math.log(2) > 3.0
-    assert stats["loss_type"] == ["sigmoid", "sft"]
+    assert stats.train_loss_first - math.log(2) > 3.0
+    assert stats.loss_type == ["sigmoid", "sft"]
 
 
 def _completion_logp(model, tok, prompt, completion):
@@ -221,12 +222,12 @@ def test_reference_checkpoint_is_the_one_used(tmp_path, models, precompute):
     with_ref = run_dpo.main(_cfg(tmp_path, models["p1"], pairs, reference=models["p0"], training=training))
     expected = _expected_first_loss(models["p1"], models["p0"], rows, beta=2.0)
     assert abs(expected - math.log(2)) > 0.01  # the check can tell the two references apart
-    assert with_ref["train_loss_first"] == pytest.approx(expected, rel=1e-4)
-    assert with_ref["reference"] == {"source": "explicit", "path": models["p0"],
+    assert with_ref.train_loss_first == pytest.approx(expected, rel=1e-4)
+    assert with_ref.reference.model_dump() == {"source": "explicit", "path": models["p0"],
                                      "precomputed_log_probs": precompute, "lora_adapter_disabled": False}
     same = run_dpo.main(_cfg(tmp_path, models["p1"], pairs, reference=None, training=training))
-    assert same["train_loss_first"] == pytest.approx(math.log(2), abs=1e-5)
-    assert same["reference"]["source"] == "policy"
+    assert same.train_loss_first == pytest.approx(math.log(2), abs=1e-5)
+    assert same.reference.source == "policy"
 
 
 def test_long_prompts_are_dropped_and_truncation_counted(tmp_path, models):
@@ -236,13 +237,13 @@ def test_long_prompts_are_dropped_and_truncation_counted(tmp_path, models):
     rows.append(_pair(21, chosen="same", rejected="same"))
     pairs = _write_pairs(tmp_path / "pairs.jsonl", rows)
     stats = run_dpo.main(_cfg(tmp_path, models["p0"], pairs, training={"max_length": 64, "max_steps": 1}))
-    assert stats["pairs_in"] == 8 and stats["pairs_used"] == 5
-    assert stats["pairs_dropped"] == {"prompt_too_long": 2, "chosen_equals_rejected": 1}
-    assert stats["truncation"]["chosen_truncated"] == 1 and stats["truncation"]["pairs_truncated"] == 1
-    assert stats["dropped_examples"]["chosen_equals_rejected"] == [f"{pairs}:8"]
+    assert stats.pairs_in == 8 and stats.pairs_used == 5
+    assert stats.pairs_dropped == {"prompt_too_long": 2, "chosen_equals_rejected": 1}
+    assert stats.truncation["chosen_truncated"] == 1 and stats.truncation["pairs_truncated"] == 1
+    assert stats.dropped_examples["chosen_equals_rejected"] == [f"{pairs}:8"]
     stats = run_dpo.main(_cfg(tmp_path, models["p0"], pairs, max_prompt_length=100,
                                 training={"max_steps": 1, "max_length": 1024}))
-    assert stats["pairs_dropped"]["prompt_too_long"] == 2 and stats["truncation"]["pairs_truncated"] == 0
+    assert stats.pairs_dropped["prompt_too_long"] == 2 and stats.truncation["pairs_truncated"] == 0
 
 
 # --- token ids: contents are text (issue #17) ------------------------------------------------------
@@ -300,10 +301,10 @@ def test_trainer_gets_special_token_strings_as_text(tmp_path, models, monkeypatc
     got = [[int(i) for i, m in zip(ids, mask) if m] for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
     assert got == [expected_inputs[0], expected_inputs[2], expected_inputs[1], expected_inputs[3]]
     # length checks count the same ids; stats and log say how many texts held special-token strings
-    assert stats["truncation"]["sequence_tokens_max"] == max(len(x) for x in expected_inputs)
-    assert stats["truncation"]["prompt_tokens_max"] == len(ds[0]["prompt_ids"])
-    assert stats["special_token_text"] == {"prompts": 1, "chosen": 1, "rejected": 0}
-    assert stats["pairs_used"] == 2 and stats["pairs_dropped"] == {}
+    assert stats.truncation["sequence_tokens_max"] == max(len(x) for x in expected_inputs)
+    assert stats.truncation["prompt_tokens_max"] == len(ds[0]["prompt_ids"])
+    assert stats.special_token_text == {"prompts": 1, "chosen": 1, "rejected": 0}
+    assert stats.pairs_used == 2 and stats.pairs_dropped == {}
 
 
 def test_pair_whose_special_text_the_template_rewrites_is_dropped_and_counted(tmp_path, models):
@@ -317,8 +318,8 @@ def test_pair_whose_special_text_the_template_rewrites_is_dropped_and_counted(tm
     rows = [_pair(i) for i in range(3)] + [_pair(3, chosen="yes <|im_end|>")]
     pairs = _write_pairs(tmp_path / "pairs.jsonl", rows)
     stats = run_dpo.main(_cfg(tmp_path, str(policy), pairs, training={"max_steps": 1}))
-    assert stats["pairs_used"] == 3 and stats["pairs_dropped"] == {"special_text_not_tokenizable": 1}
-    (example,) = stats["dropped_examples"]["special_text_not_tokenizable"]
+    assert stats.pairs_used == 3 and stats.pairs_dropped == {"special_text_not_tokenizable": 1}
+    (example,) = stats.dropped_examples["special_text_not_tokenizable"]
     assert example.startswith(f"{pairs}:4 (") and "changes the content of message 0" in example
 
 
@@ -375,7 +376,7 @@ def test_lora_is_merged_into_a_plain_checkpoint(tmp_path, models):
     pairs = _write_pairs(tmp_path / "pairs.jsonl", [_pair(i) for i in range(8)])
     lora = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
     stats = run_dpo.main(_cfg(tmp_path, models["p0"], pairs, lora=lora, training={"max_steps": 2}))
-    assert stats["reference"]["lora_adapter_disabled"]
+    assert stats.reference.lora_adapter_disabled
     out = tmp_path / "model"
     assert not list(out.glob("adapter*")), sorted(p.name for p in out.iterdir())
     merged = AutoModelForCausalLM.from_pretrained(out)

@@ -19,10 +19,11 @@ from types import SimpleNamespace
 import pytest
 
 from online_rlhf.config import ConfigError
-from online_rlhf.jsonl import DataError, read_json, read_jsonl, write_json, write_jsonl
+from online_rlhf.jsonl import DataError, read_jsonl, write_jsonl
 from online_rlhf.stage_configs import GenerateConfig
 from online_rlhf.stages import generate, launch, merge_data
-from online_rlhf.testing import chatml_reference_ids, make_tiny_policy, make_tiny_tokenizer
+from online_rlhf.stats import GenerateShardStats, GenerateStats, stats_path
+from online_rlhf.testing import chatml_reference_ids, example_stats, make_tiny_policy, make_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 GEN_DIR = ROOT / "generation"  # the stage's entry scripts
@@ -202,8 +203,8 @@ def test_records_have_k_responses_finish_reasons_and_task_fields(policy, tmp_pat
     assert recs[0]["answer"] == "1" and recs[2]["prompt"][-1]["content"] == NON_ASCII
     assert calls[0]["seed"] == cfg.seed + 1 and 2 in calls[0]["stop_ids"]
     assert all(ids.count(BOS_ID) == 1 for ids in calls[0]["prompt_ids"])
-    assert stats["finish_reasons"] == {"length": 3, "stop": 6} and stats["records_out"] == 3
-    assert stats["prompts_all_distinct"] == 3 and stats["mean_response_tokens"] == 4.0
+    assert stats.finish_reasons == {"length": 3, "stop": 6} and stats.records_out == 3
+    assert stats.prompts_all_distinct == 3 and stats.mean_response_tokens == 4.0
 
 
 def test_stats_count_special_token_text_and_the_engine_gets_it_as_text(policy, tmp_path, monkeypatch):
@@ -213,17 +214,17 @@ def test_stats_count_special_token_text_and_the_engine_gets_it_as_text(policy, t
     stats = generate.main(_cfg(tmp_path, prompts, policy, k=2))
     tok = make_tiny_tokenizer()
     assert calls[0]["prompt_ids"][2] == chatml_reference_ids(tok, [{"role": "user", "content": INJECTED}], True, bos=True)
-    assert stats["special_token_text"] == {"prompts": 1, "responses": 3}
-    assert stats["response_ids_differ_from_text"] == 6  # the fake's token ids are not its texts'
-    assert read_json(str(tmp_path / "gen" / "shard_00.jsonl") + ".stats.json")["special_token_text"] == stats["special_token_text"]
+    assert stats.special_token_text == {"prompts": 1, "responses": 3}
+    assert stats.response_ids_differ_from_text == 6  # the fake's token ids are not its texts'
+    assert GenerateShardStats.read(stats_path(tmp_path / "gen" / "shard_00.jsonl")) == stats  # round-trips
 
 
 def test_over_long_prompts_are_counted_and_no_engine_starts(policy, tmp_path, monkeypatch):
     monkeypatch.setattr(generate, "run_engine", lambda *a, **k: pytest.fail("engine started with nothing to do"))
     prompts = write_prompts(tmp_path / "p.jsonl", 0, [{"id": "long", "prompt": "The quick brown fox " * 60}])
     stats = generate.main(_cfg(tmp_path, prompts, policy, max_model_len=64, max_tokens=16))
-    assert stats["skipped"] == {"too_long": 1} and stats["skipped_ids"] == {"long": "too_long"}
-    assert stats["records_out"] == 0 and read_jsonl(tmp_path / "gen" / "shard_00.jsonl") == []
+    assert stats.skipped == {"too_long": 1} and stats.skipped_ids == {"long": "too_long"}
+    assert stats.records_out == 0 and read_jsonl(tmp_path / "gen" / "shard_00.jsonl") == []
 
 
 def test_resume_skips_a_complete_shard(policy, tmp_path, monkeypatch, capsys):
@@ -265,8 +266,8 @@ def test_stats_warn_when_most_prompts_have_fewer_than_two_distinct_responses(pol
 
     monkeypatch.setattr(generate, "run_engine", same_text)
     stats = generate.main(_cfg(tmp_path, write_prompts(tmp_path / "p.jsonl", 3), policy))
-    assert stats["prompts_fewer_than_2_distinct"] == 3
-    assert stats["warnings"] == [generate.low_diversity_warning(3, 3, "generation")]
+    assert stats.prompts_fewer_than_2_distinct == 3
+    assert stats.warnings == [generate.low_diversity_warning(3, 3, "generation")]
     assert "WARNING: shard 0/1: generation: 3 of 3 prompts have fewer than 2 distinct" in capsys.readouterr().err
 
 
@@ -296,10 +297,10 @@ def fake_shards(tmp_path: Path, prompts: Path, w: int, skipped: dict[str, str] =
                 for p in rows[r::w] if p["id"] not in skipped]
         path = merge_data.shard_path(shards_dir, r)
         write_jsonl(path, recs)
-        write_json(str(path) + ".stats.json", {
-            "shard_index": r, "num_shards": w, "generation_s": 1.0 + r, "engine_startup_s": 20.0,
-            "special_token_text": {"prompts": r, "responses": 2 * r}, "response_ids_differ_from_text": 1,
-            "skipped_ids": {i: why for i, why in skipped.items() if i in {p["id"] for p in rows[r::w]}}})
+        example_stats(GenerateShardStats,
+            shard_index=r, num_shards=w, generation_s=1.0 + r, engine_startup_s=20.0,
+            special_token_text={"prompts": r, "responses": 2 * r}, response_ids_differ_from_text=1,
+            skipped_ids={i: why for i, why in skipped.items() if i in {p["id"] for p in rows[r::w]}}).write(stats_path(path))
     return GenerateConfig.from_dict({"prompts": str(prompts), "output": str(tmp_path / "generated.jsonl"),
                                      "num_shards": w, "k": 2})
 
@@ -310,12 +311,13 @@ def test_merge_keeps_prompt_order_and_counts_skipped(tmp_path, w):
     cfg = fake_shards(tmp_path, prompts, w, skipped={"p4": "too_long"})
     stats = merge_data.merge_shards(cfg)
     assert [r["id"] for r in read_jsonl(cfg.output)] == ["p0", "p1", "p2", "p3", "p5", "p6"]
-    assert stats["skipped"] == {"too_long": 1} and stats["records_out"] == 6
-    assert stats["finish_reasons"] == {"length": 6, "stop": 6}
-    assert read_json(str(cfg.output) + ".stats.json")["prompts_in"] == 7
+    assert stats.skipped == {"too_long": 1} and stats.records_out == 6
+    assert stats.finish_reasons == {"length": 6, "stop": 6}
+    assert GenerateStats.read(stats_path(cfg.output)) == stats and stats.prompts_in == 7
+    assert [sh.shard_index for sh in stats.shards] == list(range(w)) and stats.generation_s == float(w)
     n = sum(range(w))  # shard r reported r prompts and 2r responses with special-token strings
-    assert stats["special_token_text"] == {"prompts": n, "responses": 2 * n}
-    assert stats["response_ids_differ_from_text"] == w
+    assert stats.special_token_text == {"prompts": n, "responses": 2 * n}
+    assert stats.response_ids_differ_from_text == w
 
 
 def test_merge_fails_on_a_missing_shard_file(tmp_path):
@@ -532,12 +534,14 @@ def test_vllm_engine_received_one_bos(vllm_run):
 
 @pytest.mark.vllm
 def test_vllm_stats_count_skipped_and_timings(vllm_run):
-    stats = read_json(str(vllm_run.out) + ".stats.json")
-    assert stats["skipped"] == {"too_long": 1} and stats["skipped_ids"] == {"long": "too_long"}
-    assert stats["prompts_in"] == 7 and stats["records_out"] == 6 and stats["responses"] == 18
-    assert sum(stats["finish_reasons"].values()) == 18
-    assert stats["engine_startup_s"] > 0 and stats["generated_tokens_per_s"] > 0
-    assert [s["records_out"] for s in stats["shards"]] == [3, 3]
+    stats = GenerateStats.read(stats_path(vllm_run.out))  # the merged stats round-trip through their class
+    for r in range(2):  # and so do the shards'
+        assert GenerateShardStats.read(stats_path(merge_data.shard_path(vllm_run.dir / "generated", r))).shard_index == r
+    assert stats.skipped == {"too_long": 1} and stats.skipped_ids == {"long": "too_long"}
+    assert stats.prompts_in == 7 and stats.records_out == 6 and stats.responses == 18
+    assert sum(stats.finish_reasons.values()) == 18
+    assert stats.engine_startup_s > 0 and stats.generated_tokens_per_s > 0
+    assert [s.records_out for s in stats.shards] == [3, 3]
     assert (vllm_run.dir / "generated" / "shard_01.log").is_file()
 
 
@@ -598,6 +602,6 @@ def test_vllm_injected_prompt_reaches_the_engine_as_text(tmp_path):
     tok = AutoTokenizer.from_pretrained(model)
     reference = chatml_reference_ids(tok, [{"role": "user", "content": INJECTED}], add_generation_prompt=True, bos=True)
     assert rec["prompt_tokens"] == len(reference)  # vLLM's own count of the prompt ids it received
-    stats = read_json(str(out) + ".stats.json")
-    assert stats["special_token_text"]["prompts"] == 1
-    assert 0 <= stats["response_ids_differ_from_text"] <= 2
+    stats = GenerateStats.read(stats_path(out))
+    assert stats.special_token_text["prompts"] == 1
+    assert 0 <= stats.response_ids_differ_from_text <= 2

@@ -155,8 +155,8 @@ def test_dpo_bf16_autocast_first_loss_is_within_tolerance_of_fp32(tmp_path, monk
                              output_dir=str(tmp_path / f"m{flag}"), train_batch_size=4,
                              training={"max_steps": 1, "beta": 2.0, "max_length": 128, "learning_rate": 1e-4})
         stats = run_dpo.main(cfg)
-        assert stats["hardware"]["dtype"] == ("float32 + bf16 autocast" if flag == "1" else "float32")
-        losses[flag] = stats["train_loss_first"]
+        assert stats.hardware["dtype"] == ("float32 + bf16 autocast" if flag == "1" else "float32")
+        losses[flag] = stats.train_loss_first
     assert abs(losses["0"] - 0.6931) > 0.01, losses  # the two models differ: the loss is not log(2)
     assert losses["1"] == pytest.approx(losses["0"], abs=0.02), losses
 

@@ -12,8 +12,9 @@ pytest.importorskip("requests")
 
 from online_rlhf import judge  # noqa: E402
 from online_rlhf.config import ConfigError  # noqa: E402
-from online_rlhf.jsonl import read_json, read_jsonl, write_jsonl  # noqa: E402
+from online_rlhf.jsonl import read_jsonl, write_jsonl  # noqa: E402
 from online_rlhf.stage_configs import RewardConfig  # noqa: E402
+from online_rlhf.stats import RewardStats, stats_path  # noqa: E402
 from online_rlhf.testing import serve_in_thread  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -80,17 +81,19 @@ def test_rewards_are_win_rates():
     recs = [{"id": "0", "prompt": PROMPT, "responses": ["bb", "a", "dddd", "ccc"]},
             {"id": "1", "prompt": PROMPT, "responses": ["long answer", "short"]}]
     with serve_in_thread(app) as url:
-        rewards, stats = judge.score(recs, _cfg(url + "/v1"))
+        res = judge.score(recs, _cfg(url + "/v1"))
+        rewards, stats = res.rewards, res
     assert rewards == [[1 / 3, 0.0, 1.0, 2 / 3], [1.0, 0.0]]
-    assert stats["requests"] == 12 + 2 and stats["unparsed_verdicts"] == 0 and stats["position_agreement"] == 1.0
+    assert stats.source_stats["requests"] == 12 + 2 and stats.source_stats["unparsed_verdicts"] == 0 and stats.source_stats["position_agreement"] == 1.0
 
 
 def test_position_bias_cancels_out():
     app = fake_judge("first")
     with serve_in_thread(app) as url:
-        rewards, stats = judge.score([{"id": "0", "prompt": PROMPT, "responses": ["x", "yy", "zzz"]}], _cfg(url + "/v1"))
+        res = judge.score([{"id": "0", "prompt": PROMPT, "responses": ["x", "yy", "zzz"]}], _cfg(url + "/v1"))
+        rewards, stats = res.rewards, res
     assert rewards == [[0.5, 0.5, 0.5]]
-    assert stats["position_agreement"] == 0.0
+    assert stats.source_stats["position_agreement"] == 0.0
 
 
 def test_identical_responses_tie_without_asking_and_single_response_is_skipped():
@@ -98,33 +101,36 @@ def test_identical_responses_tie_without_asking_and_single_response_is_skipped()
     recs = [{"id": "0", "prompt": PROMPT, "responses": ["same", "same", "much longer"]},
             {"id": "1", "prompt": PROMPT, "responses": ["alone"]}]
     with serve_in_thread(app) as url:
-        rewards, stats = judge.score(recs, _cfg(url + "/v1"))
+        res = judge.score(recs, _cfg(url + "/v1"))
+        rewards, stats = res.rewards, res
     assert ("same", "same") not in app.state.seen and len(app.state.seen) == 4
     assert rewards == [[0.25, 0.25, 1.0], None]
-    assert stats["skipped"] == {"single_response": 1} and stats["identical_pairs_not_asked"] == 1
+    assert stats.skipped == {"single_response": 1} and stats.source_stats["identical_pairs_not_asked"] == 1
 
 
 @pytest.mark.parametrize("rule", ["garbage", "two_verdicts"])
 def test_unparsable_verdicts_are_counted_and_never_scored(rule):
     app = fake_judge(rule)
     with serve_in_thread(app) as url:
-        rewards, stats = judge.score([{"id": "0", "prompt": PROMPT, "responses": ["x", "yy"]}], _cfg(url + "/v1"))
+        res = judge.score([{"id": "0", "prompt": PROMPT, "responses": ["x", "yy"]}], _cfg(url + "/v1"))
+        rewards, stats = res.rewards, res
     assert rewards == [[None, None]]  # no tie invented: neither response has a scored comparison
-    assert stats["unparsed_verdicts"] == 2 and stats["verdicts"] == {"A": 0, "B": 0, "tie": 0}
-    assert stats["unscored_responses"] == {"no_scored_comparison": 2}
-    assert stats["examples"]["unparsed_verdicts"] == ["0 (A=response 0, B=response 1)", "0 (A=response 1, B=response 0)"]
+    assert stats.source_stats["unparsed_verdicts"] == 2 and stats.source_stats["verdicts"] == {"A": 0, "B": 0, "tie": 0}
+    assert stats.responses_unscored == {"no_scored_comparison": 2}
+    assert stats.examples["unparsed_verdicts"] == ["0 (A=response 0, B=response 1)", "0 (A=response 1, B=response 0)"]
 
 
 def test_failed_calls_are_counted_and_never_scored():
     app = fake_judge("fail_x")  # every request showing "x" as A fails
     with serve_in_thread(app) as url:
-        rewards, stats = judge.score([{"id": "r", "prompt": PROMPT, "responses": ["x", "yy", "zzz"]}], _cfg(url + "/v1"))
+        res = judge.score([{"id": "r", "prompt": PROMPT, "responses": ["x", "yy", "zzz"]}], _cfg(url + "/v1"))
+        rewards, stats = res.rewards, res
     # x: only its two games as B count (both lost); yy: lost to zzz twice, beat x once; zzz won all four
     assert rewards == [[0.0, 1 / 3, 1.0]]
-    assert stats["failed_calls"] == 2 and stats["unparsed_verdicts"] == 0 and stats["requests"] == 6
-    assert [e.split(":")[0] for e in stats["examples"]["failed_calls"]] == ["r (A=response 0, B=response 1)",
+    assert stats.source_stats["failed_calls"] == 2 and stats.source_stats["unparsed_verdicts"] == 0 and stats.source_stats["requests"] == 6
+    assert [e.split(":")[0] for e in stats.examples["failed_calls"]] == ["r (A=response 0, B=response 1)",
                                                                            "r (A=response 0, B=response 2)"]
-    assert "HTTP 400" in stats["examples"]["failed_calls"][0]
+    assert "HTTP 400" in stats.examples["failed_calls"][0]
 
 
 def test_every_call_failing_stops_the_stage_naming_the_endpoint():
@@ -154,5 +160,6 @@ def test_get_rewards_with_judge_source(tmp_path):
         mod.main(cfg)
     out = read_jsonl(tmp_path / "rewards.jsonl")
     assert [(r["id"], r["rewards"]) for r in out] == [("0", [0.0, 1.0, 0.5]), ("1", [0.0, 1.0])]
-    stats = read_json(tmp_path / "rewards.jsonl.stats.json")
-    assert stats["skipped"] == {"single_response": 1} and stats["records_in"] == 3
+    stats = RewardStats.read(stats_path(cfg.output))  # the stage's stats round-trip through their class
+    assert stats.skipped == {"single_response": 1} and stats.records_in == 3
+    assert stats.source_stats["judge_model"] == cfg.judge_model and stats.hardware is None

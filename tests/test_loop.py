@@ -9,6 +9,8 @@ import yaml
 from online_rlhf import loop
 from online_rlhf.config import ConfigError
 from online_rlhf.jsonl import read_json, read_jsonl, write_json, write_jsonl
+from online_rlhf.stats import DPOStats, GenerateStats, PairsStats, RewardStats
+from online_rlhf.testing import example_stats
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -293,29 +295,69 @@ def _eval_file(path: Path, rewards: list[float]) -> None:
                         "rewards": [r], "reward_source": "verifier"} for j, r in enumerate(rewards)])
 
 
+def _write_stage_stats(it: Path, i: int, eval_prompts: int, rollout_mean: float | None = 0.5) -> None:
+    """The stats files the stages of iteration ``i`` write (train stages for i >= 1, evaluation always)."""
+    example_stats(GenerateStats, prompts_in=eval_prompts).write(it / "eval_generated.jsonl.stats.json")
+    example_stats(RewardStats).write(it / "eval.jsonl.stats.json")
+    if i >= 1:
+        example_stats(GenerateStats).write(it / "generated.jsonl.stats.json")
+        summary = {"mean": rollout_mean, "std": None, "min": None, "max": None}
+        example_stats(RewardStats, reward=summary).write(it / "rewards.jsonl.stats.json")
+        example_stats(PairsStats, skipped={"tie": 1}).write(it / "pairs.jsonl.stats.json")
+        example_stats(DPOStats, steps=3, train_loss_first=0.7, train_loss_last=0.5).write(it / "model.stats.json")
+
+
 def test_metrics_and_report(small_cfg):
     run_dir = loop.plan(None, small_cfg)
     _eval_file(run_dir / "iter_0" / "eval.jsonl", [0.0, 0.5, 1.0, 0.5])
+    _write_stage_stats(run_dir / "iter_0", 0, eval_prompts=5)
     row0 = loop.metrics(run_dir, 0)
     assert row0["eval_reward_mean"] == pytest.approx(0.5)
     lo, hi = row0["eval_reward_ci95"]
     assert lo < 0.5 < hi and row0["eval_truncation_rate"] == 0.25
+    assert row0["eval_unscored"] == 1  # 5 held-out prompts generated for, 4 scored
+    assert set(read_json(run_dir / "iter_0" / "stats.json")) == {"eval_generated.jsonl", "eval.jsonl"}
     it = run_dir / "iter_1"
     _eval_file(it / "eval.jsonl", [1.0, 1.0, 1.0, 0.0])
     write_jsonl(it / "generated.jsonl", [{"id": "p0", "finish_reasons": ["stop", "length"]}])
     write_jsonl(it / "pairs.jsonl", [{"id": "p0"}, {"id": "p1"}])
-    write_json(it / "rewards.jsonl.stats.json", {"reward": {"mean": 0.3125}})
+    _write_stage_stats(it, 1, eval_prompts=4, rollout_mean=0.3125)
     loop.metrics(run_dir, 1)
     loop.metrics(run_dir, 1)  # rerun replaces the row, never duplicates it
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["iteration"] for r in rows] == [0, 1]
     assert rows[1]["pairs"] == 2 and rows[1]["eval_reward_mean"] == pytest.approx(0.75)
     assert rows[1]["rollout_reward_mean"] == 0.3125 and "rollout_reward_mean" not in rows[0]
+    assert rows[1]["pairs_skipped"] == {"tie": 1} and rows[1]["eval_unscored"] == 0
+    assert rows[1]["dpo"] == {"train_loss_first": 0.7, "train_loss_last": 0.5, "rewards_accuracies_last": 0.0, "steps": 3}
+    assert rows[1]["hardware"]["model"]["device"] == "cpu" and "rewards" not in rows[1]["hardware"]
     md = loop.report(run_dir)
     text = md.read_text()
     assert "| 0 | 0.5000" in text and "| 1 | 0.7500" in text and "| 0.3125 | 2 |" in text
     assert (run_dir / "report.png").read_bytes()[:4] == b"\x89PNG"
-    assert (it / "stats.json").is_file()
+    stats = read_json(it / "stats.json")
+    assert set(stats) == {"generated.jsonl", "rewards.jsonl", "pairs.jsonl", "model", "eval_generated.jsonl", "eval.jsonl"}
+    assert DPOStats.model_validate(stats["model"]).steps == 3
+
+
+def test_metrics_refuse_a_missing_or_bad_stats_file(small_cfg, capsys):
+    run_dir = loop.plan(None, small_cfg)
+    it = run_dir / "iter_1"
+    _eval_file(it / "eval.jsonl", [1.0, 0.0])
+    write_jsonl(it / "generated.jsonl", [{"id": "p0", "responses": ["a", "b"], "finish_reasons": ["stop", "stop"]}])
+    write_jsonl(it / "pairs.jsonl", [{"id": "p0"}])
+    _write_stage_stats(it, 1, eval_prompts=2)
+    (it / "model.stats.json").unlink()  # DPO never ran: iteration 1 has no metrics row
+    with pytest.raises(FileNotFoundError, match=r"model\.stats\.json"):
+        loop.metrics(run_dir, 1)
+    bad = example_stats(DPOStats).model_dump(mode="json")
+    bad["train_loss_final"] = bad.pop("train_loss_last")  # a renamed key
+    write_json(it / "model.stats.json", bad)
+    capsys.readouterr()
+    assert loop.main(["metrics", str(run_dir), "1"]) == 2
+    err = capsys.readouterr().err
+    assert "model.stats.json" in err and "missing key 'train_loss_last'" in err
+    assert "unknown key 'train_loss_final'" in err and "run_dpo.py" in err
 
 
 def test_metrics_leave_out_unscored_and_warn_on_identical_train_responses(small_cfg, capsys):
@@ -328,6 +370,7 @@ def test_metrics_leave_out_unscored_and_warn_on_identical_train_responses(small_
                                          for j in range(3)] + [{"id": "p3", "responses": ["a", "b"],
                                                                  "finish_reasons": ["stop"] * 2}])
     write_jsonl(it / "pairs.jsonl", [{"id": "p3"}])
+    _write_stage_stats(it, 1, eval_prompts=3)
     capsys.readouterr()
     assert loop.main(["metrics", str(run_dir), "1"]) == 0
     row = read_jsonl(run_dir / "metrics.jsonl")[0]
@@ -442,6 +485,8 @@ def test_report_logs_iterations_to_wandb_offline(small_cfg, monkeypatch):
     _eval_file(run_dir / "iter_1" / "eval.jsonl", [1.0, 0.5])
     write_jsonl(run_dir / "iter_1" / "generated.jsonl", [{"id": "p0", "finish_reasons": ["stop", "stop"]}])
     write_jsonl(run_dir / "iter_1" / "pairs.jsonl", [{"id": "p0"}, {"id": "p1"}, {"id": "p2"}])
+    _write_stage_stats(run_dir / "iter_0", 0, eval_prompts=2)
+    _write_stage_stats(run_dir / "iter_1", 1, eval_prompts=2)
     loop.metrics(run_dir, 0)
     loop.metrics(run_dir, 1)
     loop.report(run_dir)

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from online_rlhf.jsonl import DataError, read_json, write_jsonl
+from online_rlhf.jsonl import DataError, write_jsonl
 from online_rlhf.pairs import build_pairs, make_pair
 from online_rlhf.records import validate_pair
+from online_rlhf.stats import PairsStats, stats_path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = [{"role": "user", "content": "Say hi."}]
@@ -96,7 +97,8 @@ def test_stage_prints_the_low_diversity_warning(tmp_path):
                           f"output={tmp_path / 'pairs.jsonl'}"], capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 0, res.stderr
     assert "WARNING: make_pairs: 3 of 3 prompts have fewer than 2 distinct responses" in res.stderr
-    assert read_json(tmp_path / "pairs.jsonl.stats.json")["skipped"] == {"identical_responses": 3}
+    stats = PairsStats.read(stats_path(tmp_path / "pairs.jsonl"))
+    assert stats.skipped == {"identical_responses": 3} and stats.warnings
 
 
 def test_null_reward_leaves_out_that_response_only():
@@ -185,8 +187,9 @@ def test_stage_output_loads_with_datasets(tmp_path):
     res = subprocess.run([sys.executable, str(ROOT / "annotate_data" / "make_pairs.py"), f"input={src}",
                           f"output={out}"], capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 0, res.stderr
-    stats = read_json(f"{out}.stats.json")
-    assert (stats["records_in"], stats["pairs_out"], stats["skipped"]) == (3, 2, {"tie": 1})
+    stats = PairsStats.read(stats_path(out))  # the stage's stats round-trip through their class
+    assert (stats.records_in, stats.pairs_out, stats.skipped) == (3, 2, {"tie": 1})
+    assert stats.truncation.policy == "exclude" and stats.reward.max == 1.0
     ds = datasets.load_dataset("json", data_files=str(out), split="train")
     assert ds.column_names == ["id", "prompt", "chosen", "rejected", "chosen_reward", "rejected_reward"]
     assert ds[0]["chosen"] == [{"role": "assistant", "content": "response 1"}]

@@ -15,10 +15,11 @@ requests = pytest.importorskip("requests")
 pytest.importorskip("torch")
 
 from online_rlhf.config import ConfigError  # noqa: E402
-from online_rlhf.jsonl import DataError, read_json, read_jsonl, write_jsonl  # noqa: E402
+from online_rlhf.jsonl import DataError, read_jsonl, write_jsonl  # noqa: E402
 from online_rlhf.remote import score_items  # noqa: E402
 from online_rlhf.reward_model import RewardModel  # noqa: E402
 from online_rlhf.stage_configs import RewardConfig  # noqa: E402
+from online_rlhf.stats import RewardStats, stats_path  # noqa: E402
 from online_rlhf.testing import free_port, make_tiny_reward_model, serve_in_thread  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -99,8 +100,8 @@ def test_get_rewards_with_remote_source(server, rm_dir, tmp_path):
     for rec in out:
         assert rec["reward_source"] == "remote"
         assert rec["rewards"] == pytest.approx(rm.score([rec["prompt"]] * 3, rec["responses"])[0], abs=1e-5)
-    stats = read_json(tmp_path / "rewards.jsonl.stats.json")
-    assert stats["records_scored"] == 3 and stats["source_stats"]["requests"] == 5  # 9 items, 2 per request
+    stats = RewardStats.read(stats_path(cfg.output))  # the stage's stats round-trip through their class
+    assert stats.records_scored == 3 and stats.source_stats["requests"] == 5  # 9 items, 2 per request
 
 
 def _flaky_app(failures: int):
@@ -169,10 +170,11 @@ def test_bad_values_leave_out_only_their_response_counted_by_cause():
             {"id": "b", "prompt": PROMPTS[0], "responses": ["inf", "-inf", "null", "text"]}]
     with serve_in_thread(_bad_values_app()) as url:
         cfg = RewardConfig(input="x", output="y", source="remote", url=url, retries=0)
-        rewards, stats = remote.score(recs, cfg)
+        res = remote.score(recs, cfg)
+        rewards, stats = res.rewards, res
     assert rewards == [[1.2, None, 1.4], [None, None, None, None]]
-    assert stats["unscored_responses"] == {"nan": 1, "inf": 2, "null": 1, "not_a_number": 1}
-    assert stats["examples"] == {"nan": ["a (response 1)"], "inf": ["b (response 0)", "b (response 1)"],
+    assert stats.responses_unscored == {"nan": 1, "inf": 2, "null": 1, "not_a_number": 1}
+    assert stats.examples == {"nan": ["a (response 1)"], "inf": ["b (response 0)", "b (response 1)"],
                                  "null": ["b (response 2)"], "not_a_number": ["b (response 3)"]}
 
 
@@ -186,6 +188,7 @@ def test_get_rewards_keeps_the_scored_responses_of_a_record_with_a_nan(tmp_path)
         stats = _load_script("get_rewards").main(cfg)
     out = read_jsonl(tmp_path / "rewards.jsonl")
     assert [(r["id"], r["rewards"]) for r in out] == [("a", [1.2, None, 1.4]), ("c", [1.1, 1.2])]
-    assert stats["responses_scored"] == 4 and stats["responses_unscored"] == {"nan": 1, "null": 1, "inf": 1}
-    assert stats["skipped"] == {"all_responses_unscored": 1} and stats["examples"]["all_responses_unscored"] == ["b"]
-    assert stats["examples"]["nan"] == ["a (response 1)"] and stats["reward"]["min"] == 1.1
+    assert stats.responses_scored == 4 and stats.responses_unscored == {"nan": 1, "null": 1, "inf": 1}
+    assert stats.skipped == {"all_responses_unscored": 1} and stats.examples["all_responses_unscored"] == ["b"]
+    assert stats.examples["nan"] == ["a (response 1)"] and stats.reward.min == 1.1
+    assert RewardStats.read(stats_path(cfg.output)) == stats

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from online_rlhf.config import ConfigError  # noqa: E402
-from online_rlhf.jsonl import read_json, read_jsonl, write_jsonl  # noqa: E402
+from online_rlhf.jsonl import read_jsonl, write_jsonl  # noqa: E402
 from online_rlhf.reward_model import RewardModel  # noqa: E402
 from online_rlhf.stage_configs import RewardConfig  # noqa: E402
+from online_rlhf.stats import RewardStats, ScoreResult, stats_path  # noqa: E402
 from online_rlhf.testing import chatml_reference_ids, make_tiny_policy, make_tiny_reward_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -127,8 +129,8 @@ def test_get_rewards_counts_special_token_text(tmp_path, rm_dir):
     recs = _records()  # every prompt holds the eos string; "Numbers: 0 1 2 3<|im_end|>" is in records 1, 2, 4
     write_jsonl(tmp_path / "generated.jsonl", recs)
     stats = _get_rewards_main()(_cfg(tmp_path, rm_dir, batch_size=8))
-    assert stats["source_stats"]["special_token_text"] == {"prompts": 5, "responses": 3}
-    assert stats["records_scored"] == 5
+    assert stats.source_stats["special_token_text"] == {"prompts": 5, "responses": 3}
+    assert stats.records_scored == 5 and stats.hardware["processes"] == 1
 
 
 @pytest.mark.parametrize("padding_side", ["left", "right"])
@@ -217,10 +219,11 @@ def test_get_rewards_writes_aligned_rewards_and_stats(tmp_path, rm_dir):
         assert rec["reward_source"] == "reward_model"
         expect, _ = rm.score([rec["prompt"]] * len(rec["responses"]), rec["responses"], batch_size=1)
         assert rec["rewards"] == pytest.approx(expect, abs=1e-5)
-    saved = read_json(tmp_path / "rewards.jsonl.stats.json")
-    assert saved["records_in"] == 5 and saved["records_scored"] == 5 and saved["responses_scored"] == 15
-    assert saved["reward"]["min"] <= saved["reward"]["mean"] <= saved["reward"]["max"]
-    assert stats["warnings"] == []
+    saved = RewardStats.read(stats_path(tmp_path / "rewards.jsonl"))  # round-trips through its class
+    assert saved == stats
+    assert saved.records_in == 5 and saved.records_scored == 5 and saved.responses_scored == 15
+    assert saved.reward.min <= saved.reward.mean <= saved.reward.max
+    assert stats.warnings == [] and saved.hardware["device"] == "cpu"
 
 
 def test_template_refusal_is_skipped_and_counted(tmp_path, rm_dir):
@@ -238,8 +241,8 @@ def test_template_refusal_is_skipped_and_counted(tmp_path, rm_dir):
     write_jsonl(tmp_path / "generated.jsonl", recs)
     stats = _get_rewards_main()(_cfg(tmp_path, d))
     assert [r["id"] for r in read_jsonl(tmp_path / "rewards.jsonl")] == ["1", "3"]
-    assert stats["skipped"] == {"chat_template_error": 2}
-    assert stats["records_scored"] + stats["records_skipped"] == 4
+    assert stats.skipped == {"chat_template_error": 2}
+    assert stats.records_scored + stats.records_skipped == 4
 
 
 def test_constant_rewards_are_warned(tmp_path, rm_dir, capsys):
@@ -252,9 +255,9 @@ def test_constant_rewards_are_warned(tmp_path, rm_dir, capsys):
     AutoTokenizer.from_pretrained(rm_dir).save_pretrained(tmp_path / "flat")
     write_jsonl(tmp_path / "generated.jsonl", _records())
     stats = _get_rewards_main()(_cfg(tmp_path, tmp_path / "flat"))
-    assert len(stats["warnings"]) == 1 and "constant" in stats["warnings"][0]
+    assert len(stats.warnings) == 1 and "constant" in stats.warnings[0]
     assert "constant" in capsys.readouterr().err
-    assert read_json(tmp_path / "rewards.jsonl.stats.json")["warnings"] == stats["warnings"]
+    assert RewardStats.read(stats_path(tmp_path / "rewards.jsonl")).warnings == stats.warnings
 
 
 def test_one_and_two_processes_give_the_same_rewards(tmp_path, rm_dir):
@@ -280,14 +283,16 @@ def test_one_and_two_processes_give_the_same_rewards(tmp_path, rm_dir):
     assert [r["id"] for r in a] == [r["id"] for r in b] == [r["id"] for r in recs]
     for ra, rb in zip(a, b):
         assert ra["rewards"] == pytest.approx(rb["rewards"], abs=1e-5)
-    assert read_json(tmp_path / "two.jsonl.stats.json")["num_processes"] == 2
+    two_stats = RewardStats.read(stats_path(tmp_path / "two.jsonl"))
+    assert two_stats.num_processes == 2 and two_stats.hardware["processes"] == 2
 
 
 def test_get_rewards_counts_every_record_it_leaves_out(tmp_path, monkeypatch):
     import types
 
     fake = types.ModuleType("fake_source")  # returns None for record "b" without naming a reason
-    fake.score = lambda records, cfg: ([None if r["id"] == "b" else [1.0] * len(r["responses"]) for r in records], {})
+    fake.score = lambda records, cfg: ScoreResult(
+        rewards=[None if r["id"] == "b" else [1.0] * len(r["responses"]) for r in records])
     monkeypatch.setitem(sys.modules, "fake_source", fake)
     main = _get_rewards_main()
     monkeypatch.setitem(main.__globals__["SOURCES"], "verifier", "fake_source")
@@ -296,15 +301,15 @@ def test_get_rewards_counts_every_record_it_leaves_out(tmp_path, monkeypatch):
     write_jsonl(tmp_path / "generated.jsonl", recs)
     stats = main(RewardConfig(input=str(tmp_path / "generated.jsonl"), output=str(tmp_path / "rewards.jsonl"), source="verifier"))
     assert [r["id"] for r in read_jsonl(tmp_path / "rewards.jsonl")] == ["a"]
-    assert stats["skipped"] == {"no_responses": 1, "unscorable_unspecified": 1}
-    assert stats["records_in"] == 3 and stats["records_scored"] == 1
+    assert stats.skipped == {"no_responses": 1, "unscorable_unspecified": 1}
+    assert stats.records_in == 3 and stats.records_scored == 1
 
 
 def test_get_rewards_counts_unscored_responses_the_source_does_not_explain(tmp_path, monkeypatch):
     import types
 
     fake = types.ModuleType("fake_source")  # explains one of its two None responses
-    fake.score = lambda records, cfg: ([[1.0, None], [None]], {"unscored_responses": {"nan": 1}})
+    fake.score = lambda records, cfg: ScoreResult(rewards=[[1.0, None], [None]], responses_unscored=Counter(nan=1))
     monkeypatch.setitem(sys.modules, "fake_source", fake)
     main = _get_rewards_main()
     monkeypatch.setitem(main.__globals__["SOURCES"], "verifier", "fake_source")
@@ -313,5 +318,18 @@ def test_get_rewards_counts_unscored_responses_the_source_does_not_explain(tmp_p
     write_jsonl(tmp_path / "generated.jsonl", recs)
     stats = main(RewardConfig(input=str(tmp_path / "generated.jsonl"), output=str(tmp_path / "rewards.jsonl"), source="verifier"))
     assert [(r["id"], r["rewards"]) for r in read_jsonl(tmp_path / "rewards.jsonl")] == [("a", [1.0, None])]
-    assert stats["responses_unscored"] == {"nan": 1, "unspecified": 1}
-    assert stats["skipped"] == {"all_responses_unscored": 1} and stats["records_scored"] == 1
+    assert stats.responses_unscored == {"nan": 1, "unspecified": 1}
+    assert stats.skipped == {"all_responses_unscored": 1} and stats.records_scored == 1
+
+
+def test_a_source_must_return_a_score_result(tmp_path, monkeypatch):
+    import types
+
+    fake = types.ModuleType("fake_source")  # the old (rewards, stats) tuple
+    fake.score = lambda records, cfg: ([[1.0]], {})
+    monkeypatch.setitem(sys.modules, "fake_source", fake)
+    main = _get_rewards_main()
+    monkeypatch.setitem(main.__globals__["SOURCES"], "verifier", "fake_source")
+    write_jsonl(tmp_path / "generated.jsonl", [{"id": "a", "prompt": PROMPT, "responses": ["x"], "finish_reasons": ["stop"]}])
+    with pytest.raises(TypeError, match="not a ScoreResult"):
+        main(RewardConfig(input=str(tmp_path / "generated.jsonl"), output=str(tmp_path / "rewards.jsonl"), source="verifier"))

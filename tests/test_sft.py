@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from online_rlhf.config import ConfigError
-from online_rlhf.jsonl import DataError, read_json, read_jsonl
+from online_rlhf.jsonl import DataError, read_jsonl
 from online_rlhf.stage_configs import SFTDataConfig, SFTStageConfig
+from online_rlhf.stats import SFTDataStats, SFTStats, stats_path
 from online_rlhf.testing import make_tiny_policy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -164,12 +165,12 @@ def test_axolotl_sft_tiny_model(tmp_path):
         "sequence_len=128", "warmup_ratio=0.0"])
     stats = run_sft.main(cfg)
 
-    assert stats == read_json(f"{out}.stats.json")
-    assert stats["rows_in"] == 32 and stats["rows_used"] == 31
-    assert stats["dropped"] == {"outside_length_range": 1}
-    assert stats["special_token_text"] == {"rows": 0, "messages": {"system": 0, "user": 0, "assistant": 0}}
-    assert stats["steps"] == 8
-    assert stats["train_loss_last"] < stats["train_loss_first"] - 0.3
+    assert stats == SFTStats.read(stats_path(out))  # the stage's stats round-trip through their class
+    assert stats.rows_in == 32 and stats.rows_used == 31
+    assert stats.dropped == {"outside_length_range": 1}
+    assert stats.special_token_text == {"rows": 0, "messages": {"system": 0, "user": 0, "assistant": 0}}
+    assert stats.steps == 8
+    assert stats.train_loss_last < stats.train_loss_first - 0.3
     assert sorted(p.name for p in out.parent.iterdir()) == ["model", "model.axolotl.yaml", "model.stats.json"]
     assert sorted(p.name for p in out.iterdir()) == [
         "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
@@ -202,10 +203,10 @@ def test_build_sft_data_keeps_best_and_counts_drops(tmp_path):
     rows = read_jsonl(out)
     assert [(r["id"], r["messages"][-1]["content"], r["reward"]) for r in rows] == [("a", "best", 0.9), ("b", "fine", 0.7)]
     assert rows[0]["messages"][:2] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "qa"}]
-    assert stats["prompts_in"] == 4 and stats["kept"] == 2
-    assert stats["dropped"] == {"below_min_reward": 1, "no_eligible_response": 1}
-    assert stats["responses_excluded"] == {"truncated": 2, "empty": 2}
-    assert read_json(f"{out}.stats.json") == stats
+    assert stats.prompts_in == 4 and stats.kept == 2
+    assert stats.dropped == {"below_min_reward": 1, "no_eligible_response": 1}
+    assert stats.responses_excluded == {"truncated": 2, "empty": 2}
+    assert SFTDataStats.read(stats_path(out)) == stats
     assert run_sft.validate_sft_dataset(out) == 2  # the output is valid SFT input
 
 
@@ -229,5 +230,5 @@ def test_build_sft_data_leaves_out_unscored_responses(tmp_path):
     out = tmp_path / "sft.jsonl"
     stats = build_sft_data.main(SFTDataConfig.from_dict({"rewards": str(rewards), "output": str(out), "min_reward": 0.5}))
     assert [(r["id"], r["messages"][-1]["content"]) for r in read_jsonl(out)] == [("a", "scored")]
-    assert stats["responses_excluded"] == {"unscored": 3} and stats["dropped"] == {"no_eligible_response": 1}
-    assert stats["dropped_examples"] == {"no_eligible_response": [f"{rewards}:2 (id='b')"]}
+    assert stats.responses_excluded == {"unscored": 3} and stats.dropped == {"no_eligible_response": 1}
+    assert stats.dropped_examples == {"no_eligible_response": [f"{rewards}:2 (id='b')"]}

@@ -59,19 +59,22 @@ def test_math_gsm8k_correct_and_wrong(gsm8k):
                  "9 * 2 = 18\n#### 18",
                  "The answer is 17.",
                  "I do not know."]
-    rewards, stats = verifiers.score([generated(rec, responses)], cfg())
+    res = verifiers.score([generated(rec, responses)], cfg())
+    rewards, stats = res.rewards, res
     assert rewards == [[1.0, 1.0, 0.0, 0.0]]
-    assert stats["by_verifier"] == {"math": 1}
+    assert stats.source_stats["by_verifier"] == {"math": 1}
 
 
 def test_math_gold_solution_scores_itself(gsm8k):
-    rewards, _ = verifiers.score([generated(r, [r["answer"]]) for r in gsm8k], cfg(verifier="math"))
+    res = verifiers.score([generated(r, [r["answer"]]) for r in gsm8k], cfg(verifier="math"))
+    rewards = res.rewards
     assert rewards == [[1.0]] * len(gsm8k)
 
 
 def test_math_equivalent_latex_forms():
     rec = {"id": "m", "prompt": [{"role": "user", "content": "half?"}], "answer": "\\frac{1}{2}"}
-    rewards, _ = verifiers.score([generated(rec, ["\\boxed{0.5}", "\\boxed{\\frac{2}{4}}", "\\boxed{2}"])], cfg())
+    res = verifiers.score([generated(rec, ["\\boxed{0.5}", "\\boxed{\\frac{2}{4}}", "\\boxed{2}"])], cfg())
+    rewards = res.rewards
     assert rewards == [[1.0, 1.0, 0.0]]
 
 
@@ -83,19 +86,22 @@ def test_gsm8k_gold_with_thousands_separator():
 def test_ifeval_lowercase(ifeval):
     rec = ifeval["1019"]  # change_case:english_lowercase
     good = "what are the two young boys with toy guns and horns going to play in the park this afternoon?"
-    rewards, _ = verifiers.score([generated(rec, [good, good.capitalize()])], cfg(ifeval_mode="strict"))
+    res = verifiers.score([generated(rec, [good, good.capitalize()])], cfg(ifeval_mode="strict"))
+    rewards = res.rewards
     assert rewards == [[1.0, 0.0]]
 
 
 def test_ifeval_no_comma(ifeval):
     rec = ifeval["1001"]  # punctuation:no_comma
-    rewards, _ = verifiers.score([generated(rec, ["Day one: Tokyo. Day two: Kyoto.", "Day one: Tokyo, then Kyoto."])], cfg())
+    res = verifiers.score([generated(rec, ["Day one: Tokyo. Day two: Kyoto.", "Day one: Tokyo, then Kyoto."])], cfg())
+    rewards = res.rewards
     assert rewards == [[1.0, 0.0]]
 
 
 def test_ifeval_word_count(ifeval):
     rec = ifeval["1072"]  # at least 400 words
-    rewards, _ = verifiers.score([generated(rec, ["hammock " * 400, "hammocks are good " * 5])], cfg())
+    res = verifiers.score([generated(rec, ["hammock " * 400, "hammocks are good " * 5])], cfg())
+    rewards = res.rewards
     assert rewards == [[1.0, 0.0]]
 
 
@@ -104,7 +110,8 @@ def test_ifeval_sentence_count_uses_offline_punkt(ifeval):
     rec = ifeval["1268"]  # fewer than 6 sentences: NLTK punkt sentence tokenizer
     few = "I felt calm today. I walked for an hour. Then I wrote this."
     many = " ".join(f"Sentence number {i} is here." for i in range(8))
-    rewards, stats = verifiers.score([generated(rec, [few, many])], cfg())
+    res = verifiers.score([generated(rec, [few, many])], cfg())
+    rewards, stats = res.rewards, res
     assert rewards == [[1.0, 0.0]], stats
 
 
@@ -112,16 +119,20 @@ def test_partial_versus_all(ifeval):
     rec = {**ifeval["1019"], "instruction_id_list": ["change_case:english_lowercase", "punctuation:no_comma"],
            "kwargs": [{}, {}]}
     resp = "what are the boys going to do, and where are they going to play this afternoon in the park?"
-    partial, _ = verifiers.score([generated(rec, [resp])], cfg(ifeval_score="partial"))
-    all_, _ = verifiers.score([generated(rec, [resp])], cfg(ifeval_score="all"))
+    res = verifiers.score([generated(rec, [resp])], cfg(ifeval_score="partial"))
+    partial = res.rewards
+    res = verifiers.score([generated(rec, [resp])], cfg(ifeval_score="all"))
+    all_ = res.rewards
     assert (partial, all_) == ([[0.5]], [[0.0]])
 
 
 def test_loose_ignores_a_first_line_that_strict_counts(ifeval):
     rec = ifeval["1019"]
     resp = "Sure! Here Is My Question:\nwhat are the two young boys with toy guns and horns going to play in the park?"
-    strict, _ = verifiers.score([generated(rec, [resp])], cfg(ifeval_mode="strict"))
-    loose, _ = verifiers.score([generated(rec, [resp])], cfg(ifeval_mode="loose"))
+    res = verifiers.score([generated(rec, [resp])], cfg(ifeval_mode="strict"))
+    strict = res.rewards
+    res = verifiers.score([generated(rec, [resp])], cfg(ifeval_mode="loose"))
+    loose = res.rewards
     assert (strict, loose) == ([[0.0]], [[1.0]])
 
 
@@ -129,8 +140,10 @@ def test_missing_kwargs_values_give_the_same_reward_every_time(ifeval):
     # with no num_words/relation the checker draws them at random: seeded per record id
     rec = {**ifeval["1072"], "kwargs": [{}]}
     resps = ["word " * n for n in (10, 50, 100, 200, 300, 400, 500)]
-    first, _ = verifiers.score([generated(rec, resps)], cfg())
-    again, _ = verifiers.score([generated(rec, resps)], cfg())
+    res = verifiers.score([generated(rec, resps)], cfg())
+    first = res.rewards
+    res = verifiers.score([generated(rec, resps)], cfg())
+    again = res.rewards
     assert first == again
 
 
@@ -150,19 +163,21 @@ def ifbench() -> list[dict]:
 def test_ifbench_keyword_prompt_scores(ifbench):
     rec = next(r for r in ifbench if r["id"] == "0")  # kaleidoscope 1, nebula 2, whisper 3, labyrinth 5, paradox 7
     good = ("kaleidoscope " + "nebula " * 2 + "whisper " * 3 + "labyrinth " * 5 + "paradox " * 7).strip() + "."
-    rewards, stats = verifiers.score([generated(rec, [good, "No keywords at all."])], cfg())
+    res = verifiers.score([generated(rec, [good, "No keywords at all."])], cfg())
+    rewards, stats = res.rewards, res
     assert rewards == [[1.0, 0.0]], stats
 
 
 @needs_nltk_data
 def test_ifbench_default_prompts_scorable(ifbench):
     recs = [generated(r, ["This is a short answer. It has two sentences."]) for r in ifbench]
-    rewards, stats = verifiers.score(recs, cfg())
+    res = verifiers.score(recs, cfg())
+    rewards, stats = res.rewards, res
     assert len(ifbench) == 294
     # all but the words:start_verb prompts (NLTK's POS tagger data is not on PyPI) are scorable
     start_verb = sum("words:start_verb" in r["instruction_id_list"] for r in ifbench)
-    assert stats["scored"] == 294 - start_verb, stats
-    assert stats["unscorable"] == {"checker_error:LookupError": start_verb}
+    assert stats.source_stats["scored"] == 294 - start_verb, stats
+    assert stats.skipped == {"checker_error:LookupError": start_verb}
     assert all(r is None or all(0.0 <= x <= 1.0 for x in r) for r in rewards)
 
 
@@ -173,24 +188,27 @@ def test_unscorable_records_counted():
             generated({"id": "b", "prompt": p, "instruction_id_list": ["no:such_instruction"], "kwargs": [{}]}, ["x"]),
             generated({"id": "c", "prompt": p, "instruction_id_list": ["punctuation:no_comma"], "kwargs": [{}, {}]}, ["x"]),
             generated({"id": "d", "prompt": p, "instruction_id_list": ["punctuation:no_comma"], "kwargs": [{}]}, ["x"])]
-    rewards, stats = verifiers.score(recs, cfg())
+    res = verifiers.score(recs, cfg())
+    rewards, stats = res.rewards, res
     assert rewards == [None, None, None, [1.0]]
-    assert stats["unscorable"] == {"missing_field": 1, "unknown_instruction:no:such_instruction": 1, "bad_field:kwargs": 1}
-    assert stats["scored"] == 1
+    assert stats.skipped == {"missing_field": 1, "unknown_instruction:no:such_instruction": 1, "bad_field:kwargs": 1}
+    assert stats.source_stats["scored"] == 1
 
 
 def test_math_verifier_without_answer_is_unscorable():
     rec = generated({"id": "a", "prompt": [{"role": "user", "content": "2+2?"}]}, ["4"])
-    rewards, stats = verifiers.score([rec], cfg(verifier="math"))
-    assert rewards == [None] and stats["unscorable"] == {"missing_field:answer": 1}
+    res = verifiers.score([rec], cfg(verifier="math"))
+    rewards, stats = res.rewards, res
+    assert rewards == [None] and stats.skipped == {"missing_field:answer": 1}
 
 
 def test_math_verifier_gold_without_math_is_unscorable():
     recs = [generated({"id": i, "prompt": [{"role": "user", "content": "?"}], "answer": a}, ["???", "7"])
             for i, a in (("a", "???"), ("b", ""), ("c", "#### 7"))]
-    rewards, stats = verifiers.score(recs, cfg(verifier="math"))
+    res = verifiers.score(recs, cfg(verifier="math"))
+    rewards, stats = res.rewards, res
     assert rewards == [None, None, [0.0, 1.0]]
-    assert stats["unscorable"] == {"gold_unparsable": 1, "missing_field:answer": 1}
+    assert stats.skipped == {"gold_unparsable": 1, "missing_field:answer": 1}
 
 
 def test_nltk_never_downloads():

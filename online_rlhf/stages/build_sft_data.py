@@ -28,9 +28,10 @@ from collections import Counter
 
 
 from online_rlhf.config import run_main
-from online_rlhf.jsonl import DataError, iter_jsonl, write_json, write_jsonl
+from online_rlhf.jsonl import DataError, iter_jsonl, write_jsonl
 from online_rlhf.records import validate_rewards
 from online_rlhf.stage_configs import SFTDataConfig
+from online_rlhf.stats import SFTDataStats, stats_path
 
 MAX_EXAMPLES = 5  # example records kept per drop reason in the stats
 
@@ -59,8 +60,9 @@ def best_response(rec: dict, rewards: list[float | None], truncated: str, exclud
     return best
 
 
-def main(cfg: SFTDataConfig) -> dict:
-    """Write the SFT rows of ``cfg.rewards`` to ``cfg.output`` and the stats JSON; returns the stats.
+def main(cfg: SFTDataConfig) -> SFTDataStats:
+    """Write the SFT rows of ``cfg.rewards`` to ``cfg.output`` and the stats
+    (:class:`~online_rlhf.stats.SFTDataStats`) to ``<output>.stats.json``; returns them.
 
     Raises:
         DataError: a malformed record, a NaN/inf reward, a duplicate id, or an empty rewards file.
@@ -90,12 +92,12 @@ def main(cfg: SFTDataConfig) -> dict:
         raise DataError(f"{cfg.rewards}: no records.")
     write_jsonl(cfg.output, out_rows)
     kept_rewards = [row["reward"] for row in out_rows]
-    stats = {"stage": "build_sft_data", "rewards": str(cfg.rewards), "output": str(cfg.output),
-             "min_reward": cfg.min_reward, "truncated": cfg.truncated, "prompts_in": prompts_in,
-             "kept": len(out_rows), "dropped": dict(dropped), "dropped_examples": examples,
-             "responses_excluded": dict(excluded),
-             "kept_reward_mean": statistics.fmean(kept_rewards) if kept_rewards else None}
-    write_json(cfg.stats_output or f"{cfg.output}.stats.json", stats)
+    stats = SFTDataStats(stage="build_sft_data", rewards=str(cfg.rewards), output=str(cfg.output),
+                         min_reward=cfg.min_reward, truncated=cfg.truncated, prompts_in=prompts_in,
+                         kept=len(out_rows), dropped=dict(dropped), dropped_examples=examples,
+                         responses_excluded=dict(excluded),
+                         kept_reward_mean=statistics.fmean(kept_rewards) if kept_rewards else None)
+    stats.write(stats_path(cfg.output))
     print(f"[build_sft_data] {len(out_rows)}/{prompts_in} prompts kept -> {cfg.output}; dropped {dict(dropped)}; "
           f"responses excluded {dict(excluded)}")
     if not out_rows:

@@ -44,23 +44,19 @@ from typing import Any, Sequence
 from online_rlhf.chat_tokens import ChatTokenError, chat_token_ids, count_special_texts, messages_have_special_text
 from online_rlhf.config import ConfigError, run_main
 from online_rlhf.hardware import compute_dtype, describe, describe_line, slow_dtype_warning
-from online_rlhf.jsonl import DataError, iter_jsonl, read_json, write_json, write_jsonl
+from online_rlhf.jsonl import DataError, iter_jsonl, write_jsonl
 from online_rlhf.pairs import distinct_texts, low_diversity_warning
 from online_rlhf.paths import resolve_model, setup_cache_env
 from online_rlhf.procs import LockHeld, exclusive_lock
 from online_rlhf.records import load_prompts
 from online_rlhf.rundir import fingerprint
 from online_rlhf.stage_configs import GenerateConfig
+from online_rlhf.stats import GenerateShardStats, stats_path
 
 # Fields this stage writes; a prompt's task field with one of these names is replaced (and counted).
 GENERATED_KEYS = ("id", "prompt", "responses", "finish_reasons", "response_tokens", "prompt_tokens")
 # Config fields that change only resources, not what is sampled: left out of the resume fingerprint.
-_NOT_IN_FINGERPRINT = {"output", "stats_output", "shards_dir", "kv_cache_gb", "gpu_memory_utilization"}
-
-
-def stats_path_of(cfg: GenerateConfig) -> Path:
-    """The stats JSON of a run: ``stats_output`` or ``<output>.stats.json``."""
-    return Path(cfg.stats_output) if cfg.stats_output else Path(str(cfg.output) + ".stats.json")
+_NOT_IN_FINGERPRINT = {"output", "shards_dir", "kv_cache_gb", "gpu_memory_utilization"}
 
 
 def shard_prompts(prompts: Sequence[dict], shard_index: int, num_shards: int) -> list[dict]:
@@ -156,8 +152,8 @@ def existing_output_status(output: Path, stats_path: Path, expected_ids: list[st
                            config_fingerprint: str) -> tuple[bool, str]:
     """Whether ``output`` already holds this shard's complete result (for resume).
 
-    Complete means: the stats file records the same config fingerprint, and the output has one
-    record per expected id, in order, each with ``k`` responses.
+    Complete means: the stats file (:class:`~online_rlhf.stats.GenerateShardStats`) records the same
+    config fingerprint, and the output has one record per expected id, in order, each with ``k`` responses.
 
     Returns:
         ``(complete, reason)``; reason says why not (for the log).
@@ -165,10 +161,10 @@ def existing_output_status(output: Path, stats_path: Path, expected_ids: list[st
     if not output.exists():
         return False, "no output yet"
     try:
-        stats = read_json(stats_path)
-    except (FileNotFoundError, DataError) as e:
+        stats = GenerateShardStats.read(stats_path)
+    except (FileNotFoundError, DataError) as e:  # missing or from another version: regenerate
         return False, f"stats file unreadable ({e})"
-    if not isinstance(stats, dict) or stats.get("config_fingerprint") != config_fingerprint:
+    if stats.config_fingerprint != config_fingerprint:
         return False, "it was made with another config, model or prompt file"
     ids = []
     try:
@@ -329,9 +325,10 @@ def lock_path_of(cfg: GenerateConfig) -> Path:
     return Path(cfg.output).with_suffix(".lock")
 
 
-def main(cfg: GenerateConfig) -> dict:
+def main(cfg: GenerateConfig) -> GenerateShardStats:
     """Generate this shard's records, holding the shard's lock file the whole time (a second writer
-    of the same output is refused, naming the pid that holds it); returns the stats that were written.
+    of the same output is refused, naming the pid that holds it); returns the stats that were written
+    (``stats_path(cfg.output)``).
 
     Raises:
         ConfigError: another process holds the lock, or the config is unusable.
@@ -344,15 +341,16 @@ def main(cfg: GenerateConfig) -> dict:
         raise ConfigError(str(e)) from None
 
 
-def generate_shard(cfg: GenerateConfig) -> dict:
-    """Generate this shard's records (see the module docstring); returns the stats that were written."""
+def generate_shard(cfg: GenerateConfig) -> GenerateShardStats:
+    """Generate this shard's records (see the module docstring); returns the stats that were written
+    to ``<output>.stats.json``."""
     setup_cache_env()
     from transformers import AutoTokenizer
 
     r, w = cfg.shard_index, cfg.num_shards
     tag = f"shard {r}/{w}"
     model_path = resolve_model(cfg.model)
-    output, stats_path = Path(cfg.output), stats_path_of(cfg)
+    output, stats_file = Path(cfg.output), stats_path(cfg.output)
 
     prompts = load_prompts(cfg.prompts, cfg.prompt_split, cfg.prompt_field, cfg.limit)
     shard = shard_prompts(prompts, r, w)
@@ -361,10 +359,10 @@ def generate_shard(cfg: GenerateConfig) -> dict:
     expected_ids = [rec["id"] for rec, _ in kept]
     config_fp = shard_fingerprint(cfg, model_path)
 
-    complete, why = existing_output_status(output, stats_path, expected_ids, cfg.k, config_fp)
+    complete, why = existing_output_status(output, stats_file, expected_ids, cfg.k, config_fp)
     if complete:
         print(f"[generate] {tag}: {output} is complete ({len(expected_ids)} records); skipped, not regenerated.")
-        return read_json(stats_path)
+        return GenerateShardStats.read(stats_file)
     if output.exists():
         print(f"[generate] {tag}: regenerating {output}: {why}.")
 
@@ -388,39 +386,29 @@ def generate_shard(cfg: GenerateConfig) -> dict:
 
     summary = summarize(records)
     special = special_text_counts(tokenizer, records)
-    stats = {
-        "stage": "generate",
-        "shard_index": r,
-        "num_shards": w,
-        "model": model_path,
-        "prompts": cfg.prompts,
-        "config_fingerprint": config_fp,
-        "prompts_in": len(prompts),
-        "shard_prompts": len(shard),
-        "skipped": dict(Counter(skipped.values())),
-        "skipped_ids": skipped,
-        "records_out": len(records),
-        **{k: v for k, v in summary.items() if k != "records"},
-        "input_fields_replaced": dict(replaced),
-        "special_token_text": special,
-        "response_ids_differ_from_text": ids_differ,
-        "k": cfg.k,
-        "max_prompt_tokens": cfg.max_model_len - cfg.max_tokens,
-        "engine_startup_s": None if startup_s is None else round(startup_s, 2),
-        "generation_s": None if generation_s is None else round(generation_s, 2),
-        "generated_tokens_per_s": round(summary["generated_tokens"] / generation_s, 1) if generation_s else None,
-        "hardware": describe(*engine_dtype(cfg)),
-    }
-    if slow := slow_dtype_warning(stats["hardware"]):
-        stats["warnings"] = [*stats["warnings"], slow]
+    hardware = describe(*engine_dtype(cfg))
+    slow = slow_dtype_warning(hardware)
+    stats = GenerateShardStats(
+        stage="generate", shard_index=r, num_shards=w, model=model_path, prompts=cfg.prompts,
+        config_fingerprint=config_fp, prompts_in=len(prompts), shard_prompts=len(shard),
+        skipped=dict(Counter(skipped.values())), skipped_ids=skipped, records_out=len(records),
+        **{k: v for k, v in summary.items() if k not in ("records", "warnings")},
+        warnings=[*summary["warnings"], *([slow] if slow else [])],
+        input_fields_replaced=dict(replaced), special_token_text=special,
+        response_ids_differ_from_text=ids_differ, k=cfg.k, max_prompt_tokens=cfg.max_model_len - cfg.max_tokens,
+        engine_startup_s=None if startup_s is None else round(startup_s, 2),
+        generation_s=None if generation_s is None else round(generation_s, 2),
+        generated_tokens_per_s=round(summary["generated_tokens"] / generation_s, 1) if generation_s else None,
+        hardware=hardware,
+    )
     write_jsonl(output, records)
-    write_json(stats_path, stats)  # written last: the resume check needs both
+    stats.write(stats_file)  # written last: the resume check needs both
     print(f"[generate] {tag}: {len(records)} records x {cfg.k} responses -> {output}; "
-          f"skipped {stats['skipped'] or 'none'}; finish {summary['finish_reasons']}; "
+          f"skipped {stats.skipped or 'none'}; finish {stats.finish_reasons}; "
           f"special-token strings kept as text in {special['prompts']} prompts, {special['responses']} responses; "
-          f"start-up {stats['engine_startup_s']} s, {stats['generated_tokens_per_s']} tok/s "
-          f"on {describe_line(stats['hardware'])}.")
-    for w in stats["warnings"]:
+          f"start-up {stats.engine_startup_s} s, {stats.generated_tokens_per_s} tok/s "
+          f"on {describe_line(stats.hardware)}.")
+    for w in stats.warnings:
         print(f"WARNING: {tag}: {w}", file=sys.stderr)
     return stats
 

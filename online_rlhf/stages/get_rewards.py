@@ -14,13 +14,13 @@ A record its source cannot score at all is left out. Both are counted by reason 
 (``skipped`` for records, ``responses_unscored`` for responses) with up to 5 example ids per
 reason (``examples``); nothing is dropped silently. Config: ``RewardConfig`` (online_rlhf/stage_configs.py).
 
-Every source module has the same entry point ``score(records, cfg) -> (rewards, stats)``:
-``rewards[i]`` is a list of K values (float, or ``None`` for an unscored response) for
-``records[i]``, or ``None`` (the record is unscorable). ``stats["skipped"]`` (or
-``stats["unscorable"]``) maps a reason to the number of ``None`` records it explains,
-``stats["unscored_responses"]`` a cause to the number of ``None`` responses, ``stats["examples"]``
-a reason to example ids; what no reason accounts for is counted as ``unscorable_unspecified`` /
-``unspecified``.
+Every source module has the same entry point ``score(records, cfg) -> ScoreResult``
+(``online_rlhf.stats``): ``rewards[i]`` is a list of K values (float, or ``None`` for an unscored
+response) for ``records[i]``, or ``None`` (the record is unscorable); ``skipped`` maps a reason to
+the number of ``None`` records it explains, ``responses_unscored`` a cause to the number of ``None``
+responses, ``examples`` a reason to example ids; what no reason accounts for is counted as
+``unscorable_unspecified`` / ``unspecified``. The stats file is ``online_rlhf.stats.RewardStats``
+at ``<output>.stats.json``.
 """
 
 from __future__ import annotations
@@ -33,11 +33,12 @@ import time
 from collections import Counter
 
 from online_rlhf.config import ConfigError, run_main
-from online_rlhf.jsonl import DataError, check_finite, iter_jsonl, write_json, write_jsonl
+from online_rlhf.jsonl import DataError, check_finite, iter_jsonl, write_jsonl
 from online_rlhf.paths import setup_cache_env
 from online_rlhf.records import validate_generated
 from online_rlhf.stage_configs import RewardConfig
 from online_rlhf.stage_table import check_process_count
+from online_rlhf.stats import RewardStats, RewardSummary, ScoreResult, stats_path
 
 SOURCES = {
     "reward_model": "online_rlhf.reward_model",
@@ -117,44 +118,50 @@ def attach_rewards(scorable: list[dict], rewards: list, cfg: RewardConfig, examp
     return out, skipped
 
 
-def account(n_none: int, n_unscored: int, src_stats: dict, source: str) -> tuple[dict, dict]:
+def account(n_none: int, n_unscored: int, result: ScoreResult, source: str) -> tuple[dict, dict]:
     """Records and responses the source left unscored, by the reasons it gave.
 
     Args:
         n_none: records the source returned None for; n_unscored: None entries in its reward lists.
-        src_stats: the source's stats: record reasons under ``skipped`` (or ``unscorable``), response
-            causes under ``unscored_responses``.
+        result: the source's result: record reasons in ``skipped``, response causes in
+            ``responses_unscored``.
     Returns:
         ``(records skipped by reason, responses unscored by cause)``; what the source leaves
         unexplained is counted as ``unscorable_unspecified`` / ``unspecified``.
     Raises:
         RuntimeError: the source claims more than it returned.
     """
-    result = []
-    for given, n, rest in ((src_stats.get("skipped") or src_stats.get("unscorable") or {}, n_none, "unscorable_unspecified"),
-                           (src_stats.get("unscored_responses") or {}, n_unscored, "unspecified")):
+    out = []
+    for given, n, rest in ((result.skipped, n_none, "unscorable_unspecified"),
+                           (result.responses_unscored, n_unscored, "unspecified")):
         counts = {k: int(v) for k, v in given.items() if v}
         explained = sum(counts.values())
         if explained > n:
             raise RuntimeError(f"source {source} reports {explained} unscored {counts} but returned None for {n}.")
         if explained < n:  # the source did not account for every None: say so rather than lose count
             counts[rest] = n - explained
-        result.append(counts)
-    return result[0], result[1]
+        out.append(counts)
+    return out[0], out[1]
 
 
 def _all_tied(rw: list[float]) -> bool:
     return len(rw) > 1 and max(rw) == min(rw)
 
 
-def _reward_summary(values: list[float]) -> dict:
+def _reward_summary(values: list[float]) -> RewardSummary:
     if not values:
-        return {"mean": None, "std": None, "min": None, "max": None}
-    return {"mean": statistics.fmean(values), "std": statistics.pstdev(values), "min": min(values), "max": max(values)}
+        return RewardSummary(mean=None, std=None, min=None, max=None)
+    return RewardSummary(mean=statistics.fmean(values), std=statistics.pstdev(values), min=min(values), max=max(values))
 
 
-def _score(cfg: RewardConfig, scorable: list[dict]) -> tuple[list, dict, bool, int]:
-    """Run the configured source. Returns ``(rewards, source stats, is_main_process, num_processes)``."""
+def _score(cfg: RewardConfig, scorable: list[dict]) -> tuple[ScoreResult, bool, int]:
+    """Run the configured source. Returns ``(its result, is_main_process, num_processes)``.
+
+    Raises:
+        ConfigError: several processes for a source other than reward_model.
+        TypeError: the source returned something other than a ``ScoreResult``.
+        RuntimeError: the source returned one result per record too many or too few.
+    """
     is_main, num_processes = True, 1
     if cfg.source == "reward_model":
         from online_rlhf.reward_model import distributed_state
@@ -165,15 +172,17 @@ def _score(cfg: RewardConfig, scorable: list[dict]) -> tuple[list, dict, bool, i
         raise ConfigError(f"source={cfg.source} runs in one process; only source=reward_model uses accelerate launch "
                           "with several processes.")
     source = importlib.import_module(SOURCES[cfg.source])
-    rewards, src_stats = source.score(scorable, cfg) if scorable else ([], {})
-    if is_main and len(rewards) != len(scorable):
-        raise RuntimeError(f"source {cfg.source} returned {len(rewards)} results for {len(scorable)} records.")
-    return rewards, src_stats, is_main, num_processes
+    result = source.score(scorable, cfg) if scorable else ScoreResult(rewards=[])
+    if not isinstance(result, ScoreResult):
+        raise TypeError(f"source {cfg.source}: score() returned {type(result).__name__}, not a ScoreResult.")
+    if is_main and len(result.rewards) != len(scorable):
+        raise RuntimeError(f"source {cfg.source} returned {len(result.rewards)} results for {len(scorable)} records.")
+    return result, is_main, num_processes
 
 
-def main(cfg: RewardConfig) -> dict | None:
-    """Score ``cfg.input`` into ``cfg.output`` and write the stats JSON; returns the stats (None on
-    processes other than the main one).
+def main(cfg: RewardConfig) -> RewardStats | None:
+    """Score ``cfg.input`` into ``cfg.output`` and write the stats (:class:`~online_rlhf.stats.RewardStats`)
+    to ``<output>.stats.json``; returns them (None on processes other than the main one).
 
     Raises:
         DataError: a malformed input record, a bad reward value, or no record could be scored.
@@ -190,15 +199,16 @@ def main(cfg: RewardConfig) -> dict | None:
             skipped["no_responses"] += 1
             _add_example(examples, "no_responses", str(r["id"]))
 
-    rewards, src_stats, is_main, num_processes = _score(cfg, scorable)
+    result, is_main, num_processes = _score(cfg, scorable)
     if not is_main:
         return None
+    rewards = result.rewards
     out, own_skips = attach_rewards(scorable, rewards, cfg, examples)
     n_unscored = sum(x is None for rw in rewards if rw is not None for x in rw)
-    src_skipped, unscored = account(sum(rw is None for rw in rewards), n_unscored, src_stats, cfg.source)
+    src_skipped, unscored = account(sum(rw is None for rw in rewards), n_unscored, result, cfg.source)
     skipped.update(src_skipped)
     skipped.update(own_skips)
-    for cause, ids in (src_stats.get("examples") or {}).items():
+    for cause, ids in result.examples.items():
         for text in ids:
             _add_example(examples, cause, text)
 
@@ -212,28 +222,20 @@ def main(cfg: RewardConfig) -> dict | None:
     warnings = [w for w in [constant_reward_warning(out, kept)] if w]
     for w in warnings:
         print(f"WARNING: {w}", file=sys.stderr)
-    stats = {
-        "stage": "get_rewards", "input": cfg.input, "output": cfg.output, "source": cfg.source,
-        "records_in": len(records),
-        "records_scored": len(out),
-        "records_skipped": sum(skipped.values()),
-        "skipped": dict(skipped),
-        "responses_scored": len(values),
-        "responses_unscored": unscored,  # null in the output's rewards (or in a left-out record), by cause
-        "examples": examples,
-        "truncated_inputs": int(src_stats.get("truncated_inputs", 0)),
-        "reward": _reward_summary(values),
-        "records_all_tied": sum(1 for rw in kept if _all_tied([x for x in rw if x is not None])),
-        "source_stats": src_stats,
-        "warnings": warnings,
-        "num_processes": num_processes,
-        "seconds": round(time.time() - t0, 2),
-    }
-    assert stats["records_scored"] + stats["records_skipped"] == stats["records_in"]
-    stats_path = cfg.stats_output or f"{cfg.output}.stats.json"
-    write_json(stats_path, stats)
+    stats = RewardStats(
+        stage="get_rewards", input=cfg.input, output=cfg.output, source=cfg.source,
+        records_in=len(records), records_scored=len(out), records_skipped=sum(skipped.values()),
+        skipped=dict(skipped), responses_scored=len(values),
+        responses_unscored=unscored,  # null in the output's rewards (or in a left-out record), by cause
+        examples=examples, truncated_inputs=result.truncated_inputs, reward=_reward_summary(values),
+        records_all_tied=sum(1 for rw in kept if _all_tied([x for x in rw if x is not None])),
+        source_stats=result.source_stats, warnings=warnings, num_processes=num_processes,
+        hardware=result.hardware, seconds=round(time.time() - t0, 2),
+    )
+    assert stats.records_scored + stats.records_skipped == stats.records_in
+    stats_file = stats.write(stats_path(cfg.output))
     print(f"get_rewards: {len(out)}/{len(records)} records scored by {cfg.source} -> {cfg.output} "
-          f"(skipped {dict(skipped) or 0}; unscored responses {unscored or 0}; stats {stats_path})", file=sys.stderr)
+          f"(skipped {dict(skipped) or 0}; unscored responses {unscored or 0}; stats {stats_file})", file=sys.stderr)
     return stats
 
 

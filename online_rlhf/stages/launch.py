@@ -3,9 +3,9 @@
     .venv-infer/bin/python generation/launch.py [--config FILE] prompts=P.jsonl \
         output=runs/x/iter_1/generated.jsonl num_shards=W [shards_dir=runs/x/iter_1/generated] ...
 
-Same keys as ``generation/generate.py`` (``GenerateConfig``); here ``output`` is the merged file
-and ``stats_output`` the merged stats. Shard r runs ``generate.py shard_index=r num_shards=W
-output=<shards_dir>/shard_{r:02d}.jsonl`` with the resolved config (saved as
+Same keys as ``generation/generate.py`` (``GenerateConfig``); here ``output`` is the merged file,
+its stats ``<output>.stats.json`` (``online_rlhf.stats.GenerateStats``). Shard r runs ``generate.py shard_index=r num_shards=W
+output=<shards_dir>/shard_{r:02d}.jsonl`` (stats: ``shard_{r:02d}.jsonl.stats.json``) with the resolved config (saved as
 ``<shards_dir>/generate_config.yaml``) and appends its output to ``<shards_dir>/shard_{r:02d}.log``.
 A finished shard is not regenerated on a rerun (generate.py checks its output), so after a
 failure, rerunning this command redoes only the failed shards.
@@ -52,6 +52,7 @@ from online_rlhf.jsonl import atomic_open
 from online_rlhf.paths import setup_cache_env
 from online_rlhf.procs import start_guarded
 from online_rlhf.stage_configs import GenerateConfig
+from online_rlhf.stats import GenerateStats
 
 GENERATE = "online_rlhf.stages.generate"  # run as a module: python -m
 LOG_TAIL_LINES = 40
@@ -132,7 +133,7 @@ def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 def shard_command(config_path: Path, shards_dir: Path, r: int, w: int) -> list[str]:
     """The command of shard ``r`` of ``w``: the generate stage with the saved config and its own output."""
     return [sys.executable, "-m", GENERATE, "--config", str(config_path), f"shard_index={r}",
-            f"num_shards={w}", f"output={shard_path(shards_dir, r)}", "stats_output=null"]
+            f"num_shards={w}", f"output={shard_path(shards_dir, r)}"]
 
 
 def start_shard(cmd: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
@@ -156,7 +157,7 @@ def run_shards(cfg: GenerateConfig) -> None:
     shards_dir.mkdir(parents=True, exist_ok=True)
     config_path = shards_dir / "generate_config.yaml"
     shard_cfg = cfg.model_copy(update={"shard_index": 0, "output": str(shard_path(shards_dir, 0)),
-                                       "stats_output": None, "shards_dir": None})
+                                       "shards_dir": None})
     with atomic_open(config_path) as f:
         f.write(shard_cfg.to_yaml())
     envs = shard_envs(w, cfg.tensor_parallel_size)
@@ -206,7 +207,8 @@ def run_shards(cfg: GenerateConfig) -> None:
         raise SystemExit(1)
 
 
-def main(cfg: GenerateConfig) -> dict:
+def main(cfg: GenerateConfig) -> GenerateStats:
+    """Run the shards, then merge them; returns the merged stats (written to ``<output>.stats.json``)."""
     setup_cache_env()
     run_shards(cfg)
     return merge_shards(cfg)

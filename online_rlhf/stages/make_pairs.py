@@ -20,15 +20,21 @@ import time
 
 
 from online_rlhf.config import run_main
-from online_rlhf.jsonl import iter_jsonl, write_json, write_jsonl
+from online_rlhf.jsonl import iter_jsonl, write_jsonl
 from online_rlhf.pairs import build_pairs
 from online_rlhf.paths import setup_cache_env
 from online_rlhf.stage_configs import PairsConfig
+from online_rlhf.stats import PairsStats, stats_path
 
 
-def main(cfg: PairsConfig) -> dict:
-    """Build the pairs of ``cfg.input`` into ``cfg.output`` and write the stats JSON; returns the stats.
-    Warnings (e.g. most prompts have fewer than 2 distinct responses) go to stderr and the stats."""
+def main(cfg: PairsConfig) -> PairsStats:
+    """Build the pairs of ``cfg.input`` into ``cfg.output`` and write the stats
+    (:class:`~online_rlhf.stats.PairsStats`) to ``<output>.stats.json``; returns them.
+    Warnings (e.g. most prompts have fewer than 2 distinct responses) go to stderr and the stats.
+
+    Raises:
+        DataError: a malformed record, a NaN/inf or non-number reward, or an id seen twice.
+    """
     setup_cache_env()
     t0 = time.time()
     records = ((f"{cfg.input}:{ln}", rec) for ln, rec in iter_jsonl(cfg.input))
@@ -38,12 +44,12 @@ def main(cfg: PairsConfig) -> dict:
         stats["warnings"].append(f"truncated_penalty={cfg.truncated_penalty} is not used with truncated={cfg.truncated} "
                                  "(only truncated=penalize subtracts it)")
     write_jsonl(cfg.output, pairs)
-    stats = {"stage": "make_pairs", "input": cfg.input, "output": cfg.output, **stats,
-             "seconds": round(time.time() - t0, 3)}
-    write_json(cfg.stats_output or f"{cfg.output}.stats.json", stats)
-    skipped = ", ".join(f"{k} {v}" for k, v in sorted(stats["skipped"].items())) or "none"
-    print(f"make_pairs: {stats['records_in']} prompts -> {stats['pairs_out']} pairs (skipped: {skipped}) -> {cfg.output}")
-    for w in stats["warnings"]:
+    stats = PairsStats(stage="make_pairs", input=cfg.input, output=cfg.output, **stats,
+                       seconds=round(time.time() - t0, 3))
+    stats.write(stats_path(cfg.output))
+    skipped = ", ".join(f"{k} {v}" for k, v in sorted(stats.skipped.items())) or "none"
+    print(f"make_pairs: {stats.records_in} prompts -> {stats.pairs_out} pairs (skipped: {skipped}) -> {cfg.output}")
+    for w in stats.warnings:
         print(f"WARNING: {w}", file=sys.stderr)
     return stats
 

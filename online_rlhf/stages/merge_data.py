@@ -22,12 +22,13 @@ from collections import Counter
 from pathlib import Path
 
 
-from .generate import stats_path_of, summarize
+from .generate import summarize
 from online_rlhf.config import run_main
 from online_rlhf.hardware import slow_dtype_warning
-from online_rlhf.jsonl import DataError, iter_jsonl, read_json, write_json, write_jsonl
+from online_rlhf.jsonl import DataError, iter_jsonl, write_jsonl
 from online_rlhf.records import load_prompts, validate_generated
 from online_rlhf.stage_configs import GenerateConfig
+from online_rlhf.stats import GenerateShardStats, GenerateStats, ShardSummary, stats_path
 
 
 def default_shards_dir(output: str | Path) -> Path:
@@ -45,13 +46,14 @@ def shard_path(shards_dir: str | Path, shard_index: int) -> Path:
     return Path(shards_dir) / f"shard_{shard_index:02d}.jsonl"
 
 
-def merge_shards(cfg: GenerateConfig) -> dict:
+def merge_shards(cfg: GenerateConfig) -> GenerateStats:
     """Merge ``num_shards`` shard files into ``cfg.output`` in prompt-set order; write merged stats.
 
     Returns:
-        the merged stats dict (also written to ``stats_output`` or ``<output>.stats.json``).
+        the merged stats (also written to ``stats_path(cfg.output)``: ``<output>.stats.json``).
     Raises:
-        DataError: a shard file or its stats is missing, a record is malformed, an id is
+        DataError: a shard file or its stats is missing or invalid (not :class:`GenerateShardStats`),
+            a record is malformed, an id is
             duplicated (names both places), unknown to the prompt set, or missing from every
             shard (names the shard that should hold it).
     """
@@ -65,16 +67,16 @@ def merge_shards(cfg: GenerateConfig) -> dict:
     shard_stats = []
     for r in range(w):
         path = shard_path(shards_dir, r)
-        stats_path = Path(str(path) + ".stats.json")
+        shard_stats_path = stats_path(path)
         if not path.is_file():
             raise DataError(f"{path}: shard {r} of {w} is missing. Rerun generation for it (generation/launch.py "
                             f"resumes finished shards) or check num_shards={w}.")
-        if not stats_path.is_file():
-            raise DataError(f"{stats_path}: stats of shard {r} missing (it lists the shard's skipped prompts). "
+        if not shard_stats_path.is_file():
+            raise DataError(f"{shard_stats_path}: stats of shard {r} missing (it lists the shard's skipped prompts). "
                             "Rerun that shard.")
-        st = read_json(stats_path)
-        if st.get("shard_index") != r or st.get("num_shards") != w:
-            raise DataError(f"{stats_path}: written as shard {st.get('shard_index')} of {st.get('num_shards')}, "
+        st = GenerateShardStats.read(shard_stats_path)
+        if st.shard_index != r or st.num_shards != w:
+            raise DataError(f"{shard_stats_path}: written as shard {st.shard_index} of {st.num_shards}, "
                             f"expected shard {r} of {w}. Remove the stale shard files and rerun.")
         shard_stats.append(st)
         for lineno, rec in iter_jsonl(path):
@@ -88,10 +90,10 @@ def merge_shards(cfg: GenerateConfig) -> dict:
                 raise DataError(f"{at}: id {rid!r} is not in the prompt set {cfg.prompts} (limit={cfg.limit}). "
                                 "The shards were made from another prompt set.")
             where[rid], by_id[rid] = at, rec
-        for rid, reason in (st.get("skipped_ids") or {}).items():
+        for rid, reason in st.skipped_ids.items():
             if rid in where:
-                raise DataError(f"{stats_path}: id {rid!r} is listed as skipped but also generated at {where[rid]}.")
-            where[rid], skipped[rid] = f"{stats_path} (skipped: {reason})", reason
+                raise DataError(f"{shard_stats_path}: id {rid!r} is listed as skipped but also generated at {where[rid]}.")
+            where[rid], skipped[rid] = f"{shard_stats_path} (skipped: {reason})", reason
 
     missing = [p["id"] for p in prompts if p["id"] not in where]
     if missing:
@@ -101,43 +103,34 @@ def merge_shards(cfg: GenerateConfig) -> dict:
 
     records = sorted(by_id.values(), key=lambda rec: order[rec["id"]])
     summary = summarize(records)
-    gen_s = [s["generation_s"] for s in shard_stats if s.get("generation_s")]
-    start_s = [s["engine_startup_s"] for s in shard_stats if s.get("engine_startup_s")]
+    gen_s = [s.generation_s for s in shard_stats if s.generation_s]
+    start_s = [s.engine_startup_s for s in shard_stats if s.engine_startup_s]
     replaced: Counter = Counter()
     special: Counter = Counter({"prompts": 0, "responses": 0})
     for s in shard_stats:
-        replaced.update(s.get("input_fields_replaced") or {})
-        special.update(s.get("special_token_text") or {})
-    stats = {
-        "stage": "generate",
-        "num_shards": w,
-        "model": shard_stats[0].get("model") if shard_stats else None,
-        "prompts": cfg.prompts,
-        "prompts_in": len(prompts),
-        "skipped": dict(Counter(skipped.values())),
-        "skipped_ids": skipped,
-        "records_out": len(records),
-        **{k: v for k, v in summary.items() if k != "records"},
-        "input_fields_replaced": dict(replaced),
-        "special_token_text": dict(special),
-        "response_ids_differ_from_text": sum(int(s.get("response_ids_differ_from_text") or 0) for s in shard_stats),
-        "k": cfg.k,
+        replaced.update(s.input_fields_replaced)
+        special.update(s.special_token_text)
+    # device, dtype, threads and CPU of the first shard (all shards share them)
+    hardware = shard_stats[0].hardware if shard_stats else None
+    slow = slow_dtype_warning(hardware) if hardware else None
+    stats = GenerateStats(
+        stage="generate", num_shards=w, model=shard_stats[0].model if shard_stats else None, prompts=cfg.prompts,
+        prompts_in=len(prompts), skipped=dict(Counter(skipped.values())), skipped_ids=skipped,
+        records_out=len(records), **{k: v for k, v in summary.items() if k not in ("records", "warnings")},
+        warnings=[*summary["warnings"], *([slow] if slow else [])],
+        input_fields_replaced=dict(replaced), special_token_text=dict(special),
+        response_ids_differ_from_text=sum(s.response_ids_differ_from_text for s in shard_stats), k=cfg.k,
         # shards run side by side: wall time is the slowest shard's
-        "engine_startup_s": max(start_s) if start_s else None,
-        "generation_s": max(gen_s) if gen_s else None,
-        "generated_tokens_per_s": round(summary["generated_tokens"] / max(gen_s), 1) if gen_s else None,
-        # device, dtype, threads and CPU of the first shard that ran an engine (all shards share them)
-        "hardware": next((s["hardware"] for s in shard_stats if s.get("hardware")), None),
-        "shards": [{k: s.get(k) for k in ("shard_index", "shard_prompts", "records_out", "skipped",
-                                          "engine_startup_s", "generation_s", "generated_tokens_per_s", "hardware")}
-                   for s in shard_stats],
-    }
-    if stats["hardware"] and (slow := slow_dtype_warning(stats["hardware"])):
-        stats["warnings"] = [*stats["warnings"], slow]
+        engine_startup_s=max(start_s) if start_s else None,
+        generation_s=max(gen_s) if gen_s else None,
+        generated_tokens_per_s=round(summary["generated_tokens"] / max(gen_s), 1) if gen_s else None,
+        hardware=hardware,
+        shards=[ShardSummary(**{k: getattr(s, k) for k in ShardSummary.model_fields}) for s in shard_stats],
+    )
     write_jsonl(cfg.output, records)
-    write_json(stats_path_of(cfg), stats)
-    print(f"[merge] {w} shard(s) -> {cfg.output}: {len(records)} records, skipped {stats['skipped'] or 'none'}.")
-    for warning in stats["warnings"]:
+    stats.write(stats_path(cfg.output))
+    print(f"[merge] {w} shard(s) -> {cfg.output}: {len(records)} records, skipped {stats.skipped or 'none'}.")
+    for warning in stats.warnings:
         print(f"WARNING: {warning}", file=sys.stderr)
     return stats
 

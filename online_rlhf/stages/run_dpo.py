@@ -5,7 +5,7 @@
 
 Reads one pairs file (``{prompt, chosen, rejected}`` as message lists, online_rlhf/records.py), writes
 one checkpoint directory (safetensors + tokenizer + chat template + generation_config, with the
-input policy's bos/eos/pad) and a stats JSON (``<output_dir>.stats.json`` unless ``stats_output``).
+input policy's bos/eos/pad) and a stats JSON (``<output_dir>.stats.json``: ``online_rlhf.stats.DPOStats``).
 
 Order of work (torchtune-recipe style, top to bottom in :func:`main`):
   1. validate the config: every ``training`` key is a ``trl.DPOConfig`` field, every ``lora`` key a
@@ -43,7 +43,6 @@ response token.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import shutil
 import time
@@ -54,11 +53,12 @@ from pathlib import Path
 from online_rlhf.chat_tokens import ChatTokenError, messages_have_special_text, prompt_response_ids
 from online_rlhf.config import ConfigError, run_main
 from online_rlhf.hardware import compute_dtype, describe, stage_threads
-from online_rlhf.jsonl import DataError, iter_jsonl, write_json, write_jsonl
+from online_rlhf.jsonl import DataError, iter_jsonl, write_jsonl
 from online_rlhf.paths import resolve_model, setup_cache_env
 from online_rlhf.records import validate_pair
 from online_rlhf.stage_configs import DPOStageConfig
 from online_rlhf.stage_table import check_process_count
+from online_rlhf.stats import DPOStats, PairsStats, stats_path
 from online_rlhf.trl_args import check_dpo_training, check_lora
 from online_rlhf.trl_args import per_device_batch as split_batch
 
@@ -411,8 +411,13 @@ def save_checkpoint(trainer, tmp_dir: Path, policy_path: str, orig_config: dict,
             raise RuntimeError(f"{tmp_dir}: no safetensors weights were written; the checkpoint is incomplete.")
 
 
-def main(cfg: DPOStageConfig) -> dict:
-    """Run the DPO stage; return the stats dict (also written to the stats JSON by rank 0)."""
+def main(cfg: DPOStageConfig) -> DPOStats:
+    """Run the DPO stage; return its stats (also written to ``<output_dir>.stats.json`` by rank 0).
+
+    Raises:
+        ConfigError: a bad DPO/LoRA setting, dtype mix, or a tokenizer without a chat template.
+        DataError: the pairs file is empty or none of its pairs can be trained on.
+    """
     t_start = time.perf_counter()
     setup_cache_env()
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -424,7 +429,7 @@ def main(cfg: DPOStageConfig) -> dict:
         torch.set_num_threads(stage_threads(_world_size()))
     out_dir = Path(cfg.output_dir).resolve()
     tmp_dir, work_dir = Path(f"{out_dir}.tmp"), Path(f"{out_dir}.work")
-    stats_path = Path(cfg.stats_output) if cfg.stats_output else Path(f"{out_dir}.stats.json")
+    stats_file = stats_path(out_dir)
 
     # 1. config checks, before any weight is loaded
     args = build_dpo_args(cfg, work_dir, on_gpu)
@@ -446,10 +451,13 @@ def main(cfg: DPOStageConfig) -> dict:
     pairs, read_info = load_pairs(cfg.pairs)
     if read_info["in"] == 0:
         why = ""
-        stats_file = Path(f"{cfg.pairs}.stats.json")
-        if stats_file.is_file():
-            skipped = json.loads(stats_file.read_text(encoding="utf-8")).get("skipped") or {}
+        try:  # a pairs file made by make_pairs has its stats beside it; one made otherwise need not
+            skipped = PairsStats.read(stats_path(cfg.pairs)).skipped
             why = f" make_pairs skipped: {', '.join(f'{k} {v}' for k, v in sorted(skipped.items())) or 'nothing'}."
+        except FileNotFoundError:
+            pass
+        except DataError as e:  # stats of another version: say so, the empty pairs file is the error
+            why = f" ({e})"
         raise DataError(f"{cfg.pairs}: the pairs file is empty, nothing to train on.{why} More prompts "
                         "(prompts_per_iteration) or samples (generation.k), a smaller pairs.min_margin, or "
                         "pairs.truncated=penalize instead of exclude give more pairs.")
@@ -535,45 +543,45 @@ def main(cfg: DPOStageConfig) -> dict:
     trainer.accelerator.wait_for_everyone()
     save_s = time.perf_counter() - t0
 
-    stats = {
-        "stage": "dpo",
-        "policy": policy_path,
-        "reference": {"source": reference_kind, "path": ref_path or policy_path,
-                      "precomputed_log_probs": bool(args.precompute_ref_log_probs),
-                      "lora_adapter_disabled": lora_config is not None and ref_path is None},
-        "pairs_file": str(cfg.pairs),
-        "pairs_in": read_info["in"],
-        "pairs_used": len(kept),
-        "pairs_dropped": dict(dropped),
-        "dropped_examples": examples,
-        "truncation": len_info["truncation"],
-        "special_token_text": special,
-        "loss_type": list(args.loss_type),
-        "beta": args.beta,
-        "learning_rate": args.learning_rate,
-        "dtype": {"policy_stored": pol_stored, "reference_stored": ref_stored, "loaded": pol_dtype,
-                  "bf16": bool(args.bf16), "fp16": bool(args.fp16)},
-        "lora": cfg.lora,
-        "hardware": describe("cuda" if on_gpu else "cpu",
-                             pol_dtype + (" + bf16 autocast" if args.bf16 else " + fp16 autocast" if args.fp16 else ""),
-                             processes=trainer.accelerator.num_processes),
-        "num_processes": trainer.accelerator.num_processes,
-        "deepspeed_zero_stage": args.deepspeed_plugin.zero_stage if args.deepspeed_plugin else None,
-        "steps": trainer.state.global_step,
-        "train_loss_mean": train_out.training_loss,
+    stats = DPOStats(
+        stage="dpo",
+        policy=policy_path,
+        reference={"source": reference_kind, "path": ref_path or policy_path,
+                   "precomputed_log_probs": bool(args.precompute_ref_log_probs),
+                   "lora_adapter_disabled": lora_config is not None and ref_path is None},
+        pairs_file=str(cfg.pairs),
+        pairs_in=read_info["in"],
+        pairs_used=len(kept),
+        pairs_dropped=dict(dropped),
+        dropped_examples=examples,
+        truncation=len_info["truncation"],
+        special_token_text=special,
+        loss_type=list(args.loss_type),
+        beta=args.beta,
+        learning_rate=args.learning_rate,
+        dtype={"policy_stored": pol_stored, "reference_stored": ref_stored, "loaded": pol_dtype,
+               "bf16": bool(args.bf16), "fp16": bool(args.fp16)},
+        lora=cfg.lora,
+        hardware=describe("cuda" if on_gpu else "cpu",
+                          pol_dtype + (" + bf16 autocast" if args.bf16 else " + fp16 autocast" if args.fp16 else ""),
+                          processes=trainer.accelerator.num_processes),
+        num_processes=trainer.accelerator.num_processes,
+        deepspeed_zero_stage=args.deepspeed_plugin.zero_stage if args.deepspeed_plugin else None,
+        steps=trainer.state.global_step,
+        train_loss_mean=train_out.training_loss,
         **summarize_log_history(trainer.state.log_history),
-        "output_dir": str(out_dir),
-        "seconds": {"total": time.perf_counter() - t_start, "model_loading": load_s,
-                    "trainer_init": init_s, "reference_precompute": trainer.precompute_seconds,
-                    "train_steps": train_s, "save": save_s},
-    }
+        output_dir=str(out_dir),
+        seconds={"total": time.perf_counter() - t_start, "model_loading": load_s,
+                 "trainer_init": init_s, "reference_precompute": trainer.precompute_seconds,
+                 "train_steps": train_s, "save": save_s},
+    )
     if is_main:
-        write_json(stats_path, stats)
-        loss = (f"loss {stats['train_loss_first']} (one step: log(2) = 0.6931 is the loss before any update)"
-                if stats["steps"] == 1 else f"loss {stats['train_loss_first']} -> {stats['train_loss_last']}")
-        print(f"dpo: {len(kept)}/{read_info['in']} pairs, {stats['steps']} step{'s' * (stats['steps'] != 1)}, {loss}, "
+        stats.write(stats_file)
+        loss = (f"loss {stats.train_loss_first} (one step: log(2) = 0.6931 is the loss before any update)"
+                if stats.steps == 1 else f"loss {stats.train_loss_first} -> {stats.train_loss_last}")
+        print(f"dpo: {len(kept)}/{read_info['in']} pairs, {stats.steps} step{'s' * (stats.steps != 1)}, {loss}, "
               f"special-token strings kept as text in {special['prompts']} prompts, {special['chosen']} chosen, "
-              f"{special['rejected']} rejected; saved {out_dir} ({stats_path})")
+              f"{special['rejected']} rejected; saved {out_dir} ({stats_file})")
     return stats
 
 

@@ -5,7 +5,7 @@
 
 The config file is an Axolotl config plus a few keys this stage owns (``SFTStageConfig`` in
 online_rlhf/stage_configs.py): ``base_model`` ('default' allowed), ``dataset`` (one local JSONL in
-the conversational ``messages`` format), ``output_dir``, ``stats_output``, ``axolotl_config_output``,
+the conversational ``messages`` format), ``output_dir``, ``axolotl_config_output``,
 ``launcher`` and ``num_processes``. Any key can be overridden as ``key=value`` (YAML values, dotted
 keys for nesting: ``learning_rate=1e-5 max_steps=20``).
 
@@ -26,7 +26,7 @@ Order of work (top to bottom in :func:`main`):
      are set in tokenizer, config and generation_config (the base model's generation_config is
      copied: Axolotl saves one with ``do_sample=true``); ``use_cache`` is switched back on; then
      ``<output_dir>.tmp`` is renamed to ``output_dir``;
-  6. ``<output_dir>.stats.json``: rows in, rows used, rows dropped by Axolotl by reason, steps,
+  6. ``<output_dir>.stats.json`` (``online_rlhf.stats.SFTStats``): rows in, rows used, rows dropped by Axolotl by reason, steps,
      loss first/last, seconds per step, wall seconds, and ``special_token_text``.
 
 Special-token strings in the data are NOT kept as text here. Axolotl 0.19 tokenizes each row with
@@ -56,10 +56,11 @@ import yaml
 from online_rlhf.chat_tokens import has_special_text
 from online_rlhf.config import ConfigError, run_main
 from online_rlhf.hardware import compute_dtype, describe, stage_threads
-from online_rlhf.jsonl import DataError, iter_jsonl, read_json, write_json
+from online_rlhf.jsonl import DataError, iter_jsonl, read_json
 from online_rlhf.paths import PROJECT_ROOT, resolve_model, setup_cache_env
 from online_rlhf.records import ROLES, check_messages
 from online_rlhf.stage_configs import SFTStageConfig
+from online_rlhf.stats import SFTStats, stats_path
 from online_rlhf.trl_args import check_axolotl_keys as _check_axolotl_keys
 
 PLUGIN = "online_rlhf.stages.axolotl_plugin.TrainLogPlugin"
@@ -346,12 +347,20 @@ def loss_summary(train_log: dict) -> dict:
             "train_runtime_s": runtime, "seconds_per_step": round(runtime / steps, 3) if runtime and steps else None}
 
 
-def main(cfg: SFTStageConfig) -> dict:
+def main(cfg: SFTStageConfig) -> SFTStats:
+    """Run the SFT stage (see the module docstring); returns the stats written to
+    ``<output_dir>.stats.json`` (:class:`~online_rlhf.stats.SFTStats`).
+
+    Raises:
+        ConfigError: a bad stage or Axolotl key, a LoRA adapter, a base model without eos.
+        DataError: a bad dataset row (names file and line).
+        RuntimeError: Axolotl failed, or saved no weights.
+    """
     t0 = time.monotonic()
     setup_cache_env()
     out = Path(cfg.output_dir).absolute()
     tmp, prepared = out.with_name(out.name + ".tmp"), out.with_name(out.name + ".prepared")
-    stats_path = Path(cfg.stats_output or f"{out}.stats.json")
+    stats_file = stats_path(out)
     yaml_path = Path(cfg.axolotl_config_output or f"{out}.axolotl.yaml")
     base = resolve_model(cfg.base_model)
 
@@ -401,16 +410,16 @@ def main(cfg: SFTStageConfig) -> dict:
         other = rows_in - rows_used - sum(dropped.values())
         if other:
             dropped["other"] = other  # e.g. rows whose assistant turns Axolotl could not find
-    stats = {"stage": "sft", "base_model": base, "dataset": str(cfg.dataset), "output_dir": str(out),
-             "axolotl_config": str(yaml_path), "rows_in": rows_in, "rows_used": rows_used, "dropped": dropped,
-             **loss_summary(train_log), "wall_seconds": round(time.monotonic() - t0, 1),
-             "launcher": cfg.launcher, "sequence_len": ax.get("sequence_len"), "special_token_text": special,
-             "hardware": describe("cuda" if _on_gpu() else "cpu", _precision(ax),
-                                  threads=None if _on_gpu() else stage_threads()),
-             **summary}
-    write_json(stats_path, stats)
-    print(f"[sft] saved {out}: {stats['steps']} steps, loss {stats['train_loss_first']} -> {stats['train_loss_last']}, "
-          f"{rows_used}/{rows_in} rows used, {stats['wall_seconds']} s. Stats: {stats_path}", flush=True)
+    stats = SFTStats(stage="sft", base_model=base, dataset=str(cfg.dataset), output_dir=str(out),
+                     axolotl_config=str(yaml_path), rows_in=rows_in, rows_used=rows_used, dropped=dropped,
+                     **loss_summary(train_log), wall_seconds=round(time.monotonic() - t0, 1),
+                     launcher=cfg.launcher, sequence_len=ax.get("sequence_len"), special_token_text=special,
+                     hardware=describe("cuda" if _on_gpu() else "cpu", _precision(ax),
+                                       threads=None if _on_gpu() else stage_threads()),
+                     **summary)
+    stats.write(stats_file)
+    print(f"[sft] saved {out}: {stats.steps} steps, loss {stats.train_loss_first} -> {stats.train_loss_last}, "
+          f"{rows_used}/{rows_in} rows used, {stats.wall_seconds} s. Stats: {stats_file}", flush=True)
     return stats
 
 

@@ -1,0 +1,378 @@
+"""Typed stats files: where each stage writes its stats, what they hold, and how they are read back.
+
+One rule for the place (:func:`stats_path`): a stage's stats go beside its primary output,
+``<output>.stats.json`` for a file (``generated.jsonl.stats.json``, generation shards'
+``shard_00.jsonl.stats.json`` included) and ``<output_dir>.stats.json`` for a checkpoint folder
+(``model.stats.json``). There is no per-config override.
+
+One model per stage (pydantic, ``extra="forbid"``): every top-level key a stage writes is a typed
+field, required unless said otherwise, so a missing, renamed or unknown key is an error naming the
+file, the key and the stage that writes that file, never a silent ``None``. Nested free-form parts
+(hardware, counts by reason, example ids, source-specific details) stay dicts.
+
+- :class:`GenerateShardStats`: generation/generate.py, one shard (``shard_XX.jsonl.stats.json``);
+- :class:`GenerateStats`: generation/launch.py and merge_data.py, the merged shards (``generated.jsonl.stats.json``);
+- :class:`RewardStats`: annotate_data/get_rewards.py (``rewards.jsonl.stats.json``, ``eval.jsonl.stats.json``);
+- :class:`PairsStats`: annotate_data/make_pairs.py (``pairs.jsonl.stats.json``);
+- :class:`DPOStats`: dpo_iteration/run_dpo.py (``model.stats.json``);
+- :class:`SFTStats`: sft/run_sft.py (``<output_dir>.stats.json``);
+- :class:`SFTDataStats`: sft/build_sft_data.py (``<output>.stats.json``).
+
+:class:`ScoreResult` is what every reward source (``verifiers``, ``reward_model``, ``remote``,
+``judge``) returns to the rewards stage. Importable without torch or vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from .jsonl import DataError, read_json, write_json
+
+STATS_SUFFIX = ".stats.json"
+
+
+def stats_path(primary_output: str | os.PathLike) -> Path:
+    """Where the stats of a stage whose primary output is ``primary_output`` go.
+
+    ``runs/x/iter_1/generated.jsonl`` -> ``runs/x/iter_1/generated.jsonl.stats.json``;
+    ``runs/x/iter_1/model`` (a checkpoint folder, trailing ``/`` or not) -> ``runs/x/iter_1/model.stats.json``.
+
+    Raises:
+        ValueError: ``primary_output`` has no file or folder name (``""``, ``"/"``, ``"."``).
+    """
+    p = Path(primary_output)
+    if not p.name or p.name in (".", ".."):
+        raise ValueError(f"{str(primary_output)!r} names no file or folder; a stage's stats go beside its output.")
+    return p.with_name(p.name + STATS_SUFFIX)
+
+
+def _loc(loc: tuple) -> str:
+    return ".".join(str(x) for x in loc) or "(top level)"
+
+
+class StageStats(BaseModel):
+    """Base of every stage's stats: unknown keys are refused; :meth:`write` / :meth:`read`."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    WRITTEN_BY: ClassVar[str] = "a stage"
+
+    def write(self, path: str | os.PathLike) -> Path:
+        """Write these stats as indented JSON to ``path``, atomically (temporary file + rename).
+
+        Returns:
+            ``path`` as a ``Path``.
+        Raises:
+            ValueError: a float is NaN or infinite (JSON has none).
+        """
+        write_json(path, self.model_dump(mode="json"))
+        return Path(path)
+
+    @classmethod
+    def read(cls, path: str | os.PathLike):
+        """Read and check a stats file written by this class's stage.
+
+        Returns:
+            an instance of the class.
+        Raises:
+            FileNotFoundError: no such file (the message names it).
+            DataError: not JSON, not an object, or a key is missing, unknown or of the wrong type;
+                the message names the file, every bad key and the stage that writes such a file.
+        """
+        data = read_json(path)
+        if not isinstance(data, dict):
+            raise DataError(f"{path}: expected a JSON object of {cls.__name__} (written by {cls.WRITTEN_BY}), "
+                            f"got {type(data).__name__}.")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            problems = []
+            for err in e.errors():
+                where = _loc(err["loc"])
+                if err["type"] == "missing":
+                    problems.append(f"missing key {where!r}")
+                elif err["type"] == "extra_forbidden":
+                    problems.append(f"unknown key {where!r}")
+                else:
+                    problems.append(f"key {where!r}: {err['msg']} (got {str(err.get('input'))[:80]!r})")
+            raise DataError(f"{path}: not valid {cls.__name__} stats (written by {cls.WRITTEN_BY}): "
+                            f"{'; '.join(problems)}. Rerun that stage to rewrite the file.") from None
+
+
+class _Strict(BaseModel):
+    """A nested part with fixed keys (unknown keys refused)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class RewardSummary(_Strict):
+    """Mean, population std, min and max of a set of rewards (all None when there is none)."""
+
+    mean: Optional[float]
+    std: Optional[float]
+    min: Optional[float]
+    max: Optional[float]
+
+
+# ------------------------------------------------------------------------------------------- generation
+
+class _GenerationCommon(StageStats):
+    """Keys both the per-shard and the merged generation stats hold."""
+
+    stage: Literal["generate"]
+    num_shards: int
+    prompts: str
+    prompts_in: int
+    skipped: dict[str, int]  # prompts set aside by reason (too_long, special_text_not_tokenizable)
+    skipped_ids: dict[str, str]  # prompt id -> reason
+    records_out: int
+    # response statistics (generate.summarize)
+    responses: int
+    finish_reasons: dict[str, int]
+    empty_responses: int
+    generated_tokens: int
+    mean_response_tokens: Optional[float]
+    prompts_all_distinct: int
+    mean_distinct_responses: Optional[float]
+    prompts_fewer_than_2_distinct: int
+    warnings: list[str]
+    input_fields_replaced: dict[str, int]
+    special_token_text: dict[str, int]  # {"prompts": n, "responses": n}
+    response_ids_differ_from_text: int
+    k: int
+    engine_startup_s: Optional[float]  # None: no engine started (no prompt to generate for)
+    generation_s: Optional[float]
+    generated_tokens_per_s: Optional[float]
+
+
+class GenerateShardStats(_GenerationCommon):
+    """One generation shard's stats (``<shards_dir>/shard_XX.jsonl.stats.json``, or ``<output>.stats.json``
+    of generate.py run alone). ``config_fingerprint`` decides whether a rerun may keep the shard."""
+
+    WRITTEN_BY: ClassVar[str] = "generation/generate.py (online_rlhf.stages.generate)"
+    shard_index: int
+    model: str
+    config_fingerprint: str
+    shard_prompts: int
+    max_prompt_tokens: int
+    hardware: dict[str, Any]
+
+
+class ShardSummary(_Strict):
+    """One shard's line in the merged generation stats."""
+
+    shard_index: int
+    shard_prompts: int
+    records_out: int
+    skipped: dict[str, int]
+    engine_startup_s: Optional[float]
+    generation_s: Optional[float]
+    generated_tokens_per_s: Optional[float]
+    hardware: dict[str, Any]
+
+
+class GenerateStats(_GenerationCommon):
+    """The generation stage's stats after the shards are merged (``generated.jsonl.stats.json``):
+    timings are the slowest shard's, ``hardware`` the first shard's that ran an engine (None when none did)."""
+
+    WRITTEN_BY: ClassVar[str] = "generation/launch.py / generation/merge_data.py (online_rlhf.stages.merge_data)"
+    model: Optional[str]  # None only with zero shards
+    hardware: Optional[dict[str, Any]]
+    shards: list[ShardSummary]
+
+
+# ------------------------------------------------------------------------------------------- rewards
+
+@dataclass
+class ScoreResult:
+    """What a reward source's ``score(records, cfg)`` returns (one type for every source).
+
+    Attributes:
+        rewards: one entry per input record: a list of K values aligned with its ``responses``
+            (a float, or ``None`` for a response the source could not score), or ``None`` when
+            the source cannot score the record at all.
+        skipped: reason -> records the source returned ``None`` for (the stats key ``skipped``).
+        responses_unscored: cause -> ``None`` entries inside the reward lists (the stats key
+            ``responses_unscored``).
+        examples: reason or cause -> up to 5 example ids (``"<id> (response j)"``).
+        truncated_inputs: inputs shortened to fit the source's length budget.
+        hardware: what the source ran on (``online_rlhf.hardware.describe``), None when it ran no model.
+        source_stats: source-specific details (free-form), copied to the stats' ``source_stats``.
+    """
+
+    rewards: list[Optional[list[Optional[float]]]]
+    skipped: Counter = field(default_factory=Counter)
+    responses_unscored: Counter = field(default_factory=Counter)
+    examples: dict[str, list[str]] = field(default_factory=dict)
+    truncated_inputs: int = 0
+    hardware: Optional[dict[str, Any]] = None
+    source_stats: dict[str, Any] = field(default_factory=dict)
+
+
+class RewardStats(StageStats):
+    """The rewards stage's stats (``rewards.jsonl.stats.json``, ``eval.jsonl.stats.json``).
+
+    ``records_scored + records_skipped == records_in``; ``skipped`` counts records left out by
+    reason, ``responses_unscored`` the ``null`` rewards by cause.
+    """
+
+    WRITTEN_BY: ClassVar[str] = "annotate_data/get_rewards.py (online_rlhf.stages.get_rewards)"
+    stage: Literal["get_rewards"]
+    input: str
+    output: str
+    source: Literal["reward_model", "verifier", "remote", "judge"]
+    records_in: int
+    records_scored: int
+    records_skipped: int
+    skipped: dict[str, int]
+    responses_scored: int
+    responses_unscored: dict[str, int]
+    examples: dict[str, list[str]]
+    truncated_inputs: int
+    reward: RewardSummary
+    records_all_tied: int
+    source_stats: dict[str, Any]
+    warnings: list[str]
+    num_processes: int
+    hardware: Optional[dict[str, Any]]  # None for sources that run no model here (verifier, remote, judge)
+    seconds: float
+
+
+# ------------------------------------------------------------------------------------------- pairs
+
+class TruncationPolicy(_Strict):
+    policy: Literal["keep", "exclude", "penalize"]
+    penalty: Optional[float]  # only with policy=penalize
+
+
+class PairsStats(StageStats):
+    """make_pairs' stats (``pairs.jsonl.stats.json``); see ``online_rlhf.pairs.build_pairs``."""
+
+    WRITTEN_BY: ClassVar[str] = "annotate_data/make_pairs.py (online_rlhf.stages.make_pairs)"
+    stage: Literal["make_pairs"]
+    input: str
+    output: str
+    records_in: int
+    pairs_out: int
+    skipped: dict[str, int]
+    skipped_examples: dict[str, list[str]]
+    responses: dict[str, int]
+    prompts_fewer_than_2_distinct: int
+    warnings: list[str]
+    reward: RewardSummary
+    chosen_reward_mean: Optional[float]
+    rejected_reward_mean: Optional[float]
+    margin_mean: Optional[float]
+    strategy: Literal["max_min", "max_random", "random"]
+    min_margin: float
+    truncation: TruncationPolicy
+    seed: int
+    seconds: float
+
+
+# ------------------------------------------------------------------------------------------- DPO
+
+class DPOReference(_Strict):
+    source: Literal["policy", "explicit"]
+    path: str
+    precomputed_log_probs: bool
+    lora_adapter_disabled: bool
+
+
+class DPOSeconds(_Strict):
+    total: float
+    model_loading: float
+    trainer_init: float
+    reference_precompute: float  # inside trainer_init; 0 without precomputed reference log-probs
+    train_steps: float
+    save: float
+
+
+class DPOStats(StageStats):
+    """The DPO stage's stats (``<output_dir>.stats.json``, e.g. ``model.stats.json``)."""
+
+    WRITTEN_BY: ClassVar[str] = "dpo_iteration/run_dpo.py (online_rlhf.stages.run_dpo)"
+    stage: Literal["dpo"]
+    policy: str
+    reference: DPOReference
+    pairs_file: str
+    pairs_in: int
+    pairs_used: int
+    pairs_dropped: dict[str, int]
+    dropped_examples: dict[str, list[str]]
+    truncation: dict[str, Any]
+    special_token_text: dict[str, int]  # {"prompts": n, "chosen": n, "rejected": n}
+    loss_type: list[str]
+    beta: float
+    learning_rate: float
+    dtype: dict[str, Any]
+    lora: Optional[dict[str, Any]]
+    hardware: dict[str, Any]
+    num_processes: int
+    deepspeed_zero_stage: Optional[int]
+    steps: int
+    train_loss_mean: Optional[float]
+    history: list[dict[str, Any]]
+    train_loss_first: Optional[float]
+    train_loss_last: Optional[float]
+    rewards_accuracies_first: Optional[float]
+    rewards_accuracies_last: Optional[float]
+    rewards_margins_first: Optional[float]
+    rewards_margins_last: Optional[float]
+    output_dir: str
+    seconds: DPOSeconds
+
+
+# ------------------------------------------------------------------------------------------- SFT
+
+class SFTStats(StageStats):
+    """The SFT stage's stats (``<output_dir>.stats.json``)."""
+
+    WRITTEN_BY: ClassVar[str] = "sft/run_sft.py (online_rlhf.stages.run_sft)"
+    stage: Literal["sft"]
+    base_model: str
+    dataset: str
+    output_dir: str
+    axolotl_config: str
+    rows_in: int
+    rows_used: Optional[int]  # None when Axolotl's log did not say
+    dropped: dict[str, int]
+    steps: int
+    train_loss_first: Optional[float]
+    train_loss_last: Optional[float]
+    train_losses: list[float]
+    train_runtime_s: Optional[float]
+    seconds_per_step: Optional[float]
+    wall_seconds: float
+    launcher: Literal["python", "accelerate"]
+    sequence_len: Optional[int]
+    special_token_text: dict[str, Any]  # {"rows": n, "messages": {role: n}}
+    hardware: dict[str, Any]
+    removed_from_checkpoint: list[str]
+    chat_template_from: str
+    generation_config_from: str
+    eos_token: str
+    eos_token_id: int
+    pad_token_id: int
+
+
+class SFTDataStats(StageStats):
+    """build_sft_data's stats (``<output>.stats.json``)."""
+
+    WRITTEN_BY: ClassVar[str] = "sft/build_sft_data.py (online_rlhf.stages.build_sft_data)"
+    stage: Literal["build_sft_data"]
+    rewards: str
+    output: str
+    min_reward: float
+    truncated: Literal["exclude", "keep"]
+    prompts_in: int
+    kept: int
+    dropped: dict[str, int]
+    dropped_examples: dict[str, list[str]]
+    responses_excluded: dict[str, int]
+    kept_reward_mean: Optional[float]
