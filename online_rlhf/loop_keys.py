@@ -20,6 +20,7 @@ from .stage_configs import DPOStageConfig, GenerateConfig, LoopConfig, PairsConf
 from .trl_args import check_axolotl_keys, check_dpo_training, check_lora
 
 _FILES = "the loop sets each stage's input and output files itself"
+_DRY = "set dry_run=true at the top level (the loop runs each stage once in dry mode)"
 _GEN_OWNED = {
     "model": "the loop sets the policy: set policy= (later iterations sample from the previous model)",
     "prompts": "set train_prompts (and prompts_per_iteration / train_limit) at the top level",
@@ -27,6 +28,7 @@ _GEN_OWNED = {
     "limit": "set prompts_per_iteration or train_limit (train), eval_limit (held-out) at the top level",
     "output": _FILES, "shards_dir": _FILES,
     "shard_index": "the launcher sets it for each shard", "num_shards": "set generation_shards at the top level",
+    "dry_run": _DRY,
 }
 _EVAL_OWNED = {**_GEN_OWNED, "prompts": "set eval_prompts at the top level", "limit": "set eval_limit at the top level",
                "prompt_field": "set eval_prompt_field at the top level"}
@@ -35,18 +37,19 @@ _LAUNCH = {"num_processes": "set num_processes at the top level (the loop writes
            "launch_profile": "set launch_profile at the top level (the loop writes it into the stage's config)"}
 _DPO_OWNED = {"policy": "set policy= at the top level (later iterations train the previous model)",
               "reference": "set ref_model: initial | previous at the top level",
-              "pairs": _FILES, "output_dir": _FILES, **_LAUNCH}
+              "pairs": _FILES, "output_dir": _FILES, **_LAUNCH, "dry_run": _DRY}
 # loop section -> (stage config class it feeds, keys the loop sets itself -> what to set instead);
 # the keys are those of online_rlhf.stage_configs.LOOP_OWNED (checked by tests/test_loop.py)
 SECTIONS: dict[str, tuple[type[BaseModel], dict[str, str]]] = {
     "generation": (GenerateConfig, _GEN_OWNED),
     "evaluation": (GenerateConfig, _EVAL_OWNED),
-    "reward": (RewardConfig, {**_IO_OWNED, **_LAUNCH}),
+    "reward": (RewardConfig, {**_IO_OWNED, **_LAUNCH, "dry_run": _DRY}),
     "pairs": (PairsConfig, _IO_OWNED),
     "dpo": (DPOStageConfig, _DPO_OWNED),
 }
 _SFT_LOOP_KEYS = {"enabled", "config"}
-_SFT_OWNED = {"base_model": "set policy= at the top level", "output_dir": "the loop writes it to <run>/sft/model"}
+_SFT_OWNED = {"base_model": "set policy= at the top level", "output_dir": "the loop writes it to <run>/sft/model",
+              "dry_run": _DRY}
 _PLACEHOLDER = "<set by the loop>"
 
 

@@ -42,6 +42,7 @@ class GenerateConfig(StageConfig):
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="GPU only: share of memory vLLM may use")
     kv_cache_gb: float = Field(2.0, gt=0.0, description="CPU only: KV cache size in GiB per shard (an explicit VLLM_CPU_KVCACHE_SPACE wins)")
     shards_dir: Optional[str] = Field(None, description="launch.py/merge_data.py: folder of shard_XX.jsonl files (default: <output> without .jsonl, e.g. generated.jsonl -> generated/)")
+    dry_run: bool = Field(False, description="memory check instead of the stage: start the engine as usual, generate one batch of dummy prompts of max_model_len - max_tokens tokens x k samples of exactly max_tokens tokens (ignore_eos), and write only <output>.dry_run.json (peak memory, seconds); no output, no stats. launch.py runs shard 0 only")
 
     @model_validator(mode="after")
     def _check(self):
@@ -81,6 +82,7 @@ class RewardConfig(StageConfig):
     judge_concurrency: int = Field(8, ge=1, description="judge: requests in flight at once (the server batches them)")
     num_processes: Optional[int] = Field(None, ge=1, description="reward_model: " + _PROCESSES_DOC + "; other sources run in one process")
     launch_profile: LaunchProfile = Field("cpu", description="reward_model: " + _PROFILE_DOC)
+    dry_run: bool = Field(False, description="memory check instead of the stage (source=reward_model): load the model, score one batch of batch_size dummy inputs of max_length tokens, write only <output>.dry_run.json (peak memory, seconds); the input is not read. Other sources: nothing to check")
 
     @model_validator(mode="after")
     def _check(self):
@@ -130,6 +132,7 @@ class DPOStageConfig(StageConfig):
     torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="policy/reference load dtype (auto: fp32 on CPU, each checkpoint's stored dtype on GPU; float16 vs bfloat16 checkpoints are refused)")
     num_processes: Optional[int] = Field(None, ge=1, description=_PROCESSES_DOC)
     launch_profile: LaunchProfile = Field("cpu", description=_PROFILE_DOC)
+    dry_run: bool = Field(False, description="memory check instead of training: load policy and reference as usual, run one optimizer step (forward + backward + optimizer step, reference log-probs included) on dummy pairs of training.max_length tokens (chosen and rejected) at the real per-device batch and accumulation, and write only <output_dir>.dry_run.json (peak memory, seconds per step); the pairs file is not read, output_dir is not touched")
 
     @model_validator(mode="after")
     def _output_is_not_a_model(self):
@@ -144,13 +147,13 @@ class DPOStageConfig(StageConfig):
 
 # Keys of each stage that the loop's plan sets itself (files, policy, shard layout, processes); the
 # loop's sections cannot set them (``online_rlhf.loop_keys`` says what to set instead).
-_GEN_OWNED = ("model", "prompts", "prompt_field", "limit", "output", "shards_dir", "shard_index", "num_shards")
+_GEN_OWNED = ("model", "prompts", "prompt_field", "limit", "output", "shards_dir", "shard_index", "num_shards", "dry_run")
 LOOP_OWNED: dict[str, tuple[str, ...]] = {
     "generation": _GEN_OWNED,
     "evaluation": _GEN_OWNED,
-    "reward": ("input", "output", "num_processes", "launch_profile"),
+    "reward": ("input", "output", "num_processes", "launch_profile", "dry_run"),
     "pairs": ("input", "output"),
-    "dpo": ("policy", "reference", "pairs", "output_dir", "num_processes", "launch_profile"),
+    "dpo": ("policy", "reference", "pairs", "output_dir", "num_processes", "launch_profile", "dry_run"),
 }
 
 
@@ -210,6 +213,7 @@ class LoopConfig(StageConfig):
     ref_model: Literal["initial", "previous"] = Field("initial", description="DPO reference: the starting (SFT) policy, or last iteration's policy")
     per_iteration: dict[int, dict[str, Any]] = Field(default_factory=dict, description="{i: {section: {key: value}}} overrides for iteration i")
     wandb: bool = Field(False, description="log the loop's metrics to wandb (offline unless WANDB_MODE is set)")
+    dry_run: bool = Field(False, description="memory check instead of the run: plan as usual, then run SFT (when enabled) and iteration 1's generate, rewards (source=reward_model) and dpo stages once each in dry mode (one step at the largest shapes), print peak memory vs available per stage and what to lower; writes no checkpoint and marks no stage done. Exit 1 when a stage would not fit")
 
     @field_validator("num_processes")
     @classmethod
@@ -243,6 +247,7 @@ class SFTStageConfig(StageConfig):
     axolotl_config_output: Optional[str] = Field(None, description="where the resolved Axolotl YAML is written (default: <output_dir>.axolotl.yaml)")
     launcher: Literal["python", "accelerate"] = Field("python", description="python: one process (CPU, one GPU); accelerate: `accelerate launch` with num_processes (multi-GPU, DeepSpeed via Axolotl's `deepspeed:` key)")
     num_processes: Optional[int] = Field(None, ge=1, description="launcher=accelerate: processes (default: all visible GPUs, else 1)")
+    dry_run: bool = Field(False, description="memory check instead of training: one forward + backward + AdamW step of the base model (transformers, in Axolotl's dtype and attention, one process) on micro_batch_size dummy rows of sequence_len tokens; writes only <output_dir>.dry_run.json (peak memory, seconds); Axolotl does not run, output_dir is not touched")
 
     @model_validator(mode="after")
     def _check_sft(self):

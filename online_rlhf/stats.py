@@ -16,7 +16,8 @@ file, the key and the stage that writes that file, never a silent ``None``. Nest
 - :class:`PairsStats`: annotate_data/make_pairs.py (``pairs.jsonl.stats.json``);
 - :class:`DPOStats`: dpo_iteration/run_dpo.py (``model.stats.json``);
 - :class:`SFTStats`: sft/run_sft.py (``<output_dir>.stats.json``);
-- :class:`SFTDataStats`: sft/build_sft_data.py (``<output>.stats.json``).
+- :class:`SFTDataStats`: sft/build_sft_data.py (``<output>.stats.json``);
+- :class:`DryRunStats`: any stage run with ``dry_run=true`` (``<output>.dry_run.json``; no stats, no output).
 
 :class:`ScoreResult` is what every reward source (``verifiers``, ``reward_model``, ``remote``,
 ``judge``) returns to the rewards stage. Importable without torch or vLLM.
@@ -376,3 +377,32 @@ class SFTDataStats(StageStats):
     dropped_examples: dict[str, list[str]]
     responses_excluded: dict[str, int]
     kept_reward_mean: Optional[float]
+
+
+# --------------------------------------------------------------------------------------- dry run
+
+class DryRunStats(StageStats):
+    """What a stage's dry run measured (``dry_run=true``; ``<output>.dry_run.json`` beside the stage's
+    output, see :func:`online_rlhf.dry_run.dry_run_path`; never its stats file, never a ``.done``).
+
+    Memory is in GiB (2**30 bytes), time in seconds. ``peak_memory_gib`` is what the stage used at
+    its peak, ``memory_limit_gib`` what it may use (see ``memory_measure``); the loop's dry run
+    compares the two (:func:`online_rlhf.dry_run.assess`).
+    """
+
+    WRITTEN_BY: ClassVar[str] = "a stage run with dry_run=true (online_rlhf.stages.dry_runs)"
+    stage: Literal["dpo", "sft", "generate", "rewards"]
+    status: Literal["ok", "out_of_memory"]
+    error: Optional[str]  # the out-of-memory message, when status says so
+    device: Literal["cpu", "cuda"]
+    memory_measure: str  # how peak and limit were measured, in words
+    peak_memory_gib: Optional[float]  # None: the run failed before anything could be measured
+    memory_limit_gib: Optional[float]  # CPU: available at the stage's start + its own RSS then; CUDA: device total
+    preallocated: bool  # the engine reserves a share of the limit up front (vLLM on a GPU): "tight" is by design
+    per_process_peak_gib: list[float]  # one entry per rank (DPO, reward model on N processes); CPU: summed, CUDA: max
+    processes: int
+    seconds_per_step: Optional[float]
+    step: str  # what one step is, in words (shapes, forward/backward/optimizer step)
+    shapes: dict[str, Any]
+    settings: dict[str, Any]  # the stage's memory-relevant settings (stage key -> value), for the advice
+    seconds_total: float

@@ -427,3 +427,30 @@ def test_zero2_one_and_two_processes_match_plain(tmp_path, models):
     for key in (("zero2_cpu", 1), ("zero2_cpu", 2)):
         assert losses[key] == pytest.approx(losses["cpu", 1], rel=1e-4, abs=1e-5), (key, losses)
     assert losses["cpu", 1][-1] < losses["cpu", 1][0]
+
+
+# --- dry run (memory check) ---------------------------------------------------------------------
+
+def test_dry_run_measures_one_max_length_step_and_writes_no_checkpoint(tmp_path, models):
+    from online_rlhf.dry_run import dry_run_path
+    from online_rlhf.stats import DryRunStats
+
+    out = tmp_path / "model"
+    cfg = DPOStageConfig(policy=models["p0"], reference=models["p1"], pairs=str(tmp_path / "no_pairs_needed.jsonl"),
+                         output_dir=str(out), train_batch_size=4, dry_run=True,
+                         training={"gradient_accumulation_steps": 2, "max_length": 64, "gradient_checkpointing": False})
+    res = run_dpo.main(cfg)
+    assert isinstance(res, DryRunStats) and res.status == "ok" and res.stage == "dpo"
+    assert res.peak_memory_gib > 0 and res.seconds_per_step > 0 and res.memory_limit_gib > res.peak_memory_gib
+    assert res.shapes["sequence_tokens"] == 64 and res.shapes["micro_batch_pairs"] == 2
+    assert res.settings["training.gradient_accumulation_steps"] == 2 and res.settings["train_batch_size"] == 4
+    assert DryRunStats.read(dry_run_path(out)) == res  # the typed result beside output_dir
+    # no checkpoint, no stats, no work folder: only the result
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.dry_run.json"]
+
+
+def test_dry_run_needs_a_max_length(tmp_path, models):
+    cfg = _cfg(tmp_path, models["p0"], tmp_path / "p.jsonl", dry_run=True, training={"max_length": None})
+    with pytest.raises(ConfigError, match="max_length"):
+        run_dpo.main(cfg)
+    assert not (tmp_path / "model").exists()

@@ -334,6 +334,10 @@ def main(cfg: GenerateConfig) -> GenerateShardStats:
         ConfigError: another process holds the lock, or the config is unusable.
         DataError: a bad prompt set.
     """
+    if cfg.dry_run:  # one max-length batch; writes only <output>.dry_run.json (no output, no lock)
+        from online_rlhf.stages import dry_runs
+
+        return dry_runs.generate(cfg)
     try:
         with exclusive_lock(lock_path_of(cfg), f"shard output {cfg.output}"):
             return generate_shard(cfg)

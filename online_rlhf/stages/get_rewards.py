@@ -189,6 +189,10 @@ def main(cfg: RewardConfig) -> RewardStats | None:
     """
     setup_cache_env()
     check_process_count(cfg.num_processes, f"rewards (source={cfg.source})")
+    if cfg.dry_run:  # one max-length batch of the reward model; the input is not read, nothing written but the result
+        from online_rlhf.stages import dry_runs
+
+        return dry_runs.rewards(cfg)
     t0 = time.time()
     records = load_generated(cfg.input)
     scorable = [r for r in records if r["responses"]]

@@ -210,6 +210,10 @@ def run_shards(cfg: GenerateConfig) -> None:
 def main(cfg: GenerateConfig) -> GenerateStats:
     """Run the shards, then merge them; returns the merged stats (written to ``<output>.stats.json``)."""
     setup_cache_env()
+    if cfg.dry_run:  # shard 0 alone, one max-length batch; no shard output, no merge
+        from online_rlhf.stages import dry_runs
+
+        return dry_runs.launch_generate(cfg)
     run_shards(cfg)
     return merge_shards(cfg)
 

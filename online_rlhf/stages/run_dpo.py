@@ -112,12 +112,13 @@ def per_device_batch(cfg: DPOStageConfig, world_size: int) -> dict:
     return {} if per is None else {"per_device_train_batch_size": per}
 
 
-def build_dpo_args(cfg: DPOStageConfig, work_dir: Path, on_gpu: bool):
-    """``trl.DPOConfig`` from the stage defaults + ``cfg.training``; invalid values raise ConfigError."""
+def build_dpo_args(cfg: DPOStageConfig, work_dir: Path, on_gpu: bool, overrides: dict | None = None):
+    """``trl.DPOConfig`` from the stage defaults + ``cfg.training`` (+ ``overrides``, e.g. the dry
+    run's ``max_steps=1``); invalid values raise ConfigError."""
     from trl import DPOConfig
 
     kw = {**training_defaults(on_gpu, _world_size()), **per_device_batch(cfg, _world_size()),
-          **check_dpo_training(cfg.training)}
+          **check_dpo_training(cfg.training), **(overrides or {})}
     if not on_gpu and kw.get("bf16"):
         compute_dtype("cpu", "bfloat16")  # warns when the CPU has no native bf16
         if not _under_deepspeed():
@@ -413,6 +414,8 @@ def save_checkpoint(trainer, tmp_dir: Path, policy_path: str, orig_config: dict,
 
 def main(cfg: DPOStageConfig) -> DPOStats:
     """Run the DPO stage; return its stats (also written to ``<output_dir>.stats.json`` by rank 0).
+    With ``cfg.dry_run``: one optimizer step on dummy max-length pairs instead, returning
+    :class:`~online_rlhf.stats.DryRunStats` (``<output_dir>.dry_run.json``; ``online_rlhf.stages.dry_runs.dpo``).
 
     Raises:
         ConfigError: a bad DPO/LoRA setting, dtype mix, or a tokenizer without a chat template.
@@ -432,7 +435,12 @@ def main(cfg: DPOStageConfig) -> DPOStats:
     stats_file = stats_path(out_dir)
 
     # 1. config checks, before any weight is loaded
-    args = build_dpo_args(cfg, work_dir, on_gpu)
+    if cfg.dry_run:  # one optimizer step on dummy pairs in <output_dir>.dry_run.work (stages/dry_runs.py)
+        from online_rlhf.stages import dry_runs
+
+        args = build_dpo_args(cfg, dry_runs.dpo_work_dir(out_dir), on_gpu, overrides=dry_runs.DPO_ARGS)
+    else:
+        args = build_dpo_args(cfg, work_dir, on_gpu)
     lora_config = build_lora_config(cfg.lora)
     trust = args.trust_remote_code
     policy_path = resolve_model(cfg.policy)
@@ -446,6 +454,9 @@ def main(cfg: DPOStageConfig) -> DPOStats:
     if lora_config is not None and args.deepspeed_plugin is not None and args.deepspeed_plugin.zero_stage == 3:
         raise ConfigError("lora with DeepSpeed ZeRO-3 is not supported by this stage (the merge needs the full "
                           "weights on one rank); use the zero2 profile for LoRA.")
+
+    if cfg.dry_run:  # memory check: no pairs read, output_dir untouched, no stats (DryRunStats instead)
+        return dry_runs.dpo(cfg, args, lora_config, policy_path, ref_path, pol_dtype, ref_dtype, trust, on_gpu, t_start)
 
     # 2. pairs
     pairs, read_info = load_pairs(cfg.pairs)

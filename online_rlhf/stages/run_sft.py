@@ -349,7 +349,9 @@ def loss_summary(train_log: dict) -> dict:
 
 def main(cfg: SFTStageConfig) -> SFTStats:
     """Run the SFT stage (see the module docstring); returns the stats written to
-    ``<output_dir>.stats.json`` (:class:`~online_rlhf.stats.SFTStats`).
+    ``<output_dir>.stats.json`` (:class:`~online_rlhf.stats.SFTStats`). With ``cfg.dry_run``, after
+    the config and data checks: one training step at ``micro_batch_size`` x ``sequence_len``
+    instead (``online_rlhf.stages.dry_runs.sft``), returning :class:`~online_rlhf.stats.DryRunStats`.
 
     Raises:
         ConfigError: a bad stage or Axolotl key, a LoRA adapter, a base model without eos.
@@ -385,6 +387,10 @@ def main(cfg: SFTStageConfig) -> SFTStats:
 
     # 3. the resolved Axolotl config.
     ax = axolotl_config(cfg, base, eos, tmp, prepared)
+    if cfg.dry_run:  # memory check with transformers at Axolotl's shapes; nothing written but the result
+        from online_rlhf.stages import dry_runs
+
+        return dry_runs.sft(cfg, ax, base, t0)
     yaml_path.parent.mkdir(parents=True, exist_ok=True)
     write_text = f"# written by sft/run_sft.py; Axolotl trains into {tmp}, renamed to {out}\n" + \
         yaml.safe_dump(ax, sort_keys=False, allow_unicode=True)
