@@ -7,6 +7,9 @@
 #   CONFIG defaults to configs/loop.yaml (the embedded default: SmolLM2-135M + IFBench verifier).
 #   Rerunning the same command resumes at the first stage whose .done marker is missing or stale.
 #   --fresh (or fresh=true) empties the run directory first (only one this loop made).
+#   dry_run=true plans, then runs SFT (if enabled) and iteration 1's generate / rewards (reward
+#   model) / dpo once each at their largest shapes, prints peak memory vs available and what to
+#   lower, and exits (1 when a stage would not fit) without training or marking anything done.
 #   Every config key, with its default: .venv-train/bin/python -m online_rlhf.loop -h
 #   Each stage runs as its resolved config runs/<name>/iter_<i>/configs/<stage>.yaml says (the
 #   command is written on top of that file; the stage table is online_rlhf/stage_table.py).
@@ -73,8 +76,13 @@ if [[ "$FRESH" == 1 ]]; then
   find "$RUN_DIR" -mindepth 1 -maxdepth 1 ! -name .lock -exec rm -rf -- {} +
 fi
 PLAN="$("$TRAIN" -m online_rlhf.loop plan "$CONFIG" "${OVERRIDES[@]}")"
-eval "$PLAN"    # RUN_DIR ITERATIONS LAUNCH_PROFILE
+eval "$PLAN"    # RUN_DIR ITERATIONS LAUNCH_PROFILE DRY_RUN
 say "run directory: $RUN_DIR ($ITERATIONS iterations, launch profile $LAUNCH_PROFILE)"
+if [[ "$DRY_RUN" == 1 ]]; then   # dry_run=true: memory check of each model stage, then stop (README "Dry run")
+  say "dry run: SFT (if enabled) and iteration 1's model stages, one step each at their largest shapes"
+  rc=0; "$TRAIN" -m online_rlhf.loop dry-run "$RUN_DIR" || rc=$?
+  exit "$rc"
+fi
 
 CHILD=""
 RESUME_HINT="rerun the same command to resume"; [[ "$FRESH" == 1 ]] && RESUME_HINT="rerun it without --fresh to resume"

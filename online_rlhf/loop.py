@@ -2,7 +2,8 @@
 
     python -m online_rlhf.loop plan CONFIG [key=value ...]   # resolve + validate, write stage configs
     python -m online_rlhf.loop check RUN_DIR ITER STAGE       # exit 0 if STAGE is done and fresh, 1 to run, 3 not planned
-    python -m online_rlhf.loop exec RUN_DIR ITER STAGE        # run STAGE as its config file says
+    python -m online_rlhf.loop exec RUN_DIR ITER STAGE [key=value ...]  # run STAGE as its config file says (+ overrides)
+    python -m online_rlhf.loop dry-run RUN_DIR                # each model stage once in dry mode; fit table; exit 1 if one does not fit
     python -m online_rlhf.loop mark RUN_DIR ITER STAGE SECONDS
     python -m online_rlhf.loop metrics RUN_DIR ITER           # one row of metrics.jsonl
     python -m online_rlhf.loop report RUN_DIR                 # report.md + report.png (+ wandb)
@@ -39,7 +40,7 @@ from .paths import PROJECT_ROOT, resolve_model, setup_cache_env
 from .rundir import fingerprint, is_done, mark_done
 from .stage_configs import GenerateConfig, LoopConfig, SFTStageConfig
 from .stage_table import STAGES, Stage, iteration_config, launch_command, prompt_source, stage_file, starting_policy
-from .stats import DPOStats, PairsStats, RewardStats, StageStats, stats_path
+from .stats import DPOStats, DryRunStats, PairsStats, RewardStats, StageStats, stats_path
 from .loop_keys import check_loop_keys
 from .trl_args import check_axolotl_keys, check_dpo_training, check_lora, per_device_batch
 
@@ -47,7 +48,7 @@ from .trl_args import check_axolotl_keys, check_dpo_training, check_lora, per_de
 RUN_CONFIG_HEADER = "# online_rlhf run config, resolved from"
 
 # Keys of the loop config whose values are fixed per run, not per iteration.
-_RUN_LEVEL = ("run_name", "output_root", "iterations", "policy", "sft", "per_iteration", "wandb")
+_RUN_LEVEL = ("run_name", "output_root", "iterations", "policy", "sft", "per_iteration", "wandb", "dry_run")
 
 
 def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
@@ -152,7 +153,7 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
     warnings: list[str] = []
     eval_ids = _eval_ids(cfg, run_dir)
     seen_train: dict[str, int] = {}  # train prompt id -> first iteration that used it
-    layers = _Layers(config_path, overrides)
+    layers = _Layers(config_path, [o for o in overrides if o.split("=", 1)[0] != "dry_run"])
     for i in range(0, cfg.iterations + 1):
         it = run_dir / f"iter_{i}"
         c = iteration_config(cfg, i)
@@ -179,12 +180,16 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
             rows = _write_prompt_slice(it / "prompts.jsonl", train_sets[src], c, i)
             warnings += _overlap_warnings(rows, i, eval_ids, seen_train)
         write_json(it / "plan.json", entries)
-    shell = {"RUN_DIR": str(run_dir), "ITERATIONS": cfg.iterations, "LAUNCH_PROFILE": cfg.launch_profile}
+    shell = {"RUN_DIR": str(run_dir), "ITERATIONS": cfg.iterations, "LAUNCH_PROFILE": cfg.launch_profile,
+             "DRY_RUN": int(cfg.dry_run)}
     for w in warnings:
         print(f"WARNING: {w}", file=sys.stderr)
     write_json(run_dir / "plan_warnings.json", warnings)
     # Last, so that a plan refused on the way (e.g. a bad prompt file) leaves the run's config as it was.
-    _write_run_config(run_dir, cfg.to_yaml(), f"{RUN_CONFIG_HEADER} {config_path or 'defaults'} {' '.join(overrides)}\n")
+    # dry_run is left out: a dry run followed by the real run resolves to the same run config.
+    body = yaml.safe_dump(cfg.model_dump(mode="json", exclude={"dry_run"}), sort_keys=False, allow_unicode=True)
+    _write_run_config(run_dir, body, f"{RUN_CONFIG_HEADER} {config_path or 'defaults'} "
+                      f"{' '.join(o for o in overrides if o.split('=', 1)[0] != 'dry_run')}\n")
     for k, v in shell.items():
         print(f"{k}={shlex.quote(str(v))}")
     return run_dir
@@ -393,17 +398,21 @@ def stage_hash(run_dir: Path, i: int, stage: str) -> str:
     return fingerprint({"stage": stage, "config": config_text}, e["inputs"], root=run_dir)
 
 
-def exec_stage(run_dir: Path, i: int, stage: str) -> None:
+def exec_stage(run_dir: Path, i: int, stage: str, overrides: list[str] = ()) -> None:
     """Replace this process by the command that runs ``stage`` of iteration ``i``, built from the
     stage's config file by :func:`online_rlhf.stage_table.launch_command` (the command written on
     top of that file), from the project root. Prints the command first (it heads the stage's log).
 
+    Args:
+        overrides: ``key=value`` arguments appended to the stage's command (e.g. ``dry_run=true``);
+            they change this run only, not the stage's config file or its freshness hash.
     Raises:
         ConfigError: no such stage in the iteration's plan.json.
     """
     e = _stage_entry(run_dir, i, stage)
     d = yaml.safe_load(Path(e["config"]).read_text(encoding="utf-8"))
     argv, env = launch_command(STAGES[stage], e["config"], d)
+    argv = [*argv, *overrides]
     print("+ " + " ".join([*(f"{k}={v}" for k, v in env.items()), *map(shlex.quote, argv)]), flush=True)
     os.chdir(PROJECT_ROOT)
     os.execve(argv[0], argv, {**os.environ, **env})
@@ -431,6 +440,73 @@ def _output_present(path: Path) -> bool:
 
 def mark(run_dir: Path, i: int, stage: str, seconds: float) -> None:
     mark_done(_marker(run_dir, i, stage), stage_hash(run_dir, i, stage), seconds=round(seconds, 2))
+
+
+# The stages the loop's dry run checks, in order: (iteration, stage). SFT runs before iteration 1;
+# the other model stages are the same in every iteration (held-out generation has k=1: lighter).
+DRY_RUN_STAGES = ((0, "sft"), (1, "generate"), (1, "rewards"), (1, "dpo"))
+
+
+def dry_run(run_dir: Path) -> int:
+    """The loop's dry run (``bash run_loop.sh ... dry_run=true``, after the plan): run each stage of
+    :data:`DRY_RUN_STAGES` that the plan holds once with ``dry_run=true`` (``loop exec RUN_DIR I STAGE
+    dry_run=true``, the stage's own command; log ``iter_<i>/logs/<stage>.dry_run.log``), read what
+    each measured (:class:`~online_rlhf.stats.DryRunStats`) and print the table and advice of
+    :func:`online_rlhf.dry_run.report`; also written to ``<run>/dry_run.json``.
+
+    Pairs and verifier/remote/judge rewards load no model and are skipped. When SFT is enabled, the
+    later stages' policy (the SFT model) does not exist yet: they are measured on the SFT base model
+    (same architecture). Nothing is trained or marked done; stages' outputs are not written.
+
+    Returns:
+        the exit code: 0 when every measured stage fits, 1 when one would not (or its dry run failed).
+    """
+    import subprocess
+
+    from .dry_run import Row, dry_run_path, report
+
+    rows: list[Row] = []
+    sft_base = None
+    for i, stage in DRY_RUN_STAGES:
+        plan_path = run_dir / f"iter_{i}" / "plan.json"
+        entries = read_json(plan_path) if plan_path.is_file() else {}
+        if stage not in entries:
+            continue
+        e = entries[stage]
+        d = yaml.safe_load(Path(e["config"]).read_text(encoding="utf-8"))
+        if stage == "sft":
+            sft_base = d.get("base_model")
+        if stage == "rewards" and d.get("source") != "reward_model":
+            rows.append(Row(stage, i, note=f"source={d.get('source')} loads no model"))
+            continue
+        extra, note = ["dry_run=true"], ""
+        if sft_base is not None and stage in ("generate", "dpo"):  # the SFT model is not trained yet
+            extra += [f"model={sft_base}"] if stage == "generate" else [f"policy={sft_base}"]
+            if stage == "dpo" and d.get("reference"):
+                extra.append(f"reference={sft_base}")
+            note = "measured on the SFT base model"
+        out = dry_run_path(e["outputs"][0])
+        out.unlink(missing_ok=True)  # never report an earlier dry run's figures
+        log = run_dir / f"iter_{i}" / "logs" / f"{stage}.dry_run.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        print(f"[dry run] {stage} (iteration {i}) · log {log}", flush=True)
+        with open(log, "w", encoding="utf-8") as f:
+            rc = subprocess.run([sys.executable, "-m", "online_rlhf.loop", "exec", str(run_dir), str(i), stage, *extra],
+                                stdout=f, stderr=subprocess.STDOUT, cwd=PROJECT_ROOT).returncode
+        result = DryRunStats.read(out) if out.is_file() else None
+        if result is None:
+            why = ("killed (exit %d; on CPU often the kernel's out-of-memory killer)" % rc if rc < 0 or rc in (137, 9)
+                   else f"exit {rc}, no result written")
+            rows.append(Row(stage, i, note=why, log=str(log), failed=True))
+        else:
+            rows.append(Row(stage, i, result=result, note=note, log=str(log)))
+    text, code = report(rows)
+    print(text, flush=True)
+    write_json(run_dir / "dry_run.json", [{"stage": r.stage, "iteration": r.iteration, "verdict": r.verdict,
+                                           "note": r.note, "log": r.log,
+                                           "result": r.result.model_dump(mode="json") if r.result else None}
+                                          for r in rows])
+    return code
 
 
 def mean_ci95(xs: list[float]) -> tuple[float, float, float]:
@@ -671,7 +747,9 @@ def main(argv: list[str]) -> int:
             print(entries[args[2]]["env"])
             return 1
         elif cmd == "exec":
-            exec_stage(Path(args[0]), int(args[1]), args[2])
+            exec_stage(Path(args[0]), int(args[1]), args[2], args[3:])
+        elif cmd == "dry-run":
+            return dry_run(Path(args[0]))
         elif cmd == "mark":
             mark(Path(args[0]), int(args[1]), args[2], float(args[3]))
         elif cmd == "metrics":

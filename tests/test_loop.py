@@ -518,3 +518,89 @@ def test_num_processes_must_divide_the_dpo_batch(small_cfg):
     with pytest.raises(ConfigError, match=r"dpo\.train_batch_size=4 is not a multiple of num_processes=3"):
         loop.resolve("configs/loop.yaml", small_cfg + ["num_processes=3"])
     assert loop.resolve("configs/loop.yaml", small_cfg + ["num_processes=2"]).num_processes == 2
+
+
+# --- dry run: fit check, advice, plan -----------------------------------------------------------
+
+def _dry(stage: str, peak: float | None, limit: float | None, device: str = "cpu", status: str = "ok",
+         preallocated: bool = False, **settings):
+    from online_rlhf.stats import DryRunStats
+
+    return DryRunStats(stage=stage, status=status, error=None, device=device, memory_measure="test",
+                       peak_memory_gib=peak, memory_limit_gib=limit, preallocated=preallocated,
+                       per_process_peak_gib=[peak or 0.0], processes=1, seconds_per_step=1.5, step="1 step",
+                       shapes={}, settings=settings, seconds_total=3.0)
+
+
+def test_dry_run_verdicts_against_the_limit():
+    from online_rlhf.dry_run import verdict
+
+    assert verdict(10.0, 24.0) == "ok"
+    assert verdict(22.0, 24.0) == "tight"  # within 10% of the limit
+    assert verdict(25.0, 24.0) == "over"
+    assert verdict(1.0, 24.0, status="out_of_memory") == "over"
+    assert verdict(130.0, 139.0, preallocated=True) == "ok"  # vLLM on a GPU reserves its share up front
+    assert verdict(None, 24.0) == "unknown"
+
+
+def test_dry_run_report_names_the_stage_that_does_not_fit_and_what_to_lower():
+    from online_rlhf.dry_run import Row, report
+
+    rows = [Row("generate", 1, result=_dry("generate", 3.0, 20.0, max_model_len=2048, k=4, kv_cache_gb=2.0,
+                                             max_tokens=256)),
+            Row("rewards", 1, note="source=verifier loads no model"),
+            Row("dpo", 1, result=_dry("dpo", 26.5, 20.0, **{"train_batch_size": 8,
+                                                          "training.per_device_train_batch_size": 4,
+                                                          "training.gradient_accumulation_steps": 1,
+                                                          "training.max_length": 1024,
+                                                          "training.gradient_checkpointing": False}))]
+    text, code = report(rows)
+    assert code == 1
+    assert "DOES NOT FIT: dpo peak 26.50 GiB of 20.00 GiB" in text
+    for key in ("dpo.training.per_device_train_batch_size (now 4)", "dpo.training.gradient_accumulation_steps (now 1)",
+                "dpo.train_batch_size (now 8)", "dpo.training.max_length (now 1024)",
+                "dpo.training.gradient_checkpointing=true"):
+        assert key in text, key
+    assert "generation." not in text  # the stage that fits gets no advice
+    assert "no stage marked done" in text
+
+    text, code = report([Row("generate", 1, result=_dry("generate", 19.0, 20.0, max_model_len=2048, k=4,
+                                                        kv_cache_gb=2.0, max_tokens=256)),
+                         Row("sft", 0, result=_dry("sft", 2.0, 20.0))])
+    assert code == 0  # tight is a warning, not a failure
+    assert "TIGHT (within 10%): generate" in text
+    assert "generation.max_model_len (now 2048)" in text and "generation.kv_cache_gb (now 2.0)" in text
+    assert "generation.k (now 4)" in text
+
+    text, code = report([Row("dpo", 1, note="killed (exit -9)", log="x.log", failed=True)])
+    assert code == 1 and "FAILED: dpo" in text
+
+
+def test_dry_run_gpu_advice_names_gpu_settings():
+    from online_rlhf.dry_run import advice
+
+    gen = " ".join(advice("generate", {"gpu_memory_utilization": 0.9}, "cuda"))
+    assert "generation.gpu_memory_utilization (now 0.9)" in gen and "kv_cache_gb" not in gen
+    dpo = " ".join(advice("dpo", {"training.gradient_checkpointing": True, "launch_profile": "zero2"}, "cuda"))
+    assert "gradient_checkpointing" not in dpo and "launch_profile=zero3 (now zero2)" in dpo
+    sft = " ".join(advice("sft", {"micro_batch_size": 4, "sequence_len": 1024}, "cpu"))
+    assert "sft.micro_batch_size (now 4)" in sft and "sft.sequence_len (now 1024)" in sft
+
+
+def test_dry_run_key_leaves_the_run_config_and_stage_hashes_alone(small_cfg, capsys):
+    run_dir = loop.plan(None, small_cfg)
+    before = (run_dir / "config.yaml").read_text()
+    hashes = {s: loop.stage_hash(run_dir, 1, s) for s in ("generate", "dpo")}
+    capsys.readouterr()
+    loop.plan(None, small_cfg + ["dry_run=true"])
+    assert "DRY_RUN=1" in capsys.readouterr().out
+    assert (run_dir / "config.yaml").read_text() == before and not (run_dir / "config_history").exists()
+    assert {s: loop.stage_hash(run_dir, 1, s) for s in ("generate", "dpo")} == hashes
+    d, text = _stage_yaml(run_dir, 1, "dpo")
+    assert d["dry_run"] is False and "dry_run=true" not in text  # nor in the provenance header
+
+
+@pytest.mark.parametrize("section", ["generation", "dpo", "reward"])
+def test_dry_run_in_a_stage_section_points_to_the_loop_key(small_cfg, section):
+    with pytest.raises(ConfigError, match=rf"{section}\.dry_run.*dry_run=true at the top level"):
+        loop.resolve(None, small_cfg + [f"{section}.dry_run=true"])

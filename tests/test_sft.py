@@ -183,6 +183,27 @@ def test_axolotl_sft_tiny_model(tmp_path):
     assert model.generation_config.eos_token_id == [tok.eos_token_id]
 
 
+def test_sft_dry_run_measures_one_step_and_writes_no_checkpoint(tmp_path):
+    """dry_run=true: one forward + backward + AdamW step at micro_batch_size x sequence_len with
+    transformers (Axolotl does not run); only <output_dir>.dry_run.json is written."""
+    from online_rlhf.dry_run import dry_run_path
+    from online_rlhf.stats import DryRunStats
+
+    base = make_tiny_policy(tmp_path / "base")
+    data = _write(tmp_path / "sft.jsonl", [_conv(i) for i in range(4)])
+    out = tmp_path / "sft" / "model"
+    cfg = SFTStageConfig.load(ROOT / "configs/sft.yaml", [f"base_model={base}", f"dataset={data}",
+                                                          f"output_dir={out}", "sequence_len=96", "micro_batch_size=3",
+                                                          "dry_run=true"])
+    res = run_sft.main(cfg)
+    assert isinstance(res, DryRunStats) and res.stage == "sft" and res.status == "ok"
+    assert res.peak_memory_gib > 0 and res.seconds_per_step > 0
+    assert res.shapes == {"rows": 3, "sequence_tokens": 96}
+    assert res.settings["micro_batch_size"] == 3 and res.settings["sequence_len"] == 96
+    assert DryRunStats.read(dry_run_path(out)) == res
+    assert sorted(p.name for p in out.parent.iterdir()) == ["model.dry_run.json"]  # no checkpoint, no Axolotl YAML
+
+
 # --- RAFT data ----------------------------------------------------------------------------------
 
 def _rewards_row(id_, responses, rewards, finish=None):
