@@ -605,3 +605,30 @@ def test_vllm_injected_prompt_reaches_the_engine_as_text(tmp_path):
     stats = GenerateStats.read(stats_path(out))
     assert stats.special_token_text["prompts"] == 1
     assert 0 <= stats.response_ids_differ_from_text <= 2
+
+
+@pytest.mark.vllm
+def test_vllm_dry_run_generates_max_tokens_and_writes_no_output(tmp_path):
+    """launch.py dry_run=true: shard 0 starts the engine as usual and generates one batch of dummy
+    prompts of max_model_len - max_tokens tokens, every sample exactly max_tokens long (ignore_eos);
+    only generated.jsonl.dry_run.json is written (no output, no stats, no shard file)."""
+    pytest.importorskip("vllm")
+    from online_rlhf.dry_run import dry_run_path
+    from online_rlhf.stats import DryRunStats
+
+    model = tiny_policy(tmp_path / "policy")
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 3)
+    out = tmp_path / "run" / "generated.jsonl"
+    argv = [sys.executable, str(GEN_DIR / "launch.py"), f"prompts={prompts}", f"model={model}", f"output={out}",
+            "num_shards=1", "k=2", "max_tokens=16", "max_model_len=64", "kv_cache_gb=0.25", "dry_run=true"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = DryRunStats.read(dry_run_path(out))
+    assert res.stage == "generate" and res.status == "ok" and res.device == "cpu"
+    assert res.peak_memory_gib > 0 and res.seconds_per_step > 0 and res.memory_limit_gib > res.peak_memory_gib
+    assert res.shapes["prompts"] == 3 and res.shapes["prompt_tokens"] == 48 and res.shapes["sequences"] == 6
+    assert res.shapes["generated_tokens_min"] == res.shapes["generated_tokens_max"] == 16
+    assert "dry run generate: ok" in proc.stdout
+    assert not out.exists() and not stats_path(out).exists()
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["generated", "generated.jsonl.dry_run.json"]
+    assert not list((tmp_path / "run" / "generated").glob("shard_*.jsonl*"))  # only its config and log
