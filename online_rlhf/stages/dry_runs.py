@@ -320,7 +320,7 @@ def generate(cfg) -> DryRunStats:
                                              "tensor_parallel_size", "num_shards", "dtype", "enforce_eager")}
     settings["dtype"] = dtype
     step = (f"1 batch: {n} prompts x {prompt_len} tokens x k={cfg.k} samples x {cfg.max_tokens} new tokens "
-            f"(max_num_seqs fits {max(1, n)} prompts at k={cfg.k})" if n else "engine start")
+            f"(the shard's prompts, at most max_num_seqs / k)" if n else "engine start")
     shapes = {"prompts": n, "prompt_tokens": prompt_len, "k": cfg.k, "max_tokens": cfg.max_tokens,
               "generated_tokens_min": min(tokens) if tokens else None,
               "generated_tokens_max": max(tokens) if tokens else None, "sequences": len(tokens),
