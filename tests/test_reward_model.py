@@ -333,3 +333,20 @@ def test_a_source_must_return_a_score_result(tmp_path, monkeypatch):
     write_jsonl(tmp_path / "generated.jsonl", [{"id": "a", "prompt": PROMPT, "responses": ["x"], "finish_reasons": ["stop"]}])
     with pytest.raises(TypeError, match="not a ScoreResult"):
         main(RewardConfig(input=str(tmp_path / "generated.jsonl"), output=str(tmp_path / "rewards.jsonl"), source="verifier"))
+
+
+def test_reward_model_dry_run_scores_one_max_length_batch_and_writes_no_output(tmp_path):
+    from online_rlhf.dry_run import dry_run_path
+    from online_rlhf.stages import get_rewards
+    from online_rlhf.stats import DryRunStats
+    from online_rlhf.testing import make_tiny_reward_model
+
+    rm = make_tiny_reward_model(tmp_path / "rm")
+    out = tmp_path / "rewards.jsonl"
+    cfg = RewardConfig(input=str(tmp_path / "not_read.jsonl"), output=str(out), source="reward_model",
+                       reward_model=str(rm), batch_size=3, max_length=128, dry_run=True)
+    res = get_rewards.main(cfg)
+    assert isinstance(res, DryRunStats) and res.stage == "rewards" and res.status == "ok"
+    assert res.peak_memory_gib > 0 and res.seconds_per_step > 0 and res.shapes == {"inputs": 3, "tokens": 128}
+    assert DryRunStats.read(dry_run_path(out)) == res
+    assert not out.exists() and not stats_path(out).exists()
