@@ -479,8 +479,9 @@ def main(cfg: DPOStageConfig) -> DPOStats:
     # The kept pairs as a file-backed dataset in <output_dir>.work: TRL's reference precompute
     # names its cache file after the dataset's cache directory, which must be the same for every
     # rank (an in-memory dataset gets a random per-process path and rank 1 finds no file).
-    with args.main_process_first(local=True, desc="DPO pairs dataset"):
-        if args.local_process_index == 0:
+    # Written by the global rank 0 only: with several machines the folder is on a shared filesystem.
+    with args.main_process_first(local=False, desc="DPO pairs dataset"):
+        if args.process_index == 0:
             # stale leftovers of a crashed run (never look like a checkpoint: they end in .tmp / .work)
             _rmtree(tmp_dir)
             _rmtree(work_dir)
