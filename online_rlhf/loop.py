@@ -199,6 +199,9 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
     for w in warnings:
         print(f"WARNING: {w}", file=sys.stderr)
     write_json(run_dir / "plan_warnings.json", warnings)
+    if cfg.num_machines > 1 and cfg.launcher == "local":
+        print(f"note: num_machines={cfg.num_machines}: this is machine 0. On each other machine k (same paths on a shared "
+              f"filesystem), run: bash scripts/other_machine.sh {run_dir} k", file=sys.stderr)
     # Last, so that a plan refused on the way (e.g. a bad prompt file) leaves the run's config as it was.
     _write_run_config(run_dir, cfg.to_yaml(), f"{RUN_CONFIG_HEADER} {config_path or 'defaults'} {' '.join(overrides)}\n")
     for k, v in shell.items():

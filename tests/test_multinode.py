@@ -309,3 +309,58 @@ def test_reward_model_scoring_on_two_machines_equals_one_machine(tmp_path):
     print(f"max |reward difference| two machines vs one: {diff:.3g}")
     for ra, rb in zip(out["one"], out["two"]):
         assert rb["rewards"] == pytest.approx(ra["rewards"], abs=1e-6)
+
+
+# --- scripts ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("script", ["scripts/slurm_loop.sbatch", "scripts/other_machine.sh"])
+def test_scripts_parse(script):
+    r = subprocess.run(["bash", "-n", str(ROOT / script)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("gpus", ["8", ""])
+def test_slurm_batch_script_runs_the_loop_on_the_first_node(tmp_path, gpus):
+    # SLURM's scontrol and run_loop.sh replaced by stand-ins that print what they were given
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'gpu-node-07\\ngpu-node-08\\n'\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    stub = tmp_path / "run_loop_stub.sh"
+    stub.write_text('printf "%s\\n" "$@"\n')
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-node-[07-08]",
+           "SLURM_NNODES": "2", "SLURM_JOB_ID": "12345", "SLURM_GPUS_ON_NODE": gpus, "SLURM_SUBMIT_DIR": str(ROOT),
+           "ONLINE_RLHF_RUN_LOOP": str(stub)}
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "slurm_loop.sbatch"), "configs/loop.yaml", "iterations=3"],
+                       env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    args = r.stdout.splitlines()[1:]
+    assert "machine 0: gpu-node-07" in r.stdout.splitlines()[0]
+    expected = [*(["num_processes=16", "generation_shards=16"] if gpus else []), "configs/loop.yaml", "iterations=3",
+                "launcher=slurm", "num_machines=2", "machine_rank=0", "main_process_ip=gpu-node-07",
+                "main_process_port=32345"]
+    assert args == expected
+
+
+def test_other_machine_script_skips_done_and_machine_0_stages(tmp_path):
+    # every stage of a planned two-machine run done (outputs made up, markers written): machine 1's
+    # script goes through all of them in run_loop.sh's order and starts nothing
+    from online_rlhf import loop
+
+    run = _plan(tmp_path, *TWO, "num_processes=4")
+    for i in (0, 1):
+        for name, e in json.loads((run / f"iter_{i}" / "plan.json").read_text()).items():
+            for out in map(Path, e["outputs"]):
+                if out.suffix:
+                    out.write_text("{}\n")
+                else:
+                    out.mkdir(parents=True, exist_ok=True)
+                    (out / "config.json").write_text("{}")
+                    (out / "model.safetensors").write_text("")
+            loop.mark(run, i, name, 1.0)
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "other_machine.sh"), str(run), "1"], capture_output=True,
+                       text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stdout.count("is done and fresh; nothing to run on machine 1") == 2 + 5  # eval x2, then 5 in iteration 1
+    assert "stage pairs of iteration 1 runs on machine 0 only" in r.stdout and "all stages done" in r.stdout
+    assert "+ " not in r.stdout  # no command started
