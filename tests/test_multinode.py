@@ -364,3 +364,10 @@ def test_other_machine_script_skips_done_and_machine_0_stages(tmp_path):
     assert r.stdout.count("is done and fresh; nothing to run on machine 1") == 2 + 5  # eval x2, then 5 in iteration 1
     assert "stage pairs of iteration 1 runs on machine 0 only" in r.stdout and "all stages done" in r.stdout
     assert "+ " not in r.stdout  # no command started
+
+
+def test_threads_are_split_between_the_ranks_of_this_machine():
+    from online_rlhf.hardware import processes_here
+
+    assert processes_here(4, env={"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4"}) == 2  # 2 machines x 2 ranks
+    assert processes_here(4, env={}) == 4  # not launched by accelerate: as given
