@@ -183,6 +183,15 @@ def stage_threads(num_processes: int = 1, env: Optional[dict] = None, free_cores
     return max(1, cores // max(1, num_processes))
 
 
+def processes_here(num_processes: int, env: Optional[dict] = None) -> int:
+    """Processes of a distributed stage that share this machine: ``LOCAL_WORLD_SIZE`` (set by
+    ``accelerate launch`` / torchrun; the world size divided by the machines) when set, else
+    ``num_processes``. Threads are split between these, not between every machine's ranks."""
+    env = os.environ if env is None else env
+    local = env.get("LOCAL_WORLD_SIZE", "").strip()
+    return int(local) if local.isdigit() and int(local) > 0 else num_processes
+
+
 def describe(device_type: str, dtype: str, threads: Optional[int] = None, processes: int = 1) -> dict:
     """What a stage records in its stats (and benchmarks print): device, dtype, threads (per
     process), processes, CPU model and capability, and whether bf16 is native there."""

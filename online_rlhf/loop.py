@@ -2,7 +2,9 @@
 
     python -m online_rlhf.loop plan CONFIG [key=value ...]   # resolve + validate, write stage configs
     python -m online_rlhf.loop check RUN_DIR ITER STAGE       # exit 0 if STAGE is done and fresh, 1 to run, 3 not planned
-    python -m online_rlhf.loop exec RUN_DIR ITER STAGE [key=value ...]  # run STAGE as its config file says (+ overrides)
+    python -m online_rlhf.loop exec RUN_DIR ITER STAGE [machine_rank=R] [key=value ...]  # run STAGE as its config file says
+                                                              # (R > 0: this machine's part of a multi-machine stage;
+                                                              # key=value: appended to the stage's command, e.g. dry_run=true)
     python -m online_rlhf.loop dry-run RUN_DIR                # each model stage once in dry mode; fit table; exit 1 if one does not fit
     python -m online_rlhf.loop mark RUN_DIR ITER STAGE SECONDS
     python -m online_rlhf.loop metrics RUN_DIR ITER           # one row of metrics.jsonl
@@ -39,7 +41,8 @@ from .jsonl import DataError, read_json, read_jsonl, write_json, write_jsonl, at
 from .paths import PROJECT_ROOT, resolve_model, setup_cache_env
 from .rundir import fingerprint, is_done, mark_done
 from .stage_configs import GenerateConfig, LoopConfig, SFTStageConfig
-from .stage_table import STAGES, Stage, iteration_config, launch_command, prompt_source, stage_file, starting_policy
+from .stage_table import (STAGES, Stage, iteration_config, launch_command, prompt_source, stage_file, stage_machines,
+                          starting_policy)
 from .stats import DPOStats, DryRunStats, PairsStats, RewardStats, StageStats, stats_path
 from .loop_keys import check_loop_keys
 from .trl_args import check_axolotl_keys, check_dpo_training, check_lora, per_device_batch
@@ -48,7 +51,8 @@ from .trl_args import check_axolotl_keys, check_dpo_training, check_lora, per_de
 RUN_CONFIG_HEADER = "# online_rlhf run config, resolved from"
 
 # Keys of the loop config whose values are fixed per run, not per iteration.
-_RUN_LEVEL = ("run_name", "output_root", "iterations", "policy", "sft", "per_iteration", "wandb", "dry_run")
+_RUN_LEVEL = ("run_name", "output_root", "iterations", "policy", "sft", "per_iteration", "wandb", "dry_run",
+              "num_machines", "machine_rank", "main_process_ip", "main_process_port", "launcher")
 
 
 def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
@@ -65,6 +69,11 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
     src = f"{config_path or 'defaults'}" + (f" + {' '.join(overrides)}" if overrides else "")
     check_loop_keys(data, src, _RUN_LEVEL)  # every section key, named as written, before any stage check
     cfg = LoopConfig.from_dict(data, src)
+    if cfg.machine_rank != 0:
+        raise ConfigError(f"{src}: machine_rank={cfg.machine_rank}: run_loop.sh and the plan run on machine 0 only. "
+                          f"On machine {cfg.machine_rank}, run each distributed stage of machine 0's run with "
+                          f"`.venv-train/bin/python -m online_rlhf.loop exec RUN_DIR ITER STAGE machine_rank={cfg.machine_rank}` "
+                          "(README: Multi-node and SLURM).")
     for i in cfg.per_iteration:
         if not 1 <= i <= cfg.iterations:
             raise ConfigError(f"{src}: per_iteration has iteration {i}, but iterations={cfg.iterations}.")
@@ -99,7 +108,8 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
 
             compute_dtype("cpu", "bfloat16")  # one-line warning where the CPU has no native bf16
     if cfg.num_processes == "auto":
-        cfg.num_processes = auto_processes(cfg.launch_profile, [_dpo_batch(d) for d in dpo_dicts.values()])
+        cfg.num_processes = auto_processes(cfg.launch_profile, [_dpo_batch(d) for d in dpo_dicts.values()],
+                                           num_machines=cfg.num_machines)
     for i, d in dpo_dicts.items():
         try:
             per_device_batch(d.get("train_batch_size"), d.get("training", {}), cfg.num_processes, where="dpo.",
@@ -114,21 +124,24 @@ def _dpo_batch(d: dict) -> tuple[int | None, int]:
     return d.get("train_batch_size"), int(d.get("training", {}).get("gradient_accumulation_steps", 1))
 
 
-def auto_processes(launch_profile: str, dpo_batches: list[tuple[int | None, int]], free: int | None = None) -> int:
-    """``num_processes: auto``: one per GPU; on CPU (profile ``cpu``) one per usable core (or
-    ``free``), lowered to the largest count that divides every iteration's ``dpo.train_batch_size``
-    (with its gradient accumulation). Not load-dependent, unlike threads: the rank count changes
-    how gradients are summed, and a rerun must train the same numbers."""
+def auto_processes(launch_profile: str, dpo_batches: list[tuple[int | None, int]], free: int | None = None,
+                   num_machines: int = 1) -> int:
+    """``num_processes: auto``, the total over ``num_machines`` machines (this machine's count
+    times ``num_machines``: the machines are taken to be alike): one per GPU; on CPU (profile
+    ``cpu``) one per usable core (or ``free``), lowered to the largest per-machine count whose total
+    divides every iteration's ``dpo.train_batch_size`` (with its gradient accumulation). Not
+    load-dependent, unlike threads: the rank count changes how gradients are summed, and a rerun
+    must train the same numbers."""
     if launch_profile != "cpu":
         import torch
 
-        return max(1, torch.cuda.device_count())
+        return max(1, torch.cuda.device_count()) * num_machines
     from .hardware import usable_cores
 
     n = free if free is not None else usable_cores()
-    while n > 1 and any(b is not None and b % (n * a) for b, a in dpo_batches):
+    while n > 1 and any(b is not None and b % (n * num_machines * a) for b, a in dpo_batches):
         n -= 1
-    return n
+    return n * num_machines
 
 
 def sft_dict(cfg: LoopConfig, run_dir: Path) -> dict:
@@ -163,10 +176,14 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
                 continue
             d = stage.config.from_dict(stage_dict(cfg, run_dir, i, stage.name)).model_dump(mode="json")
             path = it / "configs" / f"{stage.name}.yaml"
-            argv, env = launch_command(stage, str(path), d, root=Path("."))
+            argv, env = launch_command(stage, str(path), d, root=Path("."), launcher=c.launcher)
             command = " ".join([*(f"{k}={v}" for k, v in env.items()), *map(shlex.quote, argv)])
+            note = None
+            if c.launcher == "local" and stage_machines(stage, d) > 1:
+                note = (f"(machine 0's part; machine k of {stage_machines(stage, d)} runs the same with machine_rank k: "
+                        f"`.venv-train/bin/python -m online_rlhf.loop exec {run_dir} {i} {stage.name} machine_rank=k`)")
             header = _stage_header(stage, i, layers, command,
-                                   _provenance(stage, d, c, i, layers, start=starting_policy(c, run_dir)))
+                                   _provenance(stage, d, c, i, layers, start=starting_policy(c, run_dir)), note)
             _write_if_changed(path, header + yaml.safe_dump(d, sort_keys=False, allow_unicode=True))
             inputs, outputs = stage.io(d)
             entries[stage.name] = {"env": stage.env, "config": str(path), "command": command,
@@ -185,6 +202,9 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
     for w in warnings:
         print(f"WARNING: {w}", file=sys.stderr)
     write_json(run_dir / "plan_warnings.json", warnings)
+    if cfg.num_machines > 1 and cfg.launcher == "local":
+        print(f"note: num_machines={cfg.num_machines}: this is machine 0. On each other machine k (same paths on a shared "
+              f"filesystem), run: bash scripts/other_machine.sh {run_dir} k", file=sys.stderr)
     # Last, so that a plan refused on the way (e.g. a bad prompt file) leaves the run's config as it was.
     # dry_run is left out: a dry run followed by the real run resolves to the same run config.
     body = yaml.safe_dump(cfg.model_dump(mode="json", exclude={"dry_run"}), sort_keys=False, allow_unicode=True)
@@ -243,7 +263,8 @@ def _short(path: str | None) -> str:
 # Stage keys the plan derives from a top-level loop key (the rest of its own keys are the run layout).
 _DERIVED = {"seed": "seed", "prompts": None, "num_shards": "generation_shards", "num_processes": "num_processes",
             "launch_profile": "launch_profile", "limit": "eval_limit", "prompt_field": "prompt_field",
-            "model": "policy", "policy": "policy", "base_model": "policy", "reference": "ref_model"}
+            "model": "policy", "policy": "policy", "base_model": "policy", "reference": "ref_model",
+            "num_machines": "num_machines", "main_process_ip": "main_process_ip", "main_process_port": "main_process_port"}
 
 
 def _provenance(stage: Stage, d: dict, c: LoopConfig, i: int, layers: _Layers,
@@ -294,13 +315,16 @@ def _provenance(stage: Stage, d: dict, c: LoopConfig, i: int, layers: _Layers,
     return out
 
 
-def _stage_header(stage: Stage, i: int, layers: _Layers, command: str, prov: list[tuple[str, Any, str]]) -> str:
+def _stage_header(stage: Stage, i: int, layers: _Layers, command: str, prov: list[tuple[str, Any, str]],
+                  note: str | None = None) -> str:
     """The comment block on top of a stage's YAML: what it is, the command that runs it (from the
-    project root, as run_loop.sh does) and where each non-default value came from."""
+    project root, as run_loop.sh does; ``note`` below it, e.g. what the other machines run) and
+    where each non-default value came from."""
     src = _short(layers.file_name) + (" + " + " ".join(layers.overrides) if layers.overrides else "")
     lines = [f"# Stage {stage.name} of iteration {i}, resolved by `python -m online_rlhf.loop plan` from {src}.",
              f"# {stage.config.__name__}; this file alone reproduces the stage. From the project root:",
              f"#   {command}",
+             *([f"#   {note}"] if note else []),
              "# Values that differ from the stage's defaults, and where each came from:"]
     for key, v, origin in prov:
         text = json.dumps(v, ensure_ascii=False, default=str)
@@ -398,24 +422,90 @@ def stage_hash(run_dir: Path, i: int, stage: str) -> str:
     return fingerprint({"stage": stage, "config": config_text}, e["inputs"], root=run_dir)
 
 
-def exec_stage(run_dir: Path, i: int, stage: str, overrides: list[str] = ()) -> None:
+def exec_stage(run_dir: Path, i: int, stage: str, overrides: list[str] = (), machine_rank: int = 0,
+               wait_poll_s: float = 10.0) -> None:
     """Replace this process by the command that runs ``stage`` of iteration ``i``, built from the
     stage's config file by :func:`online_rlhf.stage_table.launch_command` (the command written on
-    top of that file), from the project root. Prints the command first (it heads the stage's log).
+    top of that file; the run's ``launcher`` from ``<run>/config.yaml``), from the project root.
+    Prints the command first (it heads the stage's log).
+
+    On machine ``machine_rank`` k > 0 (``num_machines`` > 1, ``launcher: local``): a stage that runs
+    on machine 0 only returns at once (nothing to run here); a stage that is already done and fresh
+    returns too; otherwise it first waits until the stage before it in machine 0's run is done and
+    fresh (its inputs are then written), so that machine k can run every stage of the run in order
+    (README: Multi-node and SLURM) and meet machine 0 at each distributed one.
 
     Args:
         overrides: ``key=value`` arguments appended to the stage's command (e.g. ``dry_run=true``);
             they change this run only, not the stage's config file or its freshness hash.
     Raises:
-        ConfigError: no such stage in the iteration's plan.json.
+        ConfigError: no such stage in the iteration's plan.json; ``machine_rank`` outside the stage's
+            machines; a rank > 0 under ``launcher: slurm`` (srun starts every node's part).
     """
     e = _stage_entry(run_dir, i, stage)
     d = yaml.safe_load(Path(e["config"]).read_text(encoding="utf-8"))
-    argv, env = launch_command(STAGES[stage], e["config"], d)
-    argv = [*argv, *overrides]
+    launcher = _run_launcher(run_dir)
+    if machine_rank != 0:
+        if launcher == "slurm":
+            raise ConfigError(f"machine_rank={machine_rank}: this run uses launcher=slurm, where srun starts every "
+                              "node's part from machine 0; nothing to start by hand.")
+        if stage_machines(STAGES[stage], d) == 1:
+            print(f"stage {stage} of iteration {i} runs on machine 0 only; nothing to run on machine {machine_rank}.")
+            return
+        _wait_for_previous_stage(run_dir, i, stage, wait_poll_s)
+        if check(run_dir, i, stage):
+            print(f"stage {stage} of iteration {i} is done and fresh; nothing to run on machine {machine_rank}.")
+            return
+    argv, env = launch_command(STAGES[stage], e["config"], d, machine_rank=machine_rank, launcher=launcher,
+                               extra=list(overrides))
     print("+ " + " ".join([*(f"{k}={v}" for k, v in env.items()), *map(shlex.quote, argv)]), flush=True)
     os.chdir(PROJECT_ROOT)
-    os.execve(argv[0], argv, {**os.environ, **env})
+    os.execve(argv[0] if os.sep in argv[0] else _which(argv[0]), argv, {**os.environ, **env})
+
+
+def _which(name: str) -> str:
+    import shutil
+
+    found = shutil.which(name)
+    if not found:
+        raise ConfigError(f"{name}: not found on PATH (launcher=slurm needs SLURM's srun: run inside an allocation).")
+    return found
+
+
+def _run_launcher(run_dir: Path) -> str:
+    """The run's ``launcher`` key (``<run>/config.yaml``); ``local`` for a run planned before the key."""
+    try:
+        return (yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8")) or {}).get("launcher", "local")
+    except FileNotFoundError:
+        return "local"
+
+
+def previous_stage(run_dir: Path, i: int, stage: str) -> tuple[int, str] | None:
+    """The stage that machine 0 runs just before ``stage`` of iteration ``i`` (run_loop.sh's order:
+    the plan.json order within an iteration, iterations in turn); None for the run's first stage."""
+    names = list(read_json(run_dir / f"iter_{i}" / "plan.json"))
+    at = names.index(stage)
+    if at > 0:
+        return i, names[at - 1]
+    for j in range(i - 1, -1, -1):
+        earlier = list(read_json(run_dir / f"iter_{j}" / "plan.json"))
+        if earlier:
+            return j, earlier[-1]
+    return None
+
+
+def _wait_for_previous_stage(run_dir: Path, i: int, stage: str, poll_s: float) -> None:
+    prev = previous_stage(run_dir, i, stage)
+    if prev is None:
+        return
+    t0, said = time.monotonic(), -1.0
+    while not check(run_dir, *prev):
+        waited = time.monotonic() - t0
+        if said < 0 or waited - said >= 60:
+            print(f"waiting for machine 0 to finish stage {prev[1]} of iteration {prev[0]} "
+                  f"({waited:.0f} s so far)", flush=True)
+            said = waited
+        time.sleep(poll_s)
 
 
 def _marker(run_dir: Path, i: int, stage: str) -> Path:
@@ -746,8 +836,14 @@ def main(argv: list[str]) -> int:
                 return 0
             print(entries[args[2]]["env"])
             return 1
-        elif cmd == "exec":
-            exec_stage(Path(args[0]), int(args[1]), args[2], args[3:])
+        elif cmd == "exec":  # exec RUN_DIR ITER STAGE [machine_rank=R] [key=value ...]
+            ranks = [a.split("=", 1)[1] for a in args[3:] if a.startswith("machine_rank=")]
+            try:
+                rank = int(ranks[-1]) if ranks else 0
+            except ValueError:
+                raise ConfigError(f"exec: machine_rank={ranks[-1]!r} is not an integer.") from None
+            exec_stage(Path(args[0]), int(args[1]), args[2], [a for a in args[3:] if not a.startswith("machine_rank=")],
+                       machine_rank=rank)
         elif cmd == "dry-run":
             return dry_run(Path(args[0]))
         elif cmd == "mark":

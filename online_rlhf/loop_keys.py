@@ -29,12 +29,16 @@ _GEN_OWNED = {
     "output": _FILES, "shards_dir": _FILES,
     "shard_index": "the launcher sets it for each shard", "num_shards": "set generation_shards at the top level",
     "dry_run": _DRY,
+    "num_machines": "set num_machines at the top level (the loop writes it into the stage's config)",
+    "machine_rank": "it is per machine: `python -m online_rlhf.loop exec RUN_DIR ITER STAGE machine_rank=k` on machine k",
 }
 _EVAL_OWNED = {**_GEN_OWNED, "prompts": "set eval_prompts at the top level", "limit": "set eval_limit at the top level",
                "prompt_field": "set eval_prompt_field at the top level"}
 _IO_OWNED = {"input": _FILES, "output": _FILES}
 _LAUNCH = {"num_processes": "set num_processes at the top level (the loop writes it into the stage's config)",
-           "launch_profile": "set launch_profile at the top level (the loop writes it into the stage's config)"}
+           "launch_profile": "set launch_profile at the top level (the loop writes it into the stage's config)",
+           **{k: f"set {k} at the top level (the loop writes it into the stage's config)"
+              for k in ("num_machines", "main_process_ip", "main_process_port")}}
 _DPO_OWNED = {"policy": "set policy= at the top level (later iterations train the previous model)",
               "reference": "set ref_model: initial | previous at the top level",
               "pairs": _FILES, "output_dir": _FILES, **_LAUNCH, "dry_run": _DRY}

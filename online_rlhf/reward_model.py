@@ -301,11 +301,11 @@ def score(records: list[dict], cfg) -> ScoreResult:
     import torch
     from accelerate.utils import gather_object
 
-    from .hardware import describe, stage_threads
+    from .hardware import describe, processes_here, stage_threads
 
     state = distributed_state()
     if state.device.type == "cpu":
-        torch.set_num_threads(stage_threads(state.num_processes))
+        torch.set_num_threads(stage_threads(processes_here(state.num_processes)))
     rm = RewardModel(cfg.reward_model, dtype=cfg.dtype, device=state.device, max_length=cfg.max_length)
     items = [(ri, j) for ri, rec in enumerate(records) for j in range(len(rec["responses"]))]
     with state.split_between_processes(items) as mine:

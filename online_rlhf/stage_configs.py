@@ -13,10 +13,33 @@ from .config import StageConfig
 from .stats import stats_path
 
 LaunchProfile = Literal["cpu", "zero2", "zero3"]
+_MACHINES_DOC = ("machines the stage's processes span (`accelerate launch --num_machines`); num_processes counts the "
+                 "processes of all machines together. The loop's plan sets it")
+_IP_DOC = "num_machines > 1: address of machine 0 that the others reach (`--main_process_ip`). The loop's plan sets it"
+_PORT_DOC = "num_machines > 1: port on machine 0 for the processes' rendezvous (`--main_process_port`). The loop's plan sets it"
 _PROCESSES_DOC = ("processes the stage runs as (`accelerate launch --num_processes`); the stage refuses to start "
                   "under another count, since it changes the batch split. null: as launched. The loop's plan sets it")
 _PROFILE_DOC = ("how the loop launches the stage: configs/accelerate/<profile>.yaml (cpu: plain processes over gloo; "
                 "zero2/zero3: DeepSpeed on GPUs). Ignored when you start the script yourself")
+
+
+def check_machines(num_machines: int, num_processes: Optional[int], main_process_ip: Optional[str]) -> None:
+    """The multi-machine settings of an ``accelerate launch`` stage (or of the loop), checked together.
+
+    Args:
+        num_machines: machines the processes span.
+        num_processes: processes over all machines (None: not fixed yet, e.g. ``auto``).
+        main_process_ip: address of machine 0.
+    Raises:
+        ValueError: ``num_machines > 1`` without ``main_process_ip``, or ``num_processes`` that is not a
+            multiple of ``num_machines`` (every machine runs ``num_processes / num_machines`` of them).
+    """
+    if num_machines > 1 and not main_process_ip:
+        raise ValueError(f"num_machines={num_machines} needs main_process_ip=<address of machine 0 that every "
+                         "machine can reach>")
+    if num_processes is not None and num_processes % num_machines:
+        raise ValueError(f"num_processes={num_processes} is the process count over all {num_machines} machines and "
+                         f"must be a multiple of num_machines={num_machines} (each machine runs the same number)")
 
 
 class GenerateConfig(StageConfig):
@@ -43,11 +66,16 @@ class GenerateConfig(StageConfig):
     kv_cache_gb: float = Field(2.0, gt=0.0, description="CPU only: KV cache size in GiB per shard (an explicit VLLM_CPU_KVCACHE_SPACE wins)")
     shards_dir: Optional[str] = Field(None, description="launch.py/merge_data.py: folder of shard_XX.jsonl files (default: <output> without .jsonl, e.g. generated.jsonl -> generated/)")
     dry_run: bool = Field(False, description="memory check instead of the stage: start the engine as usual, generate one batch of dummy prompts of max_model_len - max_tokens tokens x k samples of exactly max_tokens tokens (ignore_eos), and write only <output>.dry_run.json (peak memory, seconds); no output, no stats. launch.py runs shard 0 only")
+    num_machines: int = Field(1, ge=1, description="launch.py: machines M sharing the num_shards shards over a shared filesystem; machine k runs shards r with r % M == k on its own devices (set by the loop's plan)")
+    machine_rank: int = Field(0, ge=0, description="launch.py: this machine's rank k (0-based); machine 0 waits for every shard file and merges, the others exit after their own shards. Given when the stage is started on a machine (loop exec ... machine_rank=k)")
+    merge_wait_s: float = Field(3600.0, ge=0, description="launch.py, num_machines > 1: how long machine 0 waits for the other machines' shard files (output + stats) before it refuses, naming each missing file and its machine")
 
     @model_validator(mode="after")
     def _check(self):
         if self.shard_index >= self.num_shards:
             raise ValueError(f"shard_index={self.shard_index} must be < num_shards={self.num_shards} (shards are 0-based)")
+        if self.machine_rank >= self.num_machines:
+            raise ValueError(f"machine_rank={self.machine_rank} must be < num_machines={self.num_machines} (machines are 0-based)")
         if self.max_tokens >= self.max_model_len:
             raise ValueError(f"max_tokens={self.max_tokens} leaves no room for the prompt in max_model_len={self.max_model_len}")
         if Path(self.output).resolve() == Path(self.prompts).resolve():
@@ -83,6 +111,9 @@ class RewardConfig(StageConfig):
     num_processes: Optional[int] = Field(None, ge=1, description="reward_model: " + _PROCESSES_DOC + "; other sources run in one process")
     launch_profile: LaunchProfile = Field("cpu", description="reward_model: " + _PROFILE_DOC)
     dry_run: bool = Field(False, description="memory check instead of the stage (source=reward_model): load the model, score one batch of batch_size dummy inputs of max_length tokens, write only <output>.dry_run.json (peak memory, seconds); the input is not read. Other sources: nothing to check")
+    num_machines: int = Field(1, ge=1, description="reward_model: " + _MACHINES_DOC)
+    main_process_ip: Optional[str] = Field(None, description="reward_model: " + _IP_DOC)
+    main_process_port: Optional[int] = Field(None, ge=1, le=65535, description="reward_model: " + _PORT_DOC)
 
     @model_validator(mode="after")
     def _check(self):
@@ -95,6 +126,10 @@ class RewardConfig(StageConfig):
         if self.source != "reward_model" and (self.num_processes or 1) > 1:
             raise ValueError(f"num_processes={self.num_processes}: source={self.source} runs in one process; only "
                              "source=reward_model runs data-parallel")
+        if self.source != "reward_model" and self.num_machines > 1:
+            raise ValueError(f"num_machines={self.num_machines}: source={self.source} runs in one process on machine 0; "
+                             "only source=reward_model runs over several machines")
+        check_machines(self.num_machines, self.num_processes, self.main_process_ip)
         return self
 
 
@@ -133,9 +168,13 @@ class DPOStageConfig(StageConfig):
     num_processes: Optional[int] = Field(None, ge=1, description=_PROCESSES_DOC)
     launch_profile: LaunchProfile = Field("cpu", description=_PROFILE_DOC)
     dry_run: bool = Field(False, description="memory check instead of training: load policy and reference as usual, run one optimizer step (forward + backward + optimizer step, reference log-probs included) on dummy pairs of training.max_length tokens (chosen and rejected) at the real per-device batch and accumulation, and write only <output_dir>.dry_run.json (peak memory, seconds per step); the pairs file is not read, output_dir is not touched")
+    num_machines: int = Field(1, ge=1, description=_MACHINES_DOC)
+    main_process_ip: Optional[str] = Field(None, description=_IP_DOC)
+    main_process_port: Optional[int] = Field(None, ge=1, le=65535, description=_PORT_DOC)
 
     @model_validator(mode="after")
     def _output_is_not_a_model(self):
+        check_machines(self.num_machines, self.num_processes, self.main_process_ip)
         out = Path(self.output_dir).expanduser().resolve()
         for name in ("policy", "reference"):
             src = getattr(self, name)
@@ -147,13 +186,15 @@ class DPOStageConfig(StageConfig):
 
 # Keys of each stage that the loop's plan sets itself (files, policy, shard layout, processes); the
 # loop's sections cannot set them (``online_rlhf.loop_keys`` says what to set instead).
-_GEN_OWNED = ("model", "prompts", "prompt_field", "limit", "output", "shards_dir", "shard_index", "num_shards", "dry_run")
+_GEN_OWNED = ("model", "prompts", "prompt_field", "limit", "output", "shards_dir", "shard_index", "num_shards",
+              "num_machines", "machine_rank", "dry_run")
+_MACHINES = ("num_machines", "main_process_ip", "main_process_port")
 LOOP_OWNED: dict[str, tuple[str, ...]] = {
     "generation": _GEN_OWNED,
     "evaluation": _GEN_OWNED,
-    "reward": ("input", "output", "num_processes", "launch_profile", "dry_run"),
+    "reward": ("input", "output", "num_processes", "launch_profile", *_MACHINES, "dry_run"),
     "pairs": ("input", "output"),
-    "dpo": ("policy", "reference", "pairs", "output_dir", "num_processes", "launch_profile", "dry_run"),
+    "dpo": ("policy", "reference", "pairs", "output_dir", "num_processes", "launch_profile", *_MACHINES, "dry_run"),
 }
 
 
@@ -202,7 +243,12 @@ class LoopConfig(StageConfig):
     eval_limit: Optional[int] = Field(None, ge=1, description="first N held-out prompts")
     prompts_per_iteration: Optional[int] = Field(None, ge=1, description="iteration i takes the i-th slice of this many train prompts (wrapping); None = all (or train_limit)")
     launch_profile: LaunchProfile = Field("cpu", description="configs/accelerate/<profile>.yaml for DPO (and a reward model)")
-    num_processes: Union[int, Literal["auto"]] = Field("auto", description="processes of accelerate launch (DPO, reward model). auto: one per GPU; on CPU one per usable core (each with one thread; 2 ranks over gloo trained faster than 2 threads in one process), the most that divides dpo.train_batch_size")
+    num_processes: Union[int, Literal["auto"]] = Field("auto", description="processes of accelerate launch (DPO, reward model) over all machines together (accelerate's meaning; a multiple of num_machines). auto: one per GPU of a machine x num_machines; on CPU one per usable core (each with one thread; 2 ranks over gloo trained faster than 2 threads in one process) x num_machines, the most that divides dpo.train_batch_size")
+    num_machines: int = Field(1, ge=1, description="machines the distributed stages span (DPO, a reward model, generation shards); they must share a filesystem holding the project and the run directory. run_loop.sh runs on machine 0 (README: Multi-node and SLURM)")
+    machine_rank: int = Field(0, ge=0, description="this machine's rank (0-based). run_loop.sh and the plan run on machine 0 only; machine k > 0 runs each distributed stage with `python -m online_rlhf.loop exec RUN_DIR I STAGE machine_rank=k`")
+    main_process_ip: Optional[str] = Field(None, description="num_machines > 1 (required): address of machine 0 that every machine can reach (accelerate's --main_process_ip)")
+    main_process_port: int = Field(29500, ge=1, le=65535, description="num_machines > 1: port on machine 0 for the processes' rendezvous (accelerate's --main_process_port)")
+    launcher: Literal["local", "slurm"] = Field("local", description="local: each machine starts its own part (machine 0: run_loop.sh; others: loop exec ... machine_rank=k); slurm: run_loop.sh runs on the first node of an allocation and wraps each distributed stage in `srun --nodes=num_machines --ntasks-per-node=1` (scripts/slurm_loop.sbatch)")
     generation_shards: int = Field(1, ge=1, description="vLLM shards W (one per GPU; 1 on CPU)")
     generation: GenerationSection = Field(default_factory=GenerationSection, description="GenerateConfig fields for training rollouts")
     evaluation: EvaluationSection = Field(default_factory=lambda: EvaluationSection(k=1, temperature=0.0), description="GenerateConfig fields for held-out generation (over `generation`, without its k/temperature/top_p)")
@@ -221,6 +267,15 @@ class LoopConfig(StageConfig):
         if isinstance(v, int) and v < 1:
             raise ValueError(f"num_processes must be >= 1 or auto, got {v}")
         return v
+
+    @model_validator(mode="after")
+    def _check_machines(self):
+        if self.machine_rank >= self.num_machines:
+            raise ValueError(f"machine_rank={self.machine_rank} must be < num_machines={self.num_machines} "
+                             "(machines are 0-based)")
+        check_machines(self.num_machines, None if self.num_processes == "auto" else self.num_processes,
+                       self.main_process_ip)
+        return self
 
     @field_validator("run_name")
     @classmethod

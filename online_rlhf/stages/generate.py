@@ -58,6 +58,9 @@ GENERATED_KEYS = ("id", "prompt", "responses", "finish_reasons", "response_token
 # Config fields that change only resources, not what is sampled: left out of the resume fingerprint.
 _NOT_IN_FINGERPRINT = {"output", "shards_dir", "kv_cache_gb", "gpu_memory_utilization"}
 
+# Which machine runs a shard and how long machine 0 waits for it (launch.py) do not change what is sampled either.
+_NOT_IN_FINGERPRINT |= {"num_machines", "machine_rank", "merge_wait_s"}
+
 
 def shard_prompts(prompts: Sequence[dict], shard_index: int, num_shards: int) -> list[dict]:
     """Shard r of W: ``prompts[r::W]`` (prompts r, r+W, r+2W, ...).

@@ -33,6 +33,13 @@ Devices:
   arriving later slows decoding down instead of stalling it.
   ``VLLM_ENABLE_V1_MULTIPROCESSING`` or ``VLLM_CPU_OMP_THREADS_BIND`` set by you turns this off:
   your values are passed to every shard unchanged.
+
+Several machines (``num_machines`` M > 1, a filesystem shared by all of them): each machine runs
+``launch.py ... machine_rank=k``, which starts only the shards r with r % M == k, on that
+machine's own GPUs or cores as above. Machine 0 then waits (at most ``merge_wait_s``) until every
+shard's output and stats file are there, written for this config (:func:`shard_state`), and merges;
+on timeout it refuses, naming each missing shard file and the machine that should have written it.
+The other machines exit after their own shards. With one machine nothing waits.
 """
 
 from __future__ import annotations
@@ -48,11 +55,11 @@ from pathlib import Path
 from .merge_data import merge_shards, shard_path, shards_dir_of
 from online_rlhf.config import ConfigError, run_main
 from online_rlhf.hardware import stage_threads
-from online_rlhf.jsonl import atomic_open
+from online_rlhf.jsonl import DataError, atomic_open
 from online_rlhf.paths import setup_cache_env
 from online_rlhf.procs import start_guarded
 from online_rlhf.stage_configs import GenerateConfig
-from online_rlhf.stats import GenerateStats
+from online_rlhf.stats import GenerateShardStats, GenerateStats, stats_path
 
 GENERATE = "online_rlhf.stages.generate"  # run as a module: python -m
 LOG_TAIL_LINES = 40
@@ -151,16 +158,34 @@ def start_shard(cmd: list[str], log_path: Path, env: dict[str, str]) -> subproce
                              env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
 
 
+def machine_shards(num_shards: int, num_machines: int, machine_rank: int) -> list[int]:
+    """The shards machine ``machine_rank`` of ``num_machines`` runs: r with r % num_machines ==
+    machine_rank (every shard on exactly one machine; all of them when there is one machine)."""
+    return [r for r in range(num_shards) if r % num_machines == machine_rank]
+
+
+def shard_config(cfg: GenerateConfig, shards_dir: Path) -> GenerateConfig:
+    """The config every shard process starts from (``<shards_dir>/generate_config.yaml``; each shard
+    overrides ``shard_index``, ``num_shards`` and ``output``). The same on every machine."""
+    return cfg.model_copy(update={"shard_index": 0, "output": str(shard_path(shards_dir, 0)), "shards_dir": None,
+                                  "machine_rank": 0})
+
+
 def run_shards(cfg: GenerateConfig) -> None:
-    """Start every shard process, wait for all, and exit 1 naming each failed shard's log."""
+    """Start this machine's shard processes (all W of them on one machine; see
+    :func:`machine_shards`), wait for all, and exit 1 naming each failed shard's log."""
     shards_dir, w = shards_dir_of(cfg), cfg.num_shards
     shards_dir.mkdir(parents=True, exist_ok=True)
     config_path = shards_dir / "generate_config.yaml"
-    shard_cfg = cfg.model_copy(update={"shard_index": 0, "output": str(shard_path(shards_dir, 0)),
-                                       "shards_dir": None})
     with atomic_open(config_path) as f:
-        f.write(shard_cfg.to_yaml())
-    envs = shard_envs(w, cfg.tensor_parallel_size)
+        f.write(shard_config(cfg, shards_dir).to_yaml())
+    mine = machine_shards(w, cfg.num_machines, cfg.machine_rank)
+    where = f" on machine {cfg.machine_rank} of {cfg.num_machines}" if cfg.num_machines > 1 else ""
+    if not mine:
+        print(f"[launch] no shard for machine {cfg.machine_rank}: num_shards={w} < num_machines={cfg.num_machines}.",
+              flush=True)
+        return
+    envs = shard_envs(len(mine), cfg.tensor_parallel_size)
 
     procs: list[tuple[int, subprocess.Popen, Path]] = []
 
@@ -173,11 +198,11 @@ def run_shards(cfg: GenerateConfig) -> None:
 
     old_term = signal.signal(signal.SIGTERM, stop_all)
     try:
-        for r in range(w):
+        for r, env in zip(mine, envs):
             log_path = shards_dir / f"shard_{r:02d}.log"
-            p = start_shard(shard_command(config_path, shards_dir, r, w), log_path, envs[r])
+            p = start_shard(shard_command(config_path, shards_dir, r, w), log_path, env)
             procs.append((r, p, log_path))
-            print(f"[launch] shard {r}/{w} started (pid {p.pid}) {envs[r] or ''} log: {log_path}", flush=True)
+            print(f"[launch] shard {r}/{w} started{where} (pid {p.pid}) {env or ''} log: {log_path}", flush=True)
         t0 = time.perf_counter()
         failed, running = [], list(procs)
         next_progress = PROGRESS_EVERY_S
@@ -203,18 +228,103 @@ def run_shards(cfg: GenerateConfig) -> None:
         for r, rc, log_path in failed:
             print(f"\n[launch] shard {r}/{w} FAILED (exit {rc}); log: {log_path}\n--- last lines ---\n"
                   f"{tail(log_path)}\n---", file=sys.stderr)
-        print(f"[launch] {len(failed)} of {w} shard(s) failed; rerun to redo only those.", file=sys.stderr)
+        print(f"[launch] {len(failed)} of {len(mine)} shard(s){where} failed; rerun to redo only those.", file=sys.stderr)
         raise SystemExit(1)
 
 
-def main(cfg: GenerateConfig) -> GenerateStats:
-    """Run the shards, then merge them; returns the merged stats (written to ``<output>.stats.json``)."""
+MERGE_POLL_S = 5.0  # how often machine 0 looks for the other machines' shard files
+
+
+def shard_state(cfg: GenerateConfig, r: int, expected_fingerprint: str) -> str | None:
+    """Why shard ``r``'s files are not (yet) a finished shard of this config, or None when they are.
+
+    A shard is finished when its output and its stats file (written atomically, the stats last)
+    are both there and the stats say shard r of W with this config's fingerprint, so that a shard
+    file left from an earlier run with another config is not taken for a new one.
+    """
+    out = shard_path(shards_dir_of(cfg), r)
+    st_path = stats_path(out)
+    if not out.is_file():
+        return "missing"
+    if not st_path.is_file():
+        return f"its stats file {st_path.name} is missing"
+    try:
+        st = GenerateShardStats.read(st_path)
+    except (DataError, FileNotFoundError) as e:
+        return f"its stats file is unreadable ({e})"
+    if st.shard_index != r or st.num_shards != cfg.num_shards:
+        return f"written as shard {st.shard_index} of {st.num_shards}"
+    if st.config_fingerprint != expected_fingerprint:
+        return "written for another config, model or prompt file (an earlier run's)"
+    return None
+
+
+def expected_fingerprints(cfg: GenerateConfig) -> dict[int, str]:
+    """``{r: the config fingerprint shard r records}``, as the shard processes compute it
+    (``online_rlhf.stages.generate.shard_fingerprint`` of the shared shard config)."""
+    from online_rlhf.paths import resolve_model
+
+    from .generate import shard_fingerprint
+
+    shards_dir = shards_dir_of(cfg)
+    base, model_path = shard_config(cfg, shards_dir), resolve_model(cfg.model)
+    return {r: shard_fingerprint(base.model_copy(update={"shard_index": r, "output": str(shard_path(shards_dir, r))}),
+                                 model_path) for r in range(cfg.num_shards)}
+
+
+def wait_for_shards(cfg: GenerateConfig, poll_s: float = MERGE_POLL_S) -> None:
+    """Machine 0 of several: wait until every shard of every machine is finished (:func:`shard_state`)
+    on the shared filesystem, at most ``cfg.merge_wait_s`` seconds.
+
+    Raises:
+        DataError: the wait ran out; names each shard file still missing or unfinished, why, the
+            machine that should have written it (r % num_machines) and that shard's log.
+    """
+    shards_dir, m = shards_dir_of(cfg), cfg.num_machines
+    expected = expected_fingerprints(cfg)
+    deadline = time.monotonic() + cfg.merge_wait_s
+    next_note = time.monotonic() + 60
+    while True:
+        pending = {r: why for r in range(cfg.num_shards) if (why := shard_state(cfg, r, expected[r])) is not None}
+        if not pending:
+            return
+        now = time.monotonic()
+        if now >= deadline:
+            lines = [f"{shard_path(shards_dir, r)} ({why}; machine {r % m} of {m} runs shard {r}; its log: "
+                     f"{shards_dir / f'shard_{r:02d}.log'})" for r, why in sorted(pending.items())]
+            raise DataError(f"machine 0 waited {cfg.merge_wait_s:g} s (merge_wait_s) for the shards of the other "
+                            f"machines; {len(pending)} of {cfg.num_shards} not finished:\n  - " + "\n  - ".join(lines)
+                            + "\nStart `launch.py ... machine_rank=k` on each of those machines (loop exec ... "
+                            "machine_rank=k), then rerun; finished shards are kept.")
+        if now >= next_note:
+            next_note = now + 60
+            print(f"[launch] machine 0 waits for shard(s) {', '.join(map(str, sorted(pending)))} of the other "
+                  f"machine(s) ({deadline - now:.0f} s left)", flush=True)
+        time.sleep(max(0.0, min(poll_s, deadline - now)))
+
+
+def main(cfg: GenerateConfig) -> GenerateStats | None:
+    """Run this machine's shards, then merge them; returns the merged stats (written to
+    ``<output>.stats.json``). With ``num_machines`` > 1, machine 0 first waits for the other
+    machines' shards (:func:`wait_for_shards`) and merges; any other machine returns None after its
+    own shards, without merging.
+
+    Raises:
+        DataError: a shard is still missing after ``merge_wait_s`` (machine 0), or the merge fails.
+    """
     setup_cache_env()
     if cfg.dry_run:  # shard 0 alone, one max-length batch; no shard output, no merge
         from online_rlhf.stages import dry_runs
 
         return dry_runs.launch_generate(cfg)
     run_shards(cfg)
+    if cfg.num_machines > 1:
+        if cfg.machine_rank != 0:
+            mine = machine_shards(cfg.num_shards, cfg.num_machines, cfg.machine_rank)
+            print(f"[launch] machine {cfg.machine_rank} of {cfg.num_machines}: shard(s) {mine} finished; "
+                  "machine 0 merges.", flush=True)
+            return None
+        wait_for_shards(cfg)
     return merge_shards(cfg)
 
 

@@ -52,7 +52,7 @@ from pathlib import Path
 
 from online_rlhf.chat_tokens import ChatTokenError, messages_have_special_text, prompt_response_ids
 from online_rlhf.config import ConfigError, run_main
-from online_rlhf.hardware import compute_dtype, describe, stage_threads
+from online_rlhf.hardware import compute_dtype, describe, processes_here, stage_threads
 from online_rlhf.jsonl import DataError, iter_jsonl, write_jsonl
 from online_rlhf.paths import resolve_model, setup_cache_env
 from online_rlhf.records import validate_pair
@@ -429,7 +429,7 @@ def main(cfg: DPOStageConfig) -> DPOStats:
     check_process_count(cfg.num_processes, "dpo")
     on_gpu = torch.cuda.is_available()
     if not on_gpu:  # a stage alone on the machine: every usable core, split between the ranks
-        torch.set_num_threads(stage_threads(_world_size()))
+        torch.set_num_threads(stage_threads(processes_here(_world_size())))
     out_dir = Path(cfg.output_dir).resolve()
     tmp_dir, work_dir = Path(f"{out_dir}.tmp"), Path(f"{out_dir}.work")
     stats_file = stats_path(out_dir)
@@ -490,8 +490,9 @@ def main(cfg: DPOStageConfig) -> DPOStats:
     # The kept pairs as a file-backed dataset in <output_dir>.work: TRL's reference precompute
     # names its cache file after the dataset's cache directory, which must be the same for every
     # rank (an in-memory dataset gets a random per-process path and rank 1 finds no file).
-    with args.main_process_first(local=True, desc="DPO pairs dataset"):
-        if args.local_process_index == 0:
+    # Written by the global rank 0 only: with several machines the folder is on a shared filesystem.
+    with args.main_process_first(local=False, desc="DPO pairs dataset"):
+        if args.process_index == 0:
             # stale leftovers of a crashed run (never look like a checkpoint: they end in .tmp / .work)
             _rmtree(tmp_dir)
             _rmtree(work_dir)
