@@ -208,8 +208,8 @@ def test_loop_exec_on_another_machine(tmp_path, capsys):
     slurm = _plan(tmp_path / "s", *TWO, "num_processes=4", "launcher=slurm")
     with pytest.raises(ConfigError, match="launcher=slurm"):
         loop.exec_stage(slurm, 1, "dpo", machine_rank=1)
-    assert loop.main(["exec", str(run), "1", "dpo", "rank=1"]) == 2
-    assert "only machine_rank=R" in capsys.readouterr().err
+    assert loop.main(["exec", str(run), "1", "dpo", "machine_rank=one"]) == 2
+    assert "machine_rank='one' is not an integer" in capsys.readouterr().err
 
 
 # --- two "machines" on this host -------------------------------------------------------------------------
