@@ -32,7 +32,7 @@ for arg in "$@"; do
     *=*)
       key="${arg%%=*}" val="${arg#*=}"
       case "$key" in
-        train_prompts|eval_prompts|policy|sft.dataset|reward.reward_model)
+        train_prompts|eval_prompts|policy|sft.dataset|reward.reward_model|dpo_config|sft.config)
           [[ "$val" != /* && -e "$CALLER_PWD/$val" ]] && arg="$key=$CALLER_PWD/$val" ;;
         output_root) [[ "$val" != /* ]] && arg="$key=$CALLER_PWD/$val" ;;
       esac

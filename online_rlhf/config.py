@@ -115,8 +115,16 @@ def load_yaml(path: str | os.PathLike) -> dict:
     return data
 
 
+# Keys that stages took once and no longer do: an unknown-key message says why instead of a near miss.
+REMOVED_KEYS = {"stats_output": "removed: a stage's stats always go to <output>.stats.json "
+                                "(<output_dir>.stats.json for a checkpoint); drop the key"}
+
+
 def did_you_mean(key: str, known) -> str:
-    """`` Did you mean 'x'?`` for the closest of ``known`` to ``key`` (difflib), or ``""``."""
+    """`` Did you mean 'x'?`` for the closest of ``known`` to ``key`` (difflib), or ``""``; for a
+    key in :data:`REMOVED_KEYS`, why it is gone."""
+    if str(key) in REMOVED_KEYS:
+        return f" {REMOVED_KEYS[str(key)]}."
     close = difflib.get_close_matches(str(key), sorted(known), n=1)
     return f" Did you mean {close[0]!r}?" if close else ""
 

@@ -207,7 +207,7 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
               f"filesystem), run: bash scripts/other_machine.sh {run_dir} k", file=sys.stderr)
     # Last, so that a plan refused on the way (e.g. a bad prompt file) leaves the run's config as it was.
     # dry_run is left out: a dry run followed by the real run resolves to the same run config.
-    body = yaml.safe_dump(cfg.model_dump(mode="json", exclude={"dry_run"}), sort_keys=False, allow_unicode=True)
+    body = yaml.safe_dump(run_config_dict(cfg), sort_keys=False, allow_unicode=True)
     _write_run_config(run_dir, body, f"{RUN_CONFIG_HEADER} {config_path or 'defaults'} "
                       f"{' '.join(o for o in overrides if o.split('=', 1)[0] != 'dry_run')}\n")
     for k, v in shell.items():
@@ -267,6 +267,10 @@ _DERIVED = {"seed": "seed", "prompts": None, "num_shards": "generation_shards", 
             "num_machines": "num_machines", "main_process_ip": "main_process_ip", "main_process_port": "main_process_port"}
 
 
+# Seeds the plan offsets per iteration, so that each iteration samples and pairs afresh.
+_SEED_OFFSET = {"generate": "+ 1000 x iteration", "pairs": "+ iteration"}
+
+
 def _provenance(stage: Stage, d: dict, c: LoopConfig, i: int, layers: _Layers,
                 start: str | None = None) -> list[tuple[str, Any, str]]:
     """``(key, value, origin)`` for each value of the resolved stage config ``d`` that differs from
@@ -311,6 +315,10 @@ def _provenance(stage: Stage, d: dict, c: LoopConfig, i: int, layers: _Layers,
                       else "the model of the iteration before")
         if not origin and key and (path[0] != "training" or path[-1] == "seed"):
             origin = f"loop key {key} ({layers.find([key]) or 'its default'})"
+            if path == ["seed"] and stage.name in _SEED_OFFSET:
+                origin = f"loop key seed {_SEED_OFFSET[stage.name]} ({layers.find(['seed']) or 'its default'})"
+            if path == ["num_processes"] and d.get("source", "reward_model") != "reward_model":
+                origin = f"one process: source={d.get('source')} runs in one process"
         out.append((".".join(map(str, path)), v, origin or "the run layout"))
     return out
 
@@ -331,6 +339,17 @@ def _stage_header(stage: Stage, i: int, layers: _Layers, command: str, prov: lis
         text = text if len(text) <= 60 else text[:57] + "..."
         lines.append(f"#   {key}: {text}  <- {origin}")
     return "\n".join(lines) + "\n"
+
+
+def run_config_dict(cfg: LoopConfig) -> dict:
+    """The resolved loop config as ``<run>/config.yaml`` holds it: every top-level key, and in each
+    stage section only the keys that were set (a section's unset keys take the stage file's or the
+    stage's default, and the seeds their per-iteration offsets), so the file given back to
+    ``run_loop.sh`` resolves to the same stage configs. ``dry_run`` is left out."""
+    d = cfg.model_dump(mode="json", exclude={"dry_run"})
+    for name in ("generation", "evaluation", "reward", "pairs", "dpo"):
+        d[name] = getattr(cfg, name).model_dump(mode="json", exclude_unset=True)
+    return d
 
 
 def _write_run_config(run_dir: Path, body: str, header: str) -> None:
@@ -513,11 +532,19 @@ def _marker(run_dir: Path, i: int, stage: str) -> Path:
 
 
 def check(run_dir: Path, i: int, stage: str) -> bool:
-    """True when the stage's ``.done`` exists, its hash matches and its outputs exist (a checkpoint
-    folder only counts with its weights: ``*.safetensors`` or ``pytorch_model*.bin``)."""
+    """True when the stage's ``.done`` exists, its hash matches, its outputs exist (a checkpoint
+    folder only counts with its weights: ``*.safetensors`` or ``pytorch_model*.bin``) and its stats
+    file reads back through the stage's stats class (a stage whose stats are missing or broken
+    runs again, rather than stopping ``metrics`` later)."""
     e = _stage_entry(run_dir, i, stage)
-    return is_done(_marker(run_dir, i, stage), stage_hash(run_dir, i, stage)) and all(
-        _output_present(Path(o)) for o in e["outputs"])
+    if not (is_done(_marker(run_dir, i, stage), stage_hash(run_dir, i, stage))
+            and all(_output_present(Path(o)) for o in e["outputs"])):
+        return False
+    try:
+        STAGES[stage].stats.read(stats_path(e["outputs"][0]))
+    except (FileNotFoundError, DataError):
+        return False
+    return True
 
 
 def _output_present(path: Path) -> bool:

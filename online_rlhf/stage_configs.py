@@ -231,7 +231,7 @@ class LoopConfig(StageConfig):
 
     run_name: str = Field("default", description="runs/<run_name>/ holds everything the run writes")
     output_root: str = Field("runs", description="parent folder of run directories")
-    seed: int = Field(42, description="seed of sampling, pair selection and training")
+    seed: int = Field(42, description="seed of sampling, pair selection and training: iteration i's rollouts use seed + 1000 x i, its pairs seed + i, held-out generation and DPO seed (a generation.seed / pairs.seed you set is used as is in every iteration)")
     iterations: int = Field(2, ge=1, description="number of generate -> reward -> pairs -> DPO rounds")
     policy: str = Field("default", description="starting policy: dir, Hub id or 'default'")
     sft: dict[str, Any] = Field(default_factory=lambda: {"enabled": False}, description="enabled: run sft/ first; config: Axolotl YAML; overrides")

@@ -62,11 +62,18 @@ def section(c: LoopConfig, name: str) -> dict:
     return getattr(c, name).model_dump(exclude_unset=True)
 
 
-def stage_file(path: str | None) -> dict:
-    """A stage's own YAML (relative paths from the project root); {} for None."""
+def stage_file(path: str | None, key: str = "dpo_config") -> dict:
+    """A stage's own YAML (relative paths from the project root); {} for None.
+
+    Raises:
+        ConfigError: no such file (names the loop ``key`` that points to it).
+    """
     if not path:
         return {}
     p = Path(path) if Path(path).is_absolute() else PROJECT_ROOT / path
+    if not p.is_file():
+        raise ConfigError(f"{key}={path}: no such file (looked at {p}; a relative path is taken from the project "
+                          f"root {PROJECT_ROOT}). Give an absolute path or one relative to the project root.")
     return load_yaml(p)
 
 
@@ -99,7 +106,7 @@ def _processes(c: LoopConfig) -> Optional[int]:
 def _sft(c: LoopConfig, run_dir: Path, i: int) -> dict:
     s = dict(c.sft)
     s.pop("enabled", None)
-    d = deep_merge(stage_file(s.pop("config", "configs/sft.yaml")), s)
+    d = deep_merge(stage_file(s.pop("config", "configs/sft.yaml"), "sft.config"), s)
     if not d.get("dataset"):
         raise ConfigError("sft.enabled=true needs sft.dataset=<SFT JSONL of {messages: [...]}> "
                           "(e.g. from sft/build_sft_data.py).")

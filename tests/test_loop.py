@@ -9,7 +9,7 @@ import yaml
 from online_rlhf import loop
 from online_rlhf.config import ConfigError
 from online_rlhf.jsonl import read_json, read_jsonl, write_json, write_jsonl
-from online_rlhf.stats import DPOStats, GenerateStats, PairsStats, RewardStats
+from online_rlhf.stats import DPOStats, GenerateStats, PairsStats, RewardStats, stats_path
 from online_rlhf.testing import example_stats
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -170,6 +170,7 @@ def test_done_marker_goes_stale_when_config_or_input_changes(small_cfg):
     it = run_dir / "iter_1"
     write_jsonl(it / "generated.jsonl", [{"id": "p0"}])
     write_jsonl(it / "rewards.jsonl", [{"id": "p0"}])
+    example_stats(RewardStats).write(stats_path(it / "rewards.jsonl"))
     assert not loop.check(run_dir, 1, "rewards")
     loop.mark(run_dir, 1, "rewards", 1.0)
     assert loop.check(run_dir, 1, "rewards")
@@ -197,8 +198,11 @@ def test_launch_settings_are_in_the_stage_yaml_and_rerun_what_they_affect(small_
     assert _stage_yaml(run_dir, 1, "generate")[0]["num_shards"] == 1
     assert _stage_yaml(run_dir, 1, "rewards")[0]["num_processes"] == 1  # a verifier: one process
     it = run_dir / "iter_1"
-    for name in ("generated.jsonl", "rewards.jsonl", "pairs.jsonl", "eval_generated.jsonl", "eval.jsonl"):
-        write_jsonl(it / name, [{"id": "p0"}])
+    for name, cls in (("generated.jsonl", GenerateStats), ("rewards.jsonl", RewardStats), ("pairs.jsonl", PairsStats),
+                      ("eval_generated.jsonl", GenerateStats), ("eval.jsonl", RewardStats), ("model", DPOStats)):
+        if name != "model":
+            write_jsonl(it / name, [{"id": "p0"}])
+        example_stats(cls).write(stats_path(it / name))
     for name in ("prompts.jsonl",):
         assert (it / name).is_file()
     (it / "model").mkdir()
@@ -217,6 +221,11 @@ def test_launch_settings_are_in_the_stage_yaml_and_rerun_what_they_affect(small_
     assert [s for s in stages if not loop.check(run_dir, 1, s)] == ["generate", "dpo", "eval_generate"]
     loop.plan(None, small_cfg + ["num_processes=1"])  # back to what ran: fresh again
     assert all(loop.check(run_dir, 1, s) for s in stages)
+    # a stage whose stats file lost a key runs again (metrics would refuse it later)
+    broken = read_json(it / "pairs.jsonl.stats.json")
+    del broken["pairs_out"]
+    write_json(it / "pairs.jsonl.stats.json", broken)
+    assert [s for s in stages if not loop.check(run_dir, 1, s)] == ["pairs"]
 
 
 def test_stage_yaml_says_how_to_run_it_and_where_each_value_came_from(small_cfg):
@@ -410,6 +419,7 @@ def test_copied_run_dir_keeps_its_done_markers(small_cfg, tmp_path):
     it = run_dir / "iter_1"
     write_jsonl(it / "generated.jsonl", [{"id": "p0"}])
     write_jsonl(it / "rewards.jsonl", [{"id": "p0"}])
+    example_stats(RewardStats).write(stats_path(it / "rewards.jsonl"))
     loop.mark(run_dir, 1, "rewards", 1.0)
     copy = tmp_path / "elsewhere" / "t"
     shutil.copytree(run_dir, copy)
@@ -604,3 +614,19 @@ def test_dry_run_key_leaves_the_run_config_and_stage_hashes_alone(small_cfg, cap
 def test_dry_run_in_a_stage_section_points_to_the_loop_key(small_cfg, section):
     with pytest.raises(ConfigError, match=rf"{section}\.dry_run.*dry_run=true at the top level"):
         loop.resolve(None, small_cfg + [f"{section}.dry_run=true"])
+
+
+def test_run_config_given_back_resolves_to_the_same_stage_configs(small_cfg, tmp_path):
+    """<run>/config.yaml holds only the section keys that were set, so giving it back to the loop
+    reproduces every stage config (a section dumped with all defaults overrode configs/dpo.yaml's
+    batch and the per-iteration seeds)."""
+    run_dir = loop.plan("configs/loop.yaml", small_cfg + ["generation.k=6"])
+    before = {p.relative_to(run_dir): yaml.safe_load(p.read_text()) for p in run_dir.glob("iter_*/configs/*.yaml")}
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["dpo"] == {} and saved["generation"]["k"] == 6 and "seed" not in saved["generation"]
+    copy = tmp_path / "again.yaml"
+    copy.write_text((run_dir / "config.yaml").read_text())
+    assert loop.plan(str(copy), []) == run_dir
+    after = {p.relative_to(run_dir): yaml.safe_load(p.read_text()) for p in run_dir.glob("iter_*/configs/*.yaml")}
+    assert after == before
+    assert yaml.safe_load((run_dir / "iter_1" / "configs" / "dpo.yaml").read_text())["train_batch_size"] == 4

@@ -23,7 +23,8 @@ from online_rlhf.config import ConfigError
 from online_rlhf.loop import auto_processes, resolve
 from online_rlhf.stage_configs import DPOStageConfig, GenerateConfig, LoopConfig, RewardConfig
 from online_rlhf.stage_table import STAGES, launch_command
-from online_rlhf.testing import free_port
+from online_rlhf.stats import stats_path
+from online_rlhf.testing import example_stats, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TWO = ["num_machines=2", "main_process_ip=10.1.2.3", "main_process_port=29511"]
@@ -357,6 +358,7 @@ def test_other_machine_script_skips_done_and_machine_0_stages(tmp_path):
                     out.mkdir(parents=True, exist_ok=True)
                     (out / "config.json").write_text("{}")
                     (out / "model.safetensors").write_text("")
+                example_stats(STAGES[name].stats).write(stats_path(out))  # a finished stage has its stats
             loop.mark(run, i, name, 1.0)
     r = subprocess.run(["bash", str(ROOT / "scripts" / "other_machine.sh"), str(run), "1"], capture_output=True,
                        text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
