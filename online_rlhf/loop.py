@@ -116,6 +116,19 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
                              processes_key="num_processes")
         except ConfigError as e:
             raise ConfigError(f"{src}, iteration {i}: {e}") from None
+    if cfg.dry_run:
+        if cfg.num_machines > 1:
+            raise ConfigError(f"{src}: dry_run=true with num_machines={cfg.num_machines}: the dry run measures each "
+                              "stage on this machine alone (a multi-machine stage would wait for the others). Run it "
+                              "with num_machines=1 and the per-machine process count (num_processes=<processes per "
+                              "machine>): each machine holds the same share.")
+        if 1 in dpo_dicts and dpo_dicts[1].get("training", {}).get("max_length") is None:
+            raise ConfigError(f"{src}: dry_run=true needs dpo.training.max_length (the dummy pairs are that long); "
+                              "set it, e.g. dpo.training.max_length=1024.")
+    if cfg.num_machines > 1 and cfg.generation_shards < cfg.num_machines:
+        print(f"WARNING: generation_shards={cfg.generation_shards} < num_machines={cfg.num_machines}: machines "
+              f"{cfg.generation_shards}..{cfg.num_machines - 1} run no generation shard (one shard per device of "
+              "every machine is usual).", file=sys.stderr)
     return cfg
 
 
@@ -465,6 +478,9 @@ def exec_stage(run_dir: Path, i: int, stage: str, overrides: list[str] = (), mac
     d = yaml.safe_load(Path(e["config"]).read_text(encoding="utf-8"))
     launcher = _run_launcher(run_dir)
     if machine_rank != 0:
+        m = stage_machines(STAGES[stage], d)
+        if m > 1 and not 0 <= machine_rank < m:  # before any wait
+            raise ConfigError(f"machine_rank={machine_rank} must be in 0..{m - 1} (num_machines={m}).")
         if launcher == "slurm":
             raise ConfigError(f"machine_rank={machine_rank}: this run uses launcher=slurm, where srun starts every "
                               "node's part from machine 0; nothing to start by hand.")
@@ -614,6 +630,10 @@ def dry_run(run_dir: Path) -> int:
         if result is None:
             why = ("killed (exit %d; on CPU often the kernel's out-of-memory killer)" % rc if rc < 0 or rc in (137, 9)
                    else f"exit {rc}, no result written")
+            errors = [ln[7:].strip() for ln in log.read_text(encoding="utf-8", errors="replace").splitlines()
+                      if ln.startswith("error: ")]
+            if errors:  # the stage's own one-line reason (e.g. a config it refused), not a memory verdict
+                why += f": {errors[-1][:200]}"
             rows.append(Row(stage, i, note=why, log=str(log), failed=True))
         else:
             rows.append(Row(stage, i, result=result, note=note, log=str(log)))

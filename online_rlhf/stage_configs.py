@@ -37,6 +37,9 @@ def check_machines(num_machines: int, num_processes: Optional[int], main_process
     if num_machines > 1 and not main_process_ip:
         raise ValueError(f"num_machines={num_machines} needs main_process_ip=<address of machine 0 that every "
                          "machine can reach>")
+    if main_process_ip and (any(c.isspace() for c in main_process_ip) or any(c in main_process_ip for c in ";:'\"/")):
+        raise ValueError(f"main_process_ip={main_process_ip!r} must be one host name or IPv4 address, without a port "
+                         "(set main_process_port) or spaces")
     if num_processes is not None and num_processes % num_machines:
         raise ValueError(f"num_processes={num_processes} is the process count over all {num_machines} machines and "
                          f"must be a multiple of num_machines={num_machines} (each machine runs the same number)")

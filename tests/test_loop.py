@@ -630,3 +630,8 @@ def test_run_config_given_back_resolves_to_the_same_stage_configs(small_cfg, tmp
     after = {p.relative_to(run_dir): yaml.safe_load(p.read_text()) for p in run_dir.glob("iter_*/configs/*.yaml")}
     assert after == before
     assert yaml.safe_load((run_dir / "iter_1" / "configs" / "dpo.yaml").read_text())["train_batch_size"] == 4
+
+
+def test_dry_run_without_a_dpo_max_length_is_refused_at_plan_time(small_cfg):
+    with pytest.raises(ConfigError, match=r"dry_run=true needs dpo\.training\.max_length"):
+        loop.resolve("configs/loop.yaml", small_cfg + ["dry_run=true", "dpo.training.max_length=null"])

@@ -373,3 +373,17 @@ def test_threads_are_split_between_the_ranks_of_this_machine():
 
     assert processes_here(4, env={"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4"}) == 2  # 2 machines x 2 ranks
     assert processes_here(4, env={}) == 4  # not launched by accelerate: as given
+
+
+def test_review_fixes_dry_run_ip_and_rank_are_checked_up_front(tmp_path):
+    """A dry run is measured on one machine; a host:port address and an out-of-range rank are
+    refused before anything waits or starts."""
+    from online_rlhf import loop
+
+    with pytest.raises(ConfigError, match=r"dry_run=true with num_machines=2.*num_machines=1"):
+        _plan(tmp_path / "d", *TWO, "num_processes=4", "dry_run=true")
+    with pytest.raises(ConfigError, match=r"main_process_ip='10\.0\.0\.1:29500' must be one host name"):
+        _plan(tmp_path / "p", "num_machines=2", "main_process_ip=10.0.0.1:29500", "num_processes=4")
+    run = _plan(tmp_path, *TWO, "num_processes=4")
+    with pytest.raises(ConfigError, match=r"machine_rank=2 must be in 0\.\.1"):
+        loop.exec_stage(run, 1, "dpo", machine_rank=2)  # no wait for machine 0's pairs first
