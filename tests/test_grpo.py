@@ -263,6 +263,60 @@ def test_a_bad_rewards_record_names_file_and_line(tmp_path, policy):
         run_grpo.main(_cfg(tmp_path, policy, tmp_path / "rewards.jsonl"))
 
 
+@pytest.mark.slow
+def test_two_ranks_over_gloo_train_like_one(tmp_path, policy):
+    """The stage under ``accelerate launch`` with 2 CPU processes (the loop's command): same steps,
+    old log-probs shared between the ranks, and the same direction of learning."""
+    from online_rlhf.stage_table import STAGES, launch_command
+
+    rows = [_record(i, ["yes yes yes", "no no no", "yes yes yes", "no no no"], [1.0, 0.0, 1.0, 0.0]) for i in range(5)]
+    write_jsonl(tmp_path / "rewards.jsonl", rows)
+    cfg = _cfg(tmp_path, policy, tmp_path / "rewards.jsonl", num_processes=2, per_device_train_batch_size=2,
+               loss_type="dapo", beta=0.04)
+    path = tmp_path / "grpo.yaml"
+    path.write_text(cfg.to_yaml())
+    argv, env = launch_command(STAGES["grpo"], str(path), cfg.model_dump(), root=ROOT)
+    p = subprocess.run(argv, cwd=ROOT, env={**os.environ, **env, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    stats = GRPOStats.read(stats_path(tmp_path / "model"))
+    assert stats.num_processes == 2 and stats.completions_used == 20 and stats.steps == 5  # 20 / (2 x 2)
+    assert stats.ratio_first_step_max_dev < 1e-4
+    prompt = rows[0]["prompt"]
+    gap = lambda m: _seq_logp(m, policy, prompt, "yes yes yes") - _seq_logp(m, policy, prompt, "no no no")  # noqa: E731
+    assert gap(str(tmp_path / "model")) > gap(policy) + 1.0
+
+
+@pytest.mark.slow
+def test_zero2_two_processes_match_plain_one(tmp_path, policy):
+    """DeepSpeed ZeRO-2 on CPU (the GPU profile's code path) with 2 ranks trains the same numbers as
+    one plain process: loss_type=dapo normalizes by the whole step's tokens, so the split does not
+    change the gradient."""
+    import socket
+
+    rows = [_record(i, ["yes yes yes", "no no", "yes", "no no no no"], [1.0, 0.0, 0.7, 0.2]) for i in range(4)]
+    write_jsonl(tmp_path / "rewards.jsonl", rows)
+    losses = {}
+    for profile, n in (("cpu", 1), ("zero2_cpu", 2)):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        out = tmp_path / f"{profile}_{n}"
+        cmd = [str(ROOT / ".venv-train" / "bin" / "accelerate"), "launch", "--config_file",
+               str(ROOT / "configs" / "accelerate" / f"{profile}.yaml"), "--num_processes", str(n),
+               "--main_process_port", str(port), str(ROOT / "grpo_iteration" / "run_grpo.py"), f"policy={policy}",
+               f"rewards={tmp_path / 'rewards.jsonl'}", f"output_dir={out}", f"per_device_train_batch_size={8 // n}",
+               "loss_type=dapo", "learning_rate=1e-3", "num_iterations=2", "shuffle_dataset=false"]
+        env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+        stats = GRPOStats.read(stats_path(out))
+        assert stats.num_processes == n and stats.deepspeed_zero_stage == (2 if profile == "zero2_cpu" else None)
+        losses[profile] = [h["loss"] for h in stats.history]
+    assert len(losses["cpu"]) == 4
+    assert losses["zero2_cpu"] == pytest.approx(losses["cpu"], rel=1e-3, abs=1e-5), losses
+
+
 # --- the loop end to end (vLLM generation, accelerate-launched GRPO) ----------------------------
 
 def _constraint_prompts(path: Path, n: int, prefix: str) -> Path:

@@ -300,16 +300,22 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, beta: float, eps
 # ------------------------------------------------------------------------------ 4-7: model
 
 def old_log_probs(model, completions: list[dict], indices: list[int], batch_size: int, pad_id: int, device,
-                  temperature: float) -> dict[int, list[float]]:
+                  temperature: float, batches: int | None = None) -> dict[int, list[float]]:
     """Log-probs of ``completions[i]`` for ``i`` in ``indices`` under ``model`` (no gradient, eval
-    mode), in batches of ``batch_size``: ``{i: [one float per completion token]}``."""
+    mode), in batches of ``batch_size``: ``{i: [one float per completion token]}``. ``batches``:
+    run exactly this many forward passes (the extra ones on completion 0, discarded), so that every
+    rank of a wrapped model (DDP broadcasts buffers, ZeRO-3 gathers weights) runs the same number."""
     import torch
 
     out = {}
+    n = batches if batches is not None else math.ceil(len(indices) / batch_size)
     model.eval()
     with torch.no_grad():
-        for s in range(0, len(indices), batch_size):
-            chunk = indices[s:s + batch_size]
+        for b in range(n):
+            chunk = indices[b * batch_size:(b + 1) * batch_size]
+            if not chunk:  # a pass for the other ranks' sake
+                completion_log_probs(model, collate([completions[0]], pad_id, device), temperature)
+                continue
             batch = collate([completions[i] for i in chunk], pad_id, device)
             lp = completion_log_probs(model, batch, temperature).float().cpu()  # (b, C)
             for row, i in enumerate(chunk):
@@ -323,9 +329,10 @@ def _all_log_probs(accelerator, model, completions, batch_size, pad_id, temperat
     ranks exchange them."""
     from accelerate.utils import gather_object
 
-    mine = old_log_probs(model, completions, list(range(accelerator.process_index, len(completions),
-                                                        accelerator.num_processes)),
-                         batch_size, pad_id, accelerator.device, temperature)
+    world = accelerator.num_processes
+    batches = math.ceil(math.ceil(len(completions) / world) / batch_size)  # the same on every rank
+    mine = old_log_probs(model, completions, list(range(accelerator.process_index, len(completions), world)),
+                         batch_size, pad_id, accelerator.device, temperature, batches)
     merged = {}
     for part in (gather_object([mine]) if accelerator.num_processes > 1 else [mine]):
         merged.update(part)
@@ -394,7 +401,7 @@ def train(cfg: GRPOStageConfig, accelerator, model, optimizer, completions: list
                                      m["clip_fraction"].float() * tokens, tokens, torch.tensor(weight, device=tokens.device)])
                 dev = torch.maximum(dev, m["ratio_max_dev"].float().reshape(1) * weight)
             sums = accelerator.reduce(sums, reduction="sum")
-            dev = accelerator.reduce(dev, reduction="max") if world > 1 else dev
+            dev = accelerator.gather(dev).max() if world > 1 else dev
             tok = float(sums[3].clamp(min=1.0))
             # dapo's loss is already per token of the step on each rank; others are means per micro-batch
             loss_v = float(sums[0]) / world if cfg.loss_type == "dapo" else float(sums[0] / sums[4].clamp(min=1.0))
