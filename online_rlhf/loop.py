@@ -822,7 +822,7 @@ def report(run_dir: Path) -> Path:
         lines.append(f"| {r['iteration']} | {r['eval_reward_mean']:.4f} ({lo:.4f}–{hi:.4f}) | {r['eval_prompts']} | "
                      f"{'–' if rollout is None else f'{rollout:.4f}'} | {r.get('pairs', '–')} | {r.get('train_truncation_rate', '–')} | "
                      f"{r['eval_mean_response_tokens']} | {secs:.0f} |")
-    lines += ["", "Held-out: greedy responses to the eval prompts after the iteration's DPO. Rollout: mean reward "
+    lines += ["", f"Held-out: greedy responses to the eval prompts after the iteration's {cfg.get('algorithm', 'dpo').upper()}. Rollout: mean reward "
               "of the iteration's K samples per train prompt, drawn from the previous iteration's policy.",
               "", "Stage seconds per iteration:", ""]
     for r in rows:

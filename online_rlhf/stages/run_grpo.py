@@ -455,8 +455,13 @@ def _accelerator(cfg: GRPOStageConfig):
     from accelerate import Accelerator
 
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        import torch
+        from accelerate import PartialState
+
         os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(cfg.gradient_accumulation_steps)
         os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(cfg.max_grad_norm)
+        if not torch.cuda.is_available() and _world_size() > 1:
+            PartialState(backend="gloo")  # DeepSpeed on CPU: without it every rank sees a world of 1
     acc = Accelerator(gradient_accumulation_steps=cfg.gradient_accumulation_steps)
     ds = acc.state.deepspeed_plugin
     if ds is not None:
