@@ -233,9 +233,13 @@ def completion_log_probs(model, batch: dict, temperature: float = 1.0):
     from trl.trainer.utils import selective_log_softmax
 
     P = batch["prompt_len"]
+    C = batch["input_ids"].size(1) - P
+    # only the last C + 1 positions' logits (the prompt's would cost a (B, P, V) tensor and its gradient)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=batch["position_ids"], use_cache=False).logits  # (B, P + C, V)
-    logits = logits[:, P - 1:-1, :] / temperature  # (B, C, V): position t predicts token t + 1
+                   position_ids=batch["position_ids"], use_cache=False, logits_to_keep=C + 1).logits  # (B, C + 1, V)
+    logits = logits[:, :-1, :]  # (B, C, V): position t predicts token t + 1
+    if temperature != 1.0:
+        logits = logits / temperature
     return selective_log_softmax(logits, batch["input_ids"][:, P:])  # (B, C)
 
 
