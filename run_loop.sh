@@ -132,6 +132,7 @@ for ((i = 1; i <= ITERATIONS; i++)); do
   run_stage "$i" rewards
   run_stage "$i" pairs
   run_stage "$i" dpo
+  run_stage "$i" grpo
   run_stage "$i" eval_generate
   run_stage "$i" eval_rewards
   "$TRAIN" -m online_rlhf.loop metrics "$RUN_DIR" "$i" | while read -r line; do say "$line"; done

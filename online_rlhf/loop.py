@@ -43,7 +43,7 @@ from .rundir import fingerprint, is_done, mark_done
 from .stage_configs import GenerateConfig, LoopConfig, SFTStageConfig
 from .stage_table import (STAGES, Stage, iteration_config, launch_command, prompt_source, stage_file, stage_machines,
                           starting_policy)
-from .stats import DPOStats, DryRunStats, PairsStats, RewardStats, StageStats, stats_path
+from .stats import DPOStats, DryRunStats, GRPOStats, PairsStats, RewardStats, StageStats, stats_path
 from .loop_keys import check_loop_keys
 from .trl_args import check_axolotl_keys, check_dpo_training, check_lora, per_device_batch
 
@@ -51,7 +51,7 @@ from .trl_args import check_axolotl_keys, check_dpo_training, check_lora, per_de
 RUN_CONFIG_HEADER = "# online_rlhf run config, resolved from"
 
 # Keys of the loop config whose values are fixed per run, not per iteration.
-_RUN_LEVEL = ("run_name", "output_root", "iterations", "policy", "sft", "per_iteration", "wandb", "dry_run",
+_RUN_LEVEL = ("run_name", "output_root", "iterations", "policy", "sft", "per_iteration", "wandb", "dry_run", "algorithm",
               "num_machines", "machine_rank", "main_process_ip", "main_process_port", "launcher")
 
 
@@ -125,6 +125,9 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
         if 1 in dpo_dicts and dpo_dicts[1].get("training", {}).get("max_length") is None:
             raise ConfigError(f"{src}: dry_run=true needs dpo.training.max_length (the dummy pairs are that long); "
                               "set it, e.g. dpo.training.max_length=1024.")
+    if cfg.dry_run and cfg.algorithm == "grpo":
+        raise ConfigError(f"{src}: dry_run=true measures the DPO stage; with algorithm=grpo it is not supported yet. "
+                          "Run one short iteration instead (iterations=1 prompts_per_iteration=8).")
     if cfg.num_machines > 1 and cfg.generation_shards < cfg.num_machines:
         print(f"WARNING: generation_shards={cfg.generation_shards} < num_machines={cfg.num_machines}: machines "
               f"{cfg.generation_shards}..{cfg.num_machines - 1} run no generation shard (one shard per device of "
@@ -360,7 +363,7 @@ def run_config_dict(cfg: LoopConfig) -> dict:
     stage's default, and the seeds their per-iteration offsets), so the file given back to
     ``run_loop.sh`` resolves to the same stage configs. ``dry_run`` is left out."""
     d = cfg.model_dump(mode="json", exclude={"dry_run"})
-    for name in ("generation", "evaluation", "reward", "pairs", "dpo"):
+    for name in ("generation", "evaluation", "reward", "pairs", "dpo", "grpo"):
         d[name] = getattr(cfg, name).model_dump(mode="json", exclude_unset=True)
     return d
 
@@ -747,12 +750,17 @@ def _train_metrics(it: Path, i: int, stats: dict[str, StageStats]) -> dict:
     from .pairs import distinct_texts, low_diversity_warning
 
     gen = read_jsonl(it / "generated.jsonl")
-    pairs_stats: PairsStats = stats["pairs.jsonl"]
     rewards_stats: RewardStats = stats["rewards.jsonl"]
-    dpo: DPOStats = stats["model"]
     sampled = [r for r in gen if len(r.get("responses", [])) >= 2]
     low = sum(distinct_texts(r["responses"]) < 2 for r in sampled)
     warning = low_diversity_warning(len(sampled), low, f"iteration {i}, generated.jsonl")
+    if isinstance(stats["model"], GRPOStats):
+        return {"train_prompts": len(gen), "rollout_reward_mean": rewards_stats.reward.mean,
+                "train_truncation_rate": _rate([f for r in gen for f in r["finish_reasons"]]),
+                "train_prompts_fewer_than_2_distinct": low, "grpo": grpo_metrics(stats["model"]),
+                "warnings": [warning] if warning else []}
+    pairs_stats: PairsStats = stats["pairs.jsonl"]
+    dpo: DPOStats = stats["model"]
     return {
         "train_prompts": len(gen),
         # mean reward of this iteration's K rollouts per train prompt (sampled from the policy of
@@ -766,6 +774,27 @@ def _train_metrics(it: Path, i: int, stats: dict[str, StageStats]) -> dict:
                 "rewards_accuracies_last": dpo.rewards_accuracies_last, "steps": dpo.steps},
         "warnings": [warning] if warning else [],
     }
+
+
+def grpo_metrics(g: GRPOStats) -> dict:
+    """The GRPO columns of a metrics row: loss, KL, clip fraction, groups used and skipped, steps, seconds."""
+    return {"loss_first": g.loss_first, "loss_last": g.loss_last, "kl_last": g.kl_last,
+            "clip_fraction_mean": g.clip_fraction_mean, "reward_mean": g.reward_mean, "groups_used": g.groups_used,
+            "groups_skipped": g.groups_skipped, "steps": g.steps, "seconds": g.seconds.total}
+
+
+def _grpo_lines(rows: list[dict]) -> list[str]:
+    """Report lines of the GRPO iterations (none for DPO runs)."""
+    lines = []
+    for r in rows:
+        g = r.get("grpo")
+        if g:
+            skipped = ", ".join(f"{k} {v}" for k, v in g["groups_skipped"].items()) or "none"
+            kl = "" if g["kl_last"] is None else f", KL {g['kl_last']:.4f}"
+            loss = "no step" if g["loss_first"] is None else f"loss {g['loss_first']:.4f} -> {g['loss_last']:.4f}"
+            lines.append(f"- iteration {r['iteration']}: {g['groups_used']} groups used (skipped: {skipped}), "
+                         f"{g['steps']} steps, {loss}{kl}, clip fraction {g['clip_fraction_mean'] or 0:.3f}")
+    return ["", "GRPO per iteration:", "", *lines] if lines else []
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -793,11 +822,12 @@ def report(run_dir: Path) -> Path:
         lines.append(f"| {r['iteration']} | {r['eval_reward_mean']:.4f} ({lo:.4f}–{hi:.4f}) | {r['eval_prompts']} | "
                      f"{'–' if rollout is None else f'{rollout:.4f}'} | {r.get('pairs', '–')} | {r.get('train_truncation_rate', '–')} | "
                      f"{r['eval_mean_response_tokens']} | {secs:.0f} |")
-    lines += ["", "Held-out: greedy responses to the eval prompts after the iteration's DPO. Rollout: mean reward "
+    lines += ["", f"Held-out: greedy responses to the eval prompts after the iteration's {cfg.get('algorithm', 'dpo').upper()}. Rollout: mean reward "
               "of the iteration's K samples per train prompt, drawn from the previous iteration's policy.",
               "", "Stage seconds per iteration:", ""]
     for r in rows:
         lines.append(f"- iteration {r['iteration']}: " + ", ".join(f"{k} {v:.0f}" for k, v in r["stage_seconds"].items() if v))
+    lines += _grpo_lines(rows)
     lines += _hardware_lines(rows)
     lines += ["", "![report](report.png)", ""]
     with atomic_open(run_dir / "report.md") as f:
@@ -850,7 +880,8 @@ def _log_wandb(rows: list[dict], run_dir: Path, cfg: dict) -> None:
                      config=cfg, dir=str(run_dir))
     for r in rows:
         rollout = {"train/rollout_reward_mean": r["rollout_reward_mean"]} if r.get("rollout_reward_mean") is not None else {}
-        run.log({"eval/reward_mean": r["eval_reward_mean"], "train/pairs": r.get("pairs", 0), **rollout,
+        grpo = {f"train/grpo_{k}": v for k, v in (r.get("grpo") or {}).items() if isinstance(v, (int, float))}
+        run.log({"eval/reward_mean": r["eval_reward_mean"], "train/pairs": r.get("pairs", 0), **rollout, **grpo,
                  **{f"time/{k}": v for k, v in r["stage_seconds"].items() if v}}, step=r["iteration"])
     run.finish()
 

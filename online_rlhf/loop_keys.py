@@ -1,6 +1,6 @@
 """Key checks of the loop config's stage sections, run by the plan before any stage starts.
 
-Every key of ``generation``, ``evaluation``, ``reward``, ``pairs``, ``dpo`` (with ``dpo.training``
+Every key of ``generation``, ``evaluation``, ``reward``, ``pairs``, ``dpo``, ``grpo`` (with ``dpo.training``
 against ``trl.DPOConfig`` and ``dpo.lora`` against ``peft.LoraConfig``) and ``sft`` (against
 Axolotl's schema), at the top level and in each ``per_iteration.<i>``, is checked here. A problem is
 named by the key path as the user wrote it (``generation.temprature``,
@@ -16,7 +16,8 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from .config import ConfigError, did_you_mean
-from .stage_configs import DPOStageConfig, GenerateConfig, LoopConfig, PairsConfig, RewardConfig, SFTStageConfig
+from .stage_configs import (DPOStageConfig, GenerateConfig, GRPOStageConfig, LoopConfig, PairsConfig, RewardConfig,
+                            SFTStageConfig)
 from .trl_args import check_axolotl_keys, check_dpo_training, check_lora
 
 _FILES = "the loop sets each stage's input and output files itself"
@@ -50,6 +51,8 @@ SECTIONS: dict[str, tuple[type[BaseModel], dict[str, str]]] = {
     "reward": (RewardConfig, {**_IO_OWNED, **_LAUNCH, "dry_run": _DRY}),
     "pairs": (PairsConfig, _IO_OWNED),
     "dpo": (DPOStageConfig, _DPO_OWNED),
+    "grpo": (GRPOStageConfig, {**{k: v for k, v in _DPO_OWNED.items() if k not in ("pairs", "dry_run")},
+                               "rewards": _FILES}),
 }
 _SFT_LOOP_KEYS = {"enabled", "config"}
 _SFT_OWNED = {"base_model": "set policy= at the top level", "output_dir": "the loop writes it to <run>/sft/model",

@@ -187,6 +187,60 @@ class DPOStageConfig(StageConfig):
         return self
 
 
+class GRPOStageConfig(StageConfig):
+    """grpo_iteration/run_grpo.py: group-relative policy optimization on rewards.jsonl; saves an HF checkpoint.
+
+    The training keys carry the names, meanings and (unless said) defaults of ``trl.GRPOConfig``
+    (TRL 1.9); the stage trains on the rollouts the loop already generated and scored, so TRL's
+    generation keys have no place here.
+    """
+
+    policy: str = Field(..., description="policy to train (dir, Hub id or 'default'); it also computes the 'old' log-probs of the clipped ratio")
+    reference: Optional[str] = Field(None, description="reference model of the KL penalty (dir/Hub id); None = the policy as it is before this stage. Loaded only when beta > 0")
+    rewards: str = Field(..., description="rewards.jsonl: K scored responses per prompt (one group each)")
+    output_dir: str = Field(..., description="where the trained checkpoint is saved")
+    learning_rate: float = Field(1e-6, gt=0, description="AdamW learning rate, constant (TRL's GRPOConfig decays it linearly; a pass over one iteration's rollouts is a few steps)")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping norm")
+    per_device_train_batch_size: int = Field(8, ge=1, description="completions per forward/backward on each process")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="forward/backward passes per optimizer step; an optimizer step sees per_device_train_batch_size x this x processes completions")
+    num_iterations: int = Field(1, ge=1, description="passes over the iteration's rollouts (TRL's mu); the clipped ratio is taken against the log-probs of the policy before the first pass")
+    beta: float = Field(0.0, ge=0, description="KL coefficient to the reference model (k3 estimator); 0 = no KL term and no reference pass")
+    epsilon: float = Field(0.2, gt=0, lt=1, description="clipping range of the ratio: [1 - epsilon, 1 + epsilon_high]")
+    epsilon_high: Optional[float] = Field(None, gt=0, description="upper clipping bound (DAPO's clip-higher); None = epsilon")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field("dapo", description="how token losses are summed: grpo = mean over each completion's tokens, then over completions; bnpo = mean over the micro-batch's tokens; dr_grpo = sum / (completions x max_completion_length) (Dr. GRPO); dapo = sum / tokens of the whole optimizer step")
+    scale_rewards: Literal["group", "batch", "none"] = Field("group", description="advantage = reward - group mean, divided by the group's std (group, GRPO), by the std of all rewards (batch), or by nothing (none, Dr. GRPO)")
+    max_completion_length: int = Field(256, ge=1, description="the generation's max new tokens: the constant divisor of loss_type=dr_grpo (the loop sets it from generation.max_tokens)")
+    temperature: float = Field(1.0, gt=0, description="the sampling temperature of the rollouts: logits are divided by it before the log-probs (the loop sets it from generation.temperature)")
+    mask_truncated_completions: bool = Field(False, description="leave responses cut at max_tokens (finish_reason 'length') out of the loss (DAPO); they still count in their group's mean and std")
+    seed: int = Field(42, description="seed of the shuffle of completions into batches")
+    shuffle_dataset: bool = Field(True, description="shuffle the completions before each pass")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass (less memory, ~30% more time); TRL's default is true")
+    truncated_penalty: float = Field(0.0, ge=0, description="subtracted from the reward of a response cut at max_tokens before the advantages (0 = none); the pairs stage's truncated=penalize for GRPO")
+    max_length: Optional[int] = Field(None, ge=2, description="prompt + completion token budget: longer completions lose their last tokens (counted), prompts that fill it drop their group (counted); null = no cap")
+    attn_implementation: str = Field("sdpa", description="sdpa (CPU/GPU) or flash_attention_2 (GPU with flash-attn)")
+    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="load dtype of policy and reference (auto: fp32 on CPU, the checkpoint's stored dtype on GPU)")
+    num_processes: Optional[int] = Field(None, ge=1, description=_PROCESSES_DOC)
+    launch_profile: LaunchProfile = Field("cpu", description=_PROFILE_DOC)
+    num_machines: int = Field(1, ge=1, description=_MACHINES_DOC)
+    main_process_ip: Optional[str] = Field(None, description=_IP_DOC)
+    main_process_port: Optional[int] = Field(None, ge=1, le=65535, description=_PORT_DOC)
+
+    @model_validator(mode="after")
+    def _check_grpo(self):
+        check_machines(self.num_machines, self.num_processes, self.main_process_ip)
+        if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
+            raise ValueError(f"epsilon_high={self.epsilon_high} is below epsilon={self.epsilon}; the upper clipping "
+                             "bound is 1 + epsilon_high, set it >= epsilon (or null)")
+        out = Path(self.output_dir).expanduser().resolve()
+        for name in ("policy", "reference"):
+            src = getattr(self, name)
+            if src and Path(src).expanduser().exists() and Path(src).expanduser().resolve() == out:
+                raise ValueError(f"output_dir={self.output_dir} is the {name} checkpoint; saving there would replace it. "
+                                 "Write the trained policy to another folder")
+        return self
+
+
 # Keys of each stage that the loop's plan sets itself (files, policy, shard layout, processes); the
 # loop's sections cannot set them (``online_rlhf.loop_keys`` says what to set instead).
 _GEN_OWNED = ("model", "prompts", "prompt_field", "limit", "output", "shards_dir", "shard_index", "num_shards",
@@ -198,6 +252,7 @@ LOOP_OWNED: dict[str, tuple[str, ...]] = {
     "reward": ("input", "output", "num_processes", "launch_profile", *_MACHINES, "dry_run"),
     "pairs": ("input", "output"),
     "dpo": ("policy", "reference", "pairs", "output_dir", "num_processes", "launch_profile", *_MACHINES, "dry_run"),
+    "grpo": ("policy", "reference", "rewards", "output_dir", "num_processes", "launch_profile", *_MACHINES),
 }
 
 
@@ -227,6 +282,7 @@ EvaluationSection = section_model(GenerateConfig, "evaluation")
 RewardSection = section_model(RewardConfig, "reward")
 PairsSection = section_model(PairsConfig, "pairs")
 DPOSection = section_model(DPOStageConfig, "dpo")
+GRPOSection = section_model(GRPOStageConfig, "grpo")
 
 
 class LoopConfig(StageConfig):
@@ -259,7 +315,10 @@ class LoopConfig(StageConfig):
     pairs: PairsSection = Field(default_factory=PairsSection, description="PairsConfig fields")
     dpo_config: Optional[str] = Field("configs/dpo.yaml", description="DPO stage YAML that the `dpo` section is layered on (relative to the project root); null = none")
     dpo: DPOSection = Field(default_factory=DPOSection, description="DPOStageConfig fields (over dpo_config)")
-    ref_model: Literal["initial", "previous"] = Field("initial", description="DPO reference: the starting (SFT) policy, or last iteration's policy")
+    algorithm: Literal["dpo", "grpo"] = Field("dpo", description="the update of each iteration: dpo (pairs -> DPO) or grpo (group-relative policy gradient on the K scored responses per prompt)")
+    grpo_config: Optional[str] = Field("configs/grpo.yaml", description="GRPO stage YAML that the `grpo` section is layered on (relative to the project root); null = none")
+    grpo: GRPOSection = Field(default_factory=GRPOSection, description="GRPOStageConfig fields (over grpo_config; algorithm=grpo)")
+    ref_model: Literal["initial", "previous"] = Field("initial", description="reference of DPO and of the GRPO KL term: the starting (SFT) policy, or last iteration's policy")
     per_iteration: dict[int, dict[str, Any]] = Field(default_factory=dict, description="{i: {section: {key: value}}} overrides for iteration i")
     wandb: bool = Field(False, description="log the loop's metrics to wandb (offline unless WANDB_MODE is set)")
     dry_run: bool = Field(False, description="memory check instead of the run: plan as usual, then run SFT (when enabled) and iteration 1's generate, rewards (source=reward_model) and dpo stages once each in dry mode (one step at the largest shapes), print peak memory vs available per stage and what to lower; writes no checkpoint and marks no stage done. Exit 1 when a stage would not fit")

@@ -20,9 +20,9 @@ from typing import Any, Callable, Literal, Optional
 
 from .config import ConfigError, deep_merge, load_yaml
 from .paths import PROJECT_ROOT, default_data_dir, default_model_dir
-from .stage_configs import (DPOStageConfig, GenerateConfig, LoopConfig, PairsConfig, RewardConfig, SFTStageConfig,
-                            StageConfig)
-from .stats import DPOStats, GenerateStats, PairsStats, RewardStats, SFTStats, StageStats
+from .stage_configs import (DPOStageConfig, GenerateConfig, GRPOStageConfig, LoopConfig, PairsConfig, RewardConfig,
+                            SFTStageConfig, StageConfig)
+from .stats import DPOStats, GenerateStats, GRPOStats, PairsStats, RewardStats, SFTStats, StageStats
 
 
 def check_process_count(planned: Optional[int], where: str) -> None:
@@ -177,6 +177,23 @@ def _dpo(c: LoopConfig, run_dir: Path, i: int) -> dict:
             "num_processes": _processes(c), "launch_profile": c.launch_profile, **_machines(c)}
 
 
+def _grpo(c: LoopConfig, run_dir: Path, i: int) -> dict:
+    own = section(c, "grpo")
+    gen = GenerateConfig.model_fields
+    sampled = {k: section(c, "generation").get(k, gen[k].default) for k in ("max_tokens", "temperature")}
+    ref = starting_policy(c, run_dir) if c.ref_model == "initial" else None
+    # the rollouts' max_tokens and temperature, then the stage file, the loop's seed, the loop's own grpo keys
+    return {"max_completion_length": sampled["max_tokens"], "temperature": sampled["temperature"] or 1.0,
+            **stage_file(c.grpo_config, "grpo_config"), "seed": c.seed, **own,
+            "policy": policy_of(c, run_dir, i), "reference": ref, "rewards": str(run_dir / f"iter_{i}" / "rewards.jsonl"),
+            "output_dir": str(run_dir / f"iter_{i}" / "model"), "num_processes": _processes(c),
+            "launch_profile": c.launch_profile, **_machines(c)}
+
+
+def _dpo_run(c: LoopConfig) -> bool:
+    return c.algorithm == "dpo"
+
+
 @dataclass(frozen=True)
 class Stage:
     """One row of the stage table.
@@ -234,9 +251,12 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("rewards", "train", "annotate_data/get_rewards.py", "accelerate", RewardConfig, ("input", "reward_model"),
           ("output",), RewardStats, "train", _rewards, ("reward",)),
     Stage("pairs", "train", "annotate_data/make_pairs.py", "python", PairsConfig, ("input",), ("output",),
-          PairsStats, "train", _pairs, ("pairs",)),
+          PairsStats, "train", _pairs, ("pairs",), enabled=_dpo_run),
     Stage("dpo", "train", "dpo_iteration/run_dpo.py", "accelerate", DPOStageConfig, ("policy", "pairs", "reference"),
-          ("output_dir",), DPOStats, "train", _dpo, ("dpo",), "dpo_config"),
+          ("output_dir",), DPOStats, "train", _dpo, ("dpo",), "dpo_config", enabled=_dpo_run),
+    Stage("grpo", "train", "grpo_iteration/run_grpo.py", "accelerate", GRPOStageConfig,
+          ("policy", "rewards", "reference"), ("output_dir",), GRPOStats, "train", _grpo, ("grpo",), "grpo_config",
+          enabled=lambda c: c.algorithm == "grpo"),
     Stage("eval_generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"),
           ("output",), GenerateStats, "every", _eval_generate, ("evaluation", "generation")),
     Stage("eval_rewards", "train", "annotate_data/get_rewards.py", "accelerate", RewardConfig,

@@ -15,6 +15,7 @@ file, the key and the stage that writes that file, never a silent ``None``. Nest
 - :class:`RewardStats`: annotate_data/get_rewards.py (``rewards.jsonl.stats.json``, ``eval.jsonl.stats.json``);
 - :class:`PairsStats`: annotate_data/make_pairs.py (``pairs.jsonl.stats.json``);
 - :class:`DPOStats`: dpo_iteration/run_dpo.py (``model.stats.json``);
+- :class:`GRPOStats`: grpo_iteration/run_grpo.py (``model.stats.json``);
 - :class:`SFTStats`: sft/run_sft.py (``<output_dir>.stats.json``);
 - :class:`SFTDataStats`: sft/build_sft_data.py (``<output>.stats.json``);
 - :class:`DryRunStats`: any stage run with ``dry_run=true`` (``<output>.dry_run.json``; no stats, no output).
@@ -327,6 +328,62 @@ class DPOStats(StageStats):
     rewards_margins_last: Optional[float]
     output_dir: str
     seconds: DPOSeconds
+
+
+# ------------------------------------------------------------------------------------------- GRPO
+
+class GRPOSeconds(_Strict):
+    total: float
+    model_loading: float
+    old_log_probs: float  # the policy's (and the reference's, beta > 0) log-probs before any update
+    train_steps: float
+    save: float
+
+
+class GRPOStats(StageStats):
+    """The GRPO stage's stats (``<output_dir>.stats.json``, e.g. ``model.stats.json``).
+
+    ``groups_in == groups_used + sum(groups_skipped.values())``; a group is one prompt's K responses.
+    ``groups_skipped`` reasons: ``all_equal`` (every reward the same: no advantage, no signal),
+    ``fewer_than_2_scored``, ``prompt_too_long``, ``special_text_not_tokenizable``.
+    Per-step values (loss, kl, clip_fraction) are means over the step's completion tokens, as TRL logs them.
+    """
+
+    WRITTEN_BY: ClassVar[str] = "grpo_iteration/run_grpo.py (online_rlhf.stages.run_grpo)"
+    stage: Literal["grpo"]
+    policy: str
+    reference: dict[str, Any]  # {source: policy | explicit | none (beta 0), path}
+    rewards_file: str
+    groups_in: int
+    groups_used: int
+    groups_skipped: dict[str, int]
+    skipped_examples: dict[str, list[str]]
+    completions_used: int
+    completions_masked: dict[str, int]  # left out of the loss: {truncated: n (mask_truncated_completions), unscored: n}
+    completions_cut: int  # lost tail tokens to max_length
+    reward_mean: Optional[float]  # mean reward of the used groups' scored responses (after truncated_penalty)
+    reward_mean_all: Optional[float]  # mean of every scored response in the file
+    advantage_abs_mean: Optional[float]
+    loss_type: str
+    scale_rewards: str
+    beta: float
+    epsilon: float
+    epsilon_high: float
+    learning_rate: float
+    num_iterations: int
+    steps: int
+    loss_first: Optional[float]
+    loss_last: Optional[float]
+    kl_last: Optional[float]  # None with beta 0
+    clip_fraction_mean: Optional[float]
+    ratio_first_step_max_dev: Optional[float]  # max |ratio - 1| over the first step's tokens (0 up to rounding)
+    history: list[dict[str, Any]]
+    dtype: dict[str, Any]
+    hardware: dict[str, Any]
+    num_processes: int
+    deepspeed_zero_stage: Optional[int]
+    output_dir: str
+    seconds: GRPOSeconds
 
 
 # ------------------------------------------------------------------------------------------- SFT

@@ -157,7 +157,7 @@ def test_plan_writes_configs_and_fresh_prompt_slices(small_cfg, capsys):
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["iterations"] == 2
     for i in (1, 2):
         plan = read_json(run_dir / f"iter_{i}" / "plan.json")
-        assert list(plan) == [name for name in loop.STAGES if name != "sft"]  # sft is off
+        assert list(plan) == [name for name in loop.STAGES if name not in ("sft", "grpo")]  # sft is off; algorithm dpo
         assert Path(plan["dpo"]["config"]).is_file()
     ids1 = [r["id"] for r in read_jsonl(run_dir / "iter_1" / "prompts.jsonl")]
     ids2 = [r["id"] for r in read_jsonl(run_dir / "iter_2" / "prompts.jsonl")]

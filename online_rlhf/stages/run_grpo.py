@@ -1,0 +1,616 @@
+"""GRPO stage: group-relative policy optimization on the iteration's scored rollouts (rewards.jsonl).
+
+    accelerate launch --config_file configs/accelerate/cpu.yaml grpo_iteration/run_grpo.py \
+        --config configs/grpo.yaml policy=default rewards=runs/x/iter_1/rewards.jsonl output_dir=runs/x/iter_1/model
+
+Reads one rewards file (generated records with ``rewards: [K float | null]``, online_rlhf/records.py),
+writes one checkpoint directory (save_pretrained of policy + tokenizer, as the DPO stage writes it)
+and a stats JSON (``<output_dir>.stats.json``: ``online_rlhf.stats.GRPOStats``).
+
+The objective (TRL 1.9's names; ``online_rlhf.stage_configs.GRPOStageConfig`` documents each key):
+
+- GRPO (Shao et al. 2024, "DeepSeekMath", arXiv 2402.03300): each prompt's K responses form a
+  group; a response's advantage is its reward minus the group mean, divided by the group's std
+  (``scale_rewards=group``); the policy maximizes the clipped surrogate
+  ``min(rho * A, clip(rho, 1 - epsilon, 1 + epsilon_high) * A)`` per completion token, with
+  ``rho = pi(token) / pi_old(token)``, minus ``beta`` times the k3 estimate of KL(pi || pi_ref),
+  ``exp(ref - logp) - (ref - logp) - 1``; token losses are averaged per completion, then over
+  completions (``loss_type=grpo``).
+- Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective",
+  arXiv 2503.20783): no division by the std (``scale_rewards=none``), and token losses summed and
+  divided by a constant, completions x ``max_completion_length`` (``loss_type=dr_grpo``), which
+  removes the length and difficulty biases of the per-completion mean.
+- DAPO (Yu et al. 2025, arXiv 2503.14476): ``epsilon_high`` (clip-higher), token losses summed over
+  the optimizer step and divided by its token count (``loss_type=dapo``, TRL's default),
+  ``mask_truncated_completions``. ``bnpo``: the token mean of each micro-batch.
+
+TRL's ``GRPOTrainer`` generates its own completions; here the loop has generated (vLLM) and scored
+them already, so the stage computes the loss itself (:func:`grpo_loss`, checked against TRL's
+``GRPOTrainer._compute_loss`` in tests/test_grpo.py) in a plain training loop under
+``accelerate.Accelerator`` (DDP over gloo on CPU, DeepSpeed on the zero2/zero3 profiles).
+
+Order of work (:func:`main`):
+  1. read the groups (:func:`load_groups`), subtract ``truncated_penalty`` from truncated responses;
+  2. advantages (:func:`group_advantages`); groups whose scored rewards are all equal carry no
+     signal and are skipped, as are groups with fewer than 2 scored responses (counted);
+  3. tokenize with the policy's chat template (:func:`build_completions`; the same ids as the DPO
+     stage, ``online_rlhf.chat_tokens.prompt_response_ids``; a truncated response has no
+     end-of-turn token);
+  4. load the policy (and the reference when ``beta > 0`` and it differs from the policy);
+  5. the "old" log-probs: the policy's, recomputed here before any update (:func:`old_log_probs`).
+     The sampler's own log-probs come from vLLM's numeric path (another kernel, on CPU often
+     another dtype), so a ratio against them would not be 1 before the first update; recomputed
+     with the training forward, it is (up to float rounding), as in TRL when ``num_iterations > 1``.
+     With ``ref_model: previous`` (reference = this policy) they are the reference log-probs too;
+  6. ``num_iterations`` passes over the completions, shuffled into optimizer steps of
+     ``per_device_train_batch_size x gradient_accumulation_steps x processes`` completions;
+  7. save into ``<output_dir>.tmp``, rename to ``output_dir``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+from collections import Counter
+from pathlib import Path
+
+from online_rlhf.chat_tokens import ChatTokenError, prompt_response_ids
+from online_rlhf.config import ConfigError, run_main
+from online_rlhf.hardware import describe, processes_here, stage_threads
+from online_rlhf.jsonl import DataError, iter_jsonl
+from online_rlhf.paths import resolve_model, setup_cache_env
+from online_rlhf.records import check_messages, validate_rewards
+from online_rlhf.stage_configs import GRPOStageConfig
+from online_rlhf.stage_table import check_process_count
+from online_rlhf.stats import GRPOStats, stats_path
+
+_MAX_EXAMPLES = 5  # skipped-group examples kept per reason in the stats
+_RESTORE_CONFIG_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "use_cache")
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+# ------------------------------------------------------------------------------ 1-3: data
+
+def load_groups(path: str, truncated_penalty: float = 0.0) -> tuple[list[dict], dict]:
+    """Read rewards.jsonl: one group per record.
+
+    Returns:
+        (groups, info): each group ``{"where": "file:line", "prompt": [messages], "responses": [K str],
+        "rewards": [K float | None], "truncated": [K bool]}`` with ``truncated_penalty`` already
+        subtracted from the reward of each response whose finish_reason is ``length``;
+        info = ``{"in": n, "reward_mean_all": mean of the scored rewards (after the penalty) | None}``.
+    Raises:
+        FileNotFoundError: no such file.  DataError: a record that is not a valid rewards record
+        (names file:line and the fix).
+    """
+    groups, scored = [], []
+    for lineno, rec in iter_jsonl(path):
+        where = f"{path}:{lineno}"
+        rewards = validate_rewards(rec, where)
+        prompt = check_messages(rec["prompt"], where)
+        truncated = [f == "length" for f in rec["finish_reasons"]]
+        rewards = [None if r is None else r - truncated_penalty * t for r, t in zip(rewards, truncated)]
+        scored += [r for r in rewards if r is not None]
+        groups.append({"where": where, "prompt": prompt, "responses": rec["responses"], "rewards": rewards,
+                       "truncated": truncated})
+    return groups, {"in": len(groups), "reward_mean_all": sum(scored) / len(scored) if scored else None}
+
+
+def group_advantages(rewards, scale_rewards: str = "group"):
+    """Group-relative advantages (GRPO: Shao et al. 2024, arXiv 2402.03300, eq. 3 "outcome
+    supervision"; Dr. GRPO: Liu et al. 2025, arXiv 2503.20783, without the std).
+
+    ``A[g, k] = r[g, k] - mean_k r[g, :]``, divided by ``std + 1e-4`` for ``scale_rewards=group``
+    (each group's std) or ``batch`` (the std of every reward given), not divided for ``none``.
+    The std is Bessel-corrected and NaN-aware (TRL's ``nanstd``, as TRL 1.9's GRPOTrainer computes it).
+
+    Args:
+        rewards: float tensor (G, K): G groups of K rewards; NaN marks an unscored response.
+        scale_rewards: ``group`` | ``batch`` | ``none``.
+    Returns:
+        (advantages (G, K), NaN where the reward is; usable (G,) bool: the group has >= 2 scored
+        rewards and they are not all equal).
+    Raises:
+        ValueError: an unknown ``scale_rewards``.
+    """
+    import torch
+    from trl.trainer.utils import nanstd
+
+    if scale_rewards not in ("group", "batch", "none"):
+        raise ValueError(f"scale_rewards={scale_rewards!r}: expected group, batch or none.")
+    scored = ~torch.isnan(rewards)  # (G, K)
+    mean = torch.nanmean(rewards, dim=1, keepdim=True)  # (G, 1)
+    adv = rewards - mean  # (G, K)
+    lo = torch.where(scored, rewards, torch.full_like(rewards, math.inf)).amin(dim=1)  # (G,)
+    hi = torch.where(scored, rewards, torch.full_like(rewards, -math.inf)).amax(dim=1)  # (G,)
+    usable = (scored.sum(dim=1) >= 2) & (hi > lo)  # (G,)
+    if scale_rewards == "group":
+        adv = adv / (nanstd(rewards, dim=1, keepdim=True) + 1e-4)  # (G, K)
+    elif scale_rewards == "batch":
+        adv = adv / (nanstd(rewards) + 1e-4)
+    return adv, usable
+
+
+def build_completions(groups: list[dict], advantages, usable, tokenizer, max_length: int | None,
+                      mask_truncated: bool) -> tuple[list[dict], dict]:
+    """One training completion per scored response of each usable group.
+
+    Token ids as the DPO stage trains on them (``online_rlhf.chat_tokens.prompt_response_ids``):
+    ``prompt_ids`` = the prompt with the generation prompt; ``completion_ids`` = the response text
+    and the template's end-of-turn marker, or the text alone for a response cut at max_tokens (it
+    never ended). ``max_length`` cuts completions to ``max_length - len(prompt_ids)`` tokens.
+
+    Returns:
+        (completions ``{prompt_ids, completion_ids, advantage, group}``, info with ``skipped``
+        (reason -> groups), ``examples``, ``masked`` ({truncated, unscored} -> responses left out),
+        ``cut`` (completions shortened by max_length), ``reward_mean`` of the used groups).
+    """
+    out, skipped, examples, masked = [], Counter(), {}, Counter()
+    cut, used_rewards = 0, []
+
+    def skip(reason: str, g: dict, why: str = "") -> None:
+        skipped[reason] += 1
+        ex = examples.setdefault(reason, [])
+        if len(ex) < _MAX_EXAMPLES:
+            ex.append(g["where"] + (f" ({why})" if why else ""))
+
+    for gi, g in enumerate(groups):
+        scored = [k for k, r in enumerate(g["rewards"]) if r is not None]
+        if not bool(usable[gi]):
+            skip("fewer_than_2_scored" if len(scored) < 2 else "all_equal", g)
+            continue
+        try:
+            prompt_ids, resp_ids = prompt_response_ids(
+                tokenizer, g["prompt"], *[[{"role": "assistant", "content": g["responses"][k]}] for k in scored])
+        except ChatTokenError as e:
+            skip("special_text_not_tokenizable", g, str(e))
+            continue
+        if max_length is not None and len(prompt_ids) >= max_length:
+            skip("prompt_too_long", g, f"{len(prompt_ids)} prompt tokens")
+            continue
+        masked["unscored"] += len(g["rewards"]) - len(scored)
+        used_rewards += [g["rewards"][k] for k in scored]
+        for k, ids in zip(scored, resp_ids):
+            if g["truncated"][k]:
+                if mask_truncated:
+                    masked["truncated"] += 1
+                    continue
+                text_ids = tokenizer.encode(g["responses"][k], add_special_tokens=False)
+                if ids[:len(text_ids)] == text_ids:
+                    ids = text_ids  # no end-of-turn after a response that was cut off
+            if max_length is not None and len(prompt_ids) + len(ids) > max_length:
+                ids, cut = ids[:max_length - len(prompt_ids)], cut + 1
+            if ids:
+                out.append({"prompt_ids": prompt_ids, "completion_ids": ids, "advantage": float(advantages[gi, k]),
+                            "group": gi})
+    info = {"skipped": dict(skipped), "examples": examples, "masked": {k: v for k, v in masked.items() if v},
+            "cut": cut, "reward_mean": sum(used_rewards) / len(used_rewards) if used_rewards else None,
+            "groups_used": len({c["group"] for c in out})}
+    return out, info
+
+
+# ------------------------------------------------------------------------------ loss
+
+def collate(completions: list[dict], pad_id: int, device=None) -> dict:
+    """Pad a micro-batch as TRL lays it out: prompts left-padded, completions right-padded, so the
+    completion tokens share columns.
+
+    Returns:
+        ``input_ids`` (B, P + C), ``attention_mask`` (B, P + C), ``position_ids`` (B, P + C) counting
+        real tokens only (left padding does not shift positions), ``completion_mask`` (B, C) float,
+        ``advantages`` (B,) float, ``prompt_len`` P.
+    """
+    import torch
+
+    P = max(len(c["prompt_ids"]) for c in completions)
+    C = max(len(c["completion_ids"]) for c in completions)
+    ids, att, cmask = [], [], []
+    for c in completions:
+        p, r = c["prompt_ids"], c["completion_ids"]
+        ids.append([pad_id] * (P - len(p)) + p + r + [pad_id] * (C - len(r)))
+        att.append([0] * (P - len(p)) + [1] * (len(p) + len(r)) + [0] * (C - len(r)))
+        cmask.append([1.0] * len(r) + [0.0] * (C - len(r)))
+    input_ids = torch.tensor(ids, device=device)  # (B, P + C)
+    attention_mask = torch.tensor(att, device=device)  # (B, P + C)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P + C)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+            "completion_mask": torch.tensor(cmask, device=device),  # (B, C)
+            "advantages": torch.tensor([c["advantage"] for c in completions], device=device),  # (B,)
+            "prompt_len": P}
+
+
+def completion_log_probs(model, batch: dict, temperature: float = 1.0):
+    """Per-token log-probs of the completion tokens under ``model``: (B, C).
+
+    Logits divided by the sampling ``temperature`` first (the distribution the tokens were drawn
+    from, as TRL does); ``trl.trainer.utils.selective_log_softmax`` for the log-softmax + gather.
+    """
+    from trl.trainer.utils import selective_log_softmax
+
+    P = batch["prompt_len"]
+    C = batch["input_ids"].size(1) - P
+    # only the last C + 1 positions' logits (the prompt's would cost a (B, P, V) tensor and its gradient)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"], use_cache=False, logits_to_keep=C + 1).logits  # (B, C + 1, V)
+    logits = logits[:, :-1, :]  # (B, C, V): position t predicts token t + 1
+    if temperature != 1.0:
+        logits = logits / temperature
+    return selective_log_softmax(logits, batch["input_ids"][:, P:])  # (B, C)
+
+
+def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, beta: float, epsilon: float,
+              epsilon_high: float, loss_type: str, max_completion_length: int,
+              num_items_in_batch=None, num_processes: int = 1):
+    """The clipped group-relative surrogate with an optional k3 KL term, as TRL 1.9's
+    ``GRPOTrainer._compute_loss`` computes it (token-level importance sampling, no entropy terms,
+    before its division by the gradient accumulation steps).
+
+    Per token: ``rho = exp(logp - old)``, ``-min(rho * A, clip(rho, 1 - epsilon, 1 + epsilon_high) * A)
+    + beta * (exp(ref - logp) - (ref - logp) - 1)`` (Shao et al. 2024, arXiv 2402.03300, eq. 3-4;
+    k3 estimator: Schulman 2020, "Approximating KL divergence"). Aggregation by ``loss_type``:
+    ``grpo`` mean over each row's masked tokens then over rows; ``bnpo`` masked token mean;
+    ``dr_grpo`` masked sum / (B x max_completion_length) (Liu et al. 2025, arXiv 2503.20783);
+    ``dapo`` masked sum / (num_items_in_batch / num_processes) (Yu et al. 2025, arXiv 2503.14476).
+
+    Args:
+        logps, old_logps: (B, C) log-probs of the completion tokens now / under the sampling policy.
+        ref_logps: (B, C) under the reference model, or None when ``beta == 0``.
+        advantages: (B,).  mask: (B, C) float, 1 on completion tokens.
+        num_items_in_batch: ``dapo`` only: completion tokens of the whole optimizer step, all processes.
+    Returns:
+        (loss scalar, metrics: ``kl`` (masked mean, None with beta 0), ``clip_fraction`` (share of
+        masked tokens whose ratio is clipped in the direction of its advantage), ``ratio_max_dev``
+        (max |rho - 1| over masked tokens)), metrics as detached tensors.
+    Raises:
+        ValueError: an unknown ``loss_type``, or ``dapo`` without ``num_items_in_batch``.
+    """
+    import torch
+
+    adv = advantages.unsqueeze(1)  # (B, 1)
+    ratio = torch.exp(logps - old_logps)  # (B, C)
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)  # (B, C)
+    per_token = -torch.min(ratio * adv, clipped * adv)  # (B, C)
+    kl = None
+    if beta != 0.0:
+        kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1  # (B, C)
+        per_token = per_token + beta * kl
+    if loss_type == "grpo":
+        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    elif loss_type == "bnpo":
+        loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    elif loss_type == "dr_grpo":
+        loss = (per_token * mask).sum() / (per_token.size(0) * max_completion_length)
+    elif loss_type == "dapo":
+        if num_items_in_batch is None:
+            raise ValueError("loss_type=dapo needs num_items_in_batch (completion tokens of the optimizer step)")
+        loss = (per_token * mask).sum() / (torch.as_tensor(num_items_in_batch, dtype=mask.dtype).clamp(min=1.0)
+                                           / num_processes)
+    else:
+        raise ValueError(f"loss_type={loss_type!r}: expected grpo, bnpo, dr_grpo or dapo.")
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1.0)
+        is_clipped = ((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + epsilon_high) & (adv > 0))  # (B, C)
+        metrics = {"kl": None if kl is None else (kl * mask).sum() / n,
+                   "clip_fraction": (is_clipped.float() * mask).sum() / n,
+                   "ratio_max_dev": ((ratio - 1).abs() * mask).max()}
+    return loss, metrics
+
+
+# ------------------------------------------------------------------------------ 4-7: model
+
+def old_log_probs(model, completions: list[dict], indices: list[int], batch_size: int, pad_id: int, device,
+                  temperature: float, batches: int | None = None) -> dict[int, list[float]]:
+    """Log-probs of ``completions[i]`` for ``i`` in ``indices`` under ``model`` (no gradient, eval
+    mode), in batches of ``batch_size``: ``{i: [one float per completion token]}``. ``batches``:
+    run exactly this many forward passes (the extra ones on completion 0, discarded), so that every
+    rank of a wrapped model (DDP broadcasts buffers, ZeRO-3 gathers weights) runs the same number."""
+    import torch
+
+    out = {}
+    n = batches if batches is not None else math.ceil(len(indices) / batch_size)
+    model.eval()
+    with torch.no_grad():
+        for b in range(n):
+            chunk = indices[b * batch_size:(b + 1) * batch_size]
+            if not chunk:  # a pass for the other ranks' sake
+                completion_log_probs(model, collate([completions[0]], pad_id, device), temperature)
+                continue
+            batch = collate([completions[i] for i in chunk], pad_id, device)
+            lp = completion_log_probs(model, batch, temperature).float().cpu()  # (b, C)
+            for row, i in enumerate(chunk):
+                out[i] = lp[row, :len(completions[i]["completion_ids"])].tolist()
+    model.train()
+    return out
+
+
+def _all_log_probs(accelerator, model, completions, batch_size, pad_id, temperature) -> list[list[float]]:
+    """Every completion's log-probs under ``model``: each rank computes its share (i % ranks), then all
+    ranks exchange them."""
+    from accelerate.utils import gather_object
+
+    world = accelerator.num_processes
+    batches = math.ceil(math.ceil(len(completions) / world) / batch_size)  # the same on every rank
+    mine = old_log_probs(model, completions, list(range(accelerator.process_index, len(completions), world)),
+                         batch_size, pad_id, accelerator.device, temperature, batches)
+    merged = {}
+    for part in (gather_object([mine]) if accelerator.num_processes > 1 else [mine]):
+        merged.update(part)
+    return [merged[i] for i in range(len(completions))]
+
+
+def _pad_rows(rows: list[list[float]], C: int, device):
+    import torch
+
+    return torch.tensor([r + [0.0] * (C - len(r)) for r in rows], device=device)  # (B, C)
+
+
+def train(cfg: GRPOStageConfig, accelerator, model, optimizer, completions: list[dict], old: list[list[float]],
+          ref: list[list[float]] | None, pad_id: int) -> list[dict]:
+    """``num_iterations`` passes over ``completions``; returns one history row per optimizer step:
+    ``{step, pass, loss, kl, clip_fraction, ratio_max_dev, completions}`` (means over the step's
+    tokens, all ranks).
+
+    Each optimizer step takes ``per_device_train_batch_size x gradient_accumulation_steps x ranks``
+    completions of the pass's order; rank r gets every r-th of them, as exactly
+    ``gradient_accumulation_steps`` micro-batches (an empty one reuses a completion at weight 0, so
+    every rank runs the same forward/backward passes).
+    """
+    import torch
+
+    world, rank, ga = accelerator.num_processes, accelerator.process_index, cfg.gradient_accumulation_steps
+    per, eps_hi = cfg.per_device_train_batch_size, cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
+    step_size = per * ga * world
+    history = []
+    for p in range(cfg.num_iterations):
+        order = list(range(len(completions)))
+        if cfg.shuffle_dataset:
+            random.Random(cfg.seed + p).shuffle(order)
+        for s in range(0, len(order), step_size):
+            chunk = order[s:s + step_size]
+            share = chunk[rank::world]
+            n_items = sum(len(completions[i]["completion_ids"]) for i in chunk)  # dapo: tokens of the step
+            sums = torch.zeros(5, device=accelerator.device)  # loss, kl x tokens, clipped tokens, tokens, micro-batches
+            dev = torch.zeros(1, device=accelerator.device)
+            for j in range(ga):
+                idx = share[j * per:(j + 1) * per]
+                weight = 1.0 if idx else 0.0
+                idx = idx or [order[0]]
+                with accelerator.accumulate(model):
+                    batch = collate([completions[i] for i in idx], pad_id, accelerator.device)
+                    C = batch["completion_mask"].size(1)
+                    logps = completion_log_probs(model, batch, cfg.temperature)  # (b, C)
+                    old_lp = _pad_rows([old[i] for i in idx], C, accelerator.device)  # (b, C)
+                    ref_lp = _pad_rows([ref[i] for i in idx], C, accelerator.device) if ref is not None else None
+                    loss, m = grpo_loss(logps, old_lp.to(logps.dtype), None if ref_lp is None else ref_lp.to(logps.dtype),
+                                        batch["advantages"].to(logps.dtype), batch["completion_mask"].to(logps.dtype),
+                                        beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=eps_hi,
+                                        loss_type=cfg.loss_type, max_completion_length=cfg.max_completion_length,
+                                        num_items_in_batch=n_items, num_processes=world)
+                    # accelerator.backward divides by ga (as TRL divides its loss); dapo's divisor
+                    # already spans the whole step, so TRL does not divide it: undo that here.
+                    scale = weight * (ga if cfg.loss_type == "dapo" else 1.0)
+                    accelerator.backward(loss * scale)
+                    if accelerator.sync_gradients:
+                        accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                tokens = batch["completion_mask"].sum() * weight
+                sums += torch.stack([loss.detach().float() * weight,
+                                     (m["kl"].float() if m["kl"] is not None else torch.zeros((), device=tokens.device)) * tokens,
+                                     m["clip_fraction"].float() * tokens, tokens, torch.tensor(weight, device=tokens.device)])
+                dev = torch.maximum(dev, m["ratio_max_dev"].float().reshape(1) * weight)
+            sums = accelerator.reduce(sums, reduction="sum")
+            dev = accelerator.gather(dev).max() if world > 1 else dev
+            tok = float(sums[3].clamp(min=1.0))
+            # dapo's loss is already per token of the step on each rank; others are means per micro-batch
+            loss_v = float(sums[0]) / world if cfg.loss_type == "dapo" else float(sums[0] / sums[4].clamp(min=1.0))
+            history.append({"step": len(history) + 1, "pass": p + 1, "loss": loss_v,
+                            "kl": float(sums[1]) / tok if cfg.beta != 0.0 else None,
+                            "clip_fraction": float(sums[2]) / tok, "ratio_max_dev": float(dev), "completions": len(chunk)})
+    return history
+
+
+def _rmtree(path: Path) -> None:
+    import shutil
+
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+
+
+def save(accelerator, model, tmp_dir: Path, out_dir: Path, policy_path: str, orig_config: dict, trust: bool) -> None:
+    """Write the policy to ``tmp_dir`` (safetensors, the input's tokenizer, generation_config and
+    bos/eos/pad ids), then rename it to ``out_dir`` (rank 0)."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    state = accelerator.get_state_dict(model)  # every rank: gathers ZeRO-3 shards
+    if accelerator.is_main_process:
+        _rmtree(tmp_dir)
+        unwrapped = accelerator.unwrap_model(model)
+        for key in _RESTORE_CONFIG_KEYS:
+            if key in orig_config:
+                setattr(unwrapped.config, key, orig_config[key])
+        try:
+            unwrapped.generation_config = GenerationConfig.from_pretrained(policy_path)
+        except OSError:
+            pass  # the input had no generation_config.json; keep the model's own
+        unwrapped.save_pretrained(tmp_dir, state_dict=state, safe_serialization=True)
+        AutoTokenizer.from_pretrained(policy_path, trust_remote_code=trust).save_pretrained(tmp_dir)
+        if not any(tmp_dir.glob("*.safetensors")):
+            raise RuntimeError(f"{tmp_dir}: no safetensors weights were written; the checkpoint is incomplete.")
+        old = Path(f"{out_dir}.old")
+        _rmtree(old)
+        if out_dir.exists():
+            os.replace(out_dir, old)
+        os.replace(tmp_dir, out_dir)
+        _rmtree(old)
+    accelerator.wait_for_everyone()
+
+
+def _accelerator(cfg: GRPOStageConfig):
+    """``accelerate.Accelerator`` as launched (plain, DDP over gloo on CPU, DeepSpeed), with the
+    stage's accumulation; under DeepSpeed its batch size, accumulation and clipping set in its config."""
+    from accelerate import Accelerator
+
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        import torch
+        from accelerate import PartialState
+
+        os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(cfg.gradient_accumulation_steps)
+        os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(cfg.max_grad_norm)
+        if not torch.cuda.is_available() and _world_size() > 1:
+            PartialState(backend="gloo")  # DeepSpeed on CPU: without it every rank sees a world of 1
+    acc = Accelerator(gradient_accumulation_steps=cfg.gradient_accumulation_steps)
+    ds = acc.state.deepspeed_plugin
+    if ds is not None:
+        ds.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.per_device_train_batch_size
+        ds.deepspeed_config["train_batch_size"] = (cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+                                                   * acc.num_processes)
+        ds.deepspeed_config["gradient_accumulation_steps"] = cfg.gradient_accumulation_steps
+        ds.deepspeed_config["gradient_clipping"] = cfg.max_grad_norm
+    return acc
+
+
+def main(cfg: GRPOStageConfig) -> GRPOStats:
+    """Run the GRPO stage; return its stats (also written to ``<output_dir>.stats.json`` by rank 0).
+
+    When every group is skipped (e.g. all rewards equal), the policy is saved unchanged with
+    ``steps=0`` and a warning: the loop goes on to the next iteration.
+
+    Raises:
+        ConfigError: a tokenizer without a chat template, a process count other than planned.
+        DataError: the rewards file is empty or holds an invalid record (names file:line).
+    """
+    t_start = time.perf_counter()
+    setup_cache_env()
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    import torch
+    from transformers import AutoTokenizer
+
+    from online_rlhf.stages.run_dpo import _load_causal_lm, stored_dtype
+
+    check_process_count(cfg.num_processes, "grpo")
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:  # a stage alone on the machine: every usable core, split between the ranks
+        torch.set_num_threads(stage_threads(processes_here(_world_size())))
+    torch.manual_seed(cfg.seed)
+    out_dir = Path(cfg.output_dir).resolve()
+    tmp_dir = Path(f"{out_dir}.tmp")
+    eps_hi = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
+
+    # 1-3. groups, advantages, token ids
+    groups, read_info = load_groups(cfg.rewards, cfg.truncated_penalty)
+    if not groups:
+        raise DataError(f"{cfg.rewards}: the rewards file is empty, nothing to train on. More prompts "
+                        "(prompts_per_iteration) give more groups.")
+    K = max(len(g["rewards"]) for g in groups)
+    rewards = torch.tensor([[math.nan if r is None else r for r in g["rewards"]] + [math.nan] * (K - len(g["rewards"]))
+                            for g in groups], dtype=torch.float64)  # (G, K)
+    advantages, usable = group_advantages(rewards, cfg.scale_rewards)
+    policy_path = resolve_model(cfg.policy)
+    trust = False
+    tokenizer = AutoTokenizer.from_pretrained(policy_path)
+    if tokenizer.chat_template is None:
+        raise ConfigError(f"{policy_path}: the tokenizer has no chat template; conversational prompts need one.")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    completions, info = build_completions(groups, advantages, usable, tokenizer, cfg.max_length,
+                                          cfg.mask_truncated_completions)
+
+    # 4. models
+    accelerator = _accelerator(cfg)
+    t0 = time.perf_counter()
+    pol_stored = stored_dtype(policy_path)
+    dtype = cfg.torch_dtype if cfg.torch_dtype != "auto" else ("float32" if not on_gpu else pol_stored or "float32")
+    model = _load_causal_lm(policy_path, dtype, cfg.attn_implementation, trust)
+    orig_config = model.config.to_dict()
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    ref_path = resolve_model(cfg.reference) if cfg.reference is not None else None
+    if ref_path is not None and Path(ref_path).exists() and Path(policy_path).exists() and \
+            Path(ref_path).resolve() == Path(policy_path).resolve():
+        ref_path = None  # the same checkpoint: its log-probs are the old log-probs
+    ref_model = None
+    if cfg.beta != 0.0 and ref_path is not None and completions:
+        ref_model = _load_causal_lm(ref_path, dtype, cfg.attn_implementation, trust).to(accelerator.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    load_s = time.perf_counter() - t0
+
+    # 5. old (and reference) log-probs, before any update
+    t0 = time.perf_counter()
+    old = _all_log_probs(accelerator, model, completions, cfg.per_device_train_batch_size, pad_id, cfg.temperature)
+    ref = None
+    if cfg.beta != 0.0:
+        ref = old if ref_model is None else _all_log_probs(accelerator, ref_model, completions,
+                                                          cfg.per_device_train_batch_size, pad_id, cfg.temperature)
+        ref_model = None
+    old_s = time.perf_counter() - t0
+
+    # 6. passes
+    t0 = time.perf_counter()
+    history = train(cfg, accelerator, model, optimizer, completions, old, ref, pad_id) if completions else []
+    train_s = time.perf_counter() - t0
+    if not completions and accelerator.is_main_process:
+        print(f"WARNING: grpo: none of the {len(groups)} groups of {cfg.rewards} carries a signal "
+              f"(skipped: {info['skipped']}); the policy is saved unchanged. More samples (generation.k) or "
+              "prompts, or a higher temperature, give groups with different rewards.")
+
+    # 7. save
+    t0 = time.perf_counter()
+    try:
+        save(accelerator, model, tmp_dir, out_dir, policy_path, orig_config, trust)
+    except BaseException:
+        if accelerator.is_main_process:
+            _rmtree(tmp_dir)
+        raise
+    save_s = time.perf_counter() - t0
+
+    used_adv = [abs(c["advantage"]) for c in completions]
+    ds = accelerator.state.deepspeed_plugin
+    stats = GRPOStats(
+        stage="grpo", policy=policy_path,
+        reference={"source": "none" if cfg.beta == 0.0 else ("explicit" if ref_path else "policy"),
+                   "path": ref_path or policy_path},
+        rewards_file=str(cfg.rewards), groups_in=len(groups), groups_used=info["groups_used"],
+        groups_skipped=info["skipped"], skipped_examples=info["examples"], completions_used=len(completions),
+        completions_masked=info["masked"], completions_cut=info["cut"], reward_mean=info["reward_mean"],
+        reward_mean_all=read_info["reward_mean_all"],
+        advantage_abs_mean=sum(used_adv) / len(used_adv) if used_adv else None,
+        loss_type=cfg.loss_type, scale_rewards=cfg.scale_rewards, beta=cfg.beta, epsilon=cfg.epsilon,
+        epsilon_high=eps_hi, learning_rate=cfg.learning_rate, num_iterations=cfg.num_iterations,
+        steps=len(history), loss_first=history[0]["loss"] if history else None,
+        loss_last=history[-1]["loss"] if history else None, kl_last=history[-1]["kl"] if history else None,
+        clip_fraction_mean=sum(h["clip_fraction"] for h in history) / len(history) if history else None,
+        ratio_first_step_max_dev=history[0]["ratio_max_dev"] if history else None, history=history,
+        dtype={"policy_stored": pol_stored, "loaded": dtype, "mixed_precision": accelerator.mixed_precision},
+        hardware=describe("cuda" if on_gpu else "cpu", dtype + ("" if accelerator.mixed_precision == "no"
+                                                                else f" + {accelerator.mixed_precision} autocast"),
+                          processes=accelerator.num_processes),
+        num_processes=accelerator.num_processes,
+        deepspeed_zero_stage=ds.zero_stage if ds is not None else None,
+        output_dir=str(out_dir),
+        seconds={"total": time.perf_counter() - t_start, "model_loading": load_s, "old_log_probs": old_s,
+                 "train_steps": train_s, "save": save_s},
+    )
+    if accelerator.is_main_process:
+        stats.write(stats_path(out_dir))
+        loss = "no step" if not history else f"loss {stats.loss_first:.4f} -> {stats.loss_last:.4f}"
+        print(f"grpo: {info['groups_used']}/{len(groups)} groups ({len(completions)} completions; skipped "
+              f"{info['skipped'] or 'none'}), mean reward {stats.reward_mean}, {len(history)} steps, {loss}, "
+              f"clip fraction {stats.clip_fraction_mean}; saved {out_dir} ({stats_path(out_dir)})")
+    return stats
+
+
+def cli() -> None:
+    """Command-line entry point (grpo_iteration/run_grpo.py calls this)."""
+    run_main(main, GRPOStageConfig)
+
+
+if __name__ == "__main__":
+    cli()
