@@ -914,7 +914,7 @@ def _quality_summary(row: dict) -> str:
     parts = []
     t = row.get("eval_reward_vs_0")
     if t:
-        parts.append(f"vs iteration 0 {t['diff']:+.4f} (95% CI {t['ci95'][0]:+.4f}..{t['ci95'][1]:+.4f}, p={t['p_value']:.3g})")
+        parts.append(f"vs iteration 0 {t['diff']:+.4f} (95% CI {t['ci95'][0]:+.4f}..{t['ci95'][1]:+.4f}, {_p(t)})")
     if row.get("eval_median_response_tokens") is not None:
         parts.append(f"median tokens {row['eval_median_response_tokens']}")
     kl = (row.get("kl") or {}).get("kl_mean")
@@ -937,7 +937,12 @@ def _paired_cell(t: dict | None) -> str:
     if not t:
         return "–"
     lo, hi = t["ci95"]
-    return f"{_fmt(t['diff'], signed=True)} ({_fmt(lo, signed=True)}–{_fmt(hi, signed=True)}), p={t['p_value']:.3g}"
+    return f"{_fmt(t['diff'], signed=True)} ({_fmt(lo, signed=True)}–{_fmt(hi, signed=True)}), {_p(t)}"
+
+
+def _p(t: dict) -> str:
+    """A bootstrap p-value; 0 resamples on the other side of 0 reads p < 1/resamples."""
+    return f"p<{1 / t['resamples']:.0e}" if t["p_value"] == 0 else f"p={t['p_value']:.3g}"
 
 
 def _quality_lines(rows: list[dict], cfg: dict) -> list[str]:
