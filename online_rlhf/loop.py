@@ -284,6 +284,17 @@ _DERIVED = {"seed": "seed", "prompts": None, "num_shards": "generation_shards", 
 # Seeds the plan offsets per iteration, so that each iteration samples and pairs afresh.
 _SEED_OFFSET = {"generate": "+ 1000 x iteration", "pairs": "+ iteration"}
 
+# Values of the evaluation stages that the plan sets itself: (stage, key) -> origin.
+_PLAN_SET = {
+    ("kl_generate", "k"): "loop key kl_samples",
+    ("kl_generate", "prompts"): "loop key eval_prompts (the held-out prompts)",
+    ("kl_generate", "temperature"): "the KL estimate samples from the policy itself (temperature 1)",
+    ("kl_generate", "top_p"): "the KL estimate samples from the policy itself (top_p 1)",
+    ("kl_generate", "seed"): "loop key seed + 1000 x iteration + 500",
+    ("kl", "reference"): "the starting policy (KL is measured from where the loop started)",
+    ("ifeval_generate", "prompts"): "loop key ifeval.prompts",
+}
+
 
 def _provenance(stage: Stage, d: dict, c: LoopConfig, i: int, layers: _Layers,
                 start: str | None = None) -> list[tuple[str, Any, str]]:
@@ -309,8 +320,8 @@ def _provenance(stage: Stage, d: dict, c: LoopConfig, i: int, layers: _Layers,
             leaves.append(([k], v))
     out = []
     for path, v in leaves:
-        origin = None
-        for sec in stage.sections:
+        origin = _PLAN_SET.get((stage.name, ".".join(map(str, path))))
+        for sec in stage.sections if origin is None else ():
             for where in (["per_iteration", i, sec], [sec]):
                 origin = layers.find([*where, *path])
                 if origin:
