@@ -16,7 +16,8 @@ negative; the mean is >= 0 only in expectation.
    (``finish_reason`` stop), before it for one cut at ``max_tokens`` (``length``); a response
    whose ids cannot be built is left out and counted (``special_text_not_tokenizable``);
 3. sum the response tokens' log-probs under the policy, then under the reference (one model in
-   memory at a time; TRL's ``selective_log_softmax``), in batches of ``batch_size``;
+   memory at a time, on the GPU when there is one; TRL's ``selective_log_softmax``), in batches
+   of ``batch_size``;
 4. write ``{id, logp_policy: [K], logp_reference: [K], kl: [K], response_tokens: [K]}`` per prompt
    and the stats (:class:`~online_rlhf.stats.KLStats`: mean and standard error in nats).
 
@@ -93,11 +94,17 @@ def sequence_log_probs(model: Any, seqs: list[tuple[list[int], list[int]]], batc
     return out
 
 
+def _device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _log_probs_under(path: str, seqs: list[tuple[list[int], list[int]]], cfg: KLConfig, pad_id: int) -> list[float]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cfg.dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cfg.dtype)).eval().to(_device())
     try:
         return sequence_log_probs(model, seqs, cfg.batch_size, pad_id)
     finally:
@@ -146,7 +153,7 @@ def main(cfg: KLConfig) -> KLStats:
     stats = KLStats(stage="kl", input=cfg.input, output=cfg.output, policy=cfg.policy, reference=cfg.reference,
                     records_in=len(records), skipped=dict(skipped), dtype=cfg.dtype, **summary,
                     mean_response_tokens=round(sum(len(r) for _, r in seqs) / len(seqs), 2),
-                    hardware=describe("cpu", cfg.dtype), seconds=round(time.time() - t0, 2))
+                    hardware=describe(_device(), cfg.dtype), seconds=round(time.time() - t0, 2))
     stats.write(stats_path(cfg.output))
     print(f"kl_estimate: KL(policy || reference) = {summary['kl_mean']:.4f} nats per response "
           f"(se {summary['kl_se']}, {summary['samples']} samples) -> {cfg.output}", file=sys.stderr)
