@@ -103,6 +103,30 @@ def test_ifeval_instruction_results_strict_and_loose():
     assert ifeval_instruction_results(rec, "") == ([False, False], [False, False])
 
 
+def test_ifeval_score_stage_writes_the_four_numbers_and_counts_unscorable_records(tmp_path):
+    from online_rlhf.stage_configs import IFEvalScoreConfig
+    from online_rlhf.stages import ifeval_score
+
+    def rec(i, ids, response, finish="stop"):
+        return {"id": i, "prompt": [{"role": "user", "content": "q"}], "responses": [response],
+                "finish_reasons": [finish], "response_tokens": [5], "instruction_id_list": ids, "kwargs": [{}] * len(ids)}
+
+    write_jsonl(tmp_path / "gen.jsonl", [
+        rec("a", ["punctuation:no_comma", "detectable_format:title"], "<<T>>\nno commas"),  # 2 of 2
+        rec("b", ["punctuation:no_comma", "detectable_format:title"], "a, b", "length"),  # 0 of 2
+        rec("c", ["punctuation:no_comma"], "*fine*"),  # 1 of 1
+        rec("d", ["no:such_instruction"], "x"),  # unscorable
+    ])
+    st = ifeval_score.main(IFEvalScoreConfig(input=str(tmp_path / "gen.jsonl"), output=str(tmp_path / "ifeval.jsonl")))
+    assert (st.records_in, st.records_scored, st.instructions) == (4, 3, 5)
+    assert st.skipped == {"unknown_instruction:no:such_instruction": 1} and st.skipped_ids["unknown_instruction:no:such_instruction"] == ["d"]
+    assert (st.prompt_strict, st.instruction_strict) == (pytest.approx(2 / 3), pytest.approx(3 / 5))
+    assert st.truncation_rate == pytest.approx(1 / 3, abs=1e-4)
+    rows = read_jsonl(tmp_path / "ifeval.jsonl")
+    assert [r["prompt_strict"] for r in rows] == [True, False, True] and rows[0]["strict"] == [True, True]
+    assert IFEvalStats.read(tmp_path / "ifeval.jsonl.stats.json") == st
+
+
 # ----------------------------------------------------------------------------- KL estimate
 
 def test_kl_is_zero_when_the_policy_is_the_reference(tmp_path):
