@@ -94,9 +94,9 @@ def length_fit(rewards: Sequence[float], tokens: Sequence[int]) -> tuple[float, 
     r, x = np.asarray(rewards, dtype=float), np.log(np.maximum(np.asarray(tokens, dtype=float), 1.0))
     if r.shape != x.shape or r.size == 0:
         raise ValueError(f"length_fit: {r.size} rewards for {x.size} lengths; need one length per reward, at least one.")
-    var = float(np.var(x))
-    if var == 0.0:
+    if np.ptp(x) == 0.0:  # one length only (np.var can be a rounding residue > 0 there)
         return float(r.mean()), 0.0
+    var = float(np.var(x))
     b = float(np.mean((x - x.mean()) * (r - r.mean())) / var)
     return float(r.mean() - b * x.mean()), b
 

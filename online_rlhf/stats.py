@@ -421,6 +421,7 @@ class KLStats(StageStats):
     skipped: dict[str, int]  # responses left out by reason (e.g. special_text_not_tokenizable)
     kl_mean: Optional[float]
     kl_se: Optional[float]
+    retokenized_length_differs: int  # responses whose re-tokenized length is not the sampled count (response_tokens)
     mean_response_tokens: Optional[float]
     dtype: str
     hardware: dict[str, Any]

@@ -253,7 +253,7 @@ def example_stats(cls, **overrides):
                         "prompt_strict": 0.5, "prompt_loose": 0.5, "instruction_strict": 0.6667,
                         "instruction_loose": 0.6667, "mean_response_tokens": 10.0, "truncation_rate": 0.0, "seconds": 1.0},
         S.KLStats: {"stage": "kl", "input": "kl_generated.jsonl", "output": "kl.jsonl", "policy": "model",
-                    "reference": "start", "records_in": 2, "samples": 2, "skipped": {}, "kl_mean": 0.5, "kl_se": 0.1,
+                    "reference": "start", "records_in": 2, "samples": 2, "skipped": {}, "kl_mean": 0.5, "kl_se": 0.1, "retokenized_length_differs": 0,
                     "mean_response_tokens": 10.0, "dtype": "float32", "hardware": hw, "seconds": 1.0},
     }
     return cls.model_validate({**examples[cls], **overrides})

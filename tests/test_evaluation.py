@@ -69,6 +69,11 @@ def test_reward_driven_by_length_alone_has_no_length_controlled_gain():
     assert lc["slope_per_log_token"] == pytest.approx(-0.1)
 
 
+def test_equal_lengths_everywhere_leave_the_reward_as_is():
+    lc = ev.length_controlled({0: ([0.0, 0.5, 1.0], [24, 24, 24]), 1: ([1.0, 1.0, 1.0], [24, 24, 24])})
+    assert lc["slope_per_log_token"] == 0.0 and lc["lc_mean"] == {0: pytest.approx(0.5), 1: pytest.approx(1.0)}
+
+
 def test_a_gain_at_equal_length_survives_length_control():
     rng = np.random.default_rng(5)
     t = rng.integers(20, 200, 64)
@@ -142,7 +147,7 @@ def test_kl_is_zero_when_the_policy_is_the_reference(tmp_path):
     write_jsonl(tmp_path / "kl_generated.jsonl", records)
     same = kl_estimate.main(KLConfig(input=str(tmp_path / "kl_generated.jsonl"), policy=str(policy),
                                      reference=str(policy), output=str(tmp_path / "kl.jsonl"), batch_size=4))
-    assert same.kl_mean == 0.0 and same.samples == 6
+    assert same.kl_mean == 0.0 and same.samples == 6 and same.retokenized_length_differs == 6  # made-up counts
     rows = read_jsonl(tmp_path / "kl.jsonl")
     assert all(x == 0.0 for r in rows for x in r["kl"]) and all(lp < 0 for r in rows for lp in r["logp_policy"])
     # a different reference: log-probs differ, the per-sample differences are what the mean averages

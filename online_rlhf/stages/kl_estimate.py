@@ -10,7 +10,10 @@ policy (temperature 1, no top-p: the policy's own distribution), the mean of
 negative; the mean is >= 0 only in expectation.
 
 1. read the sampled records (``online_rlhf.stages.get_rewards.load_generated``);
-2. token ids of prompt and response exactly as the DPO stage builds them
+2. token ids of prompt and response exactly as the DPO stage builds them from the text (the
+   generated records keep text, not the sampled ids; responses whose re-tokenized length is not
+   the sampled ``response_tokens`` are counted, ``retokenized_length_differs``, with a warning
+   above 10%: the estimate then scores other sequences than the policy drew)
    (``online_rlhf.chat_tokens.prompt_response_ids``: the policy's chat template, contents as
    plain text), cut to what was sampled: through the end-of-turn token for a finished response
    (``finish_reason`` stop), before it for one cut at ``max_tokens`` (``length``); a response
@@ -150,8 +153,16 @@ def main(cfg: KLConfig) -> KLStats:
         row["response_tokens"].append(len(r))
     write_jsonl(cfg.output, [rows[n] for n in sorted(rows)])
     summary = kl_summary([a - b for a, b in zip(lp_pol, lp_ref)])
+    # The generated records hold the text, not the sampled ids: count the responses whose ids
+    # here are not as many as were sampled (a tokenizer that does not round-trip its own output).
+    counts = [(records[n].get("response_tokens") or [None] * (j + 1))[j] for n, j in where]
+    differs = sum(c is not None and c != len(r) for c, (_, r) in zip(counts, seqs))
+    if differs > 0.1 * len(seqs):
+        print(f"WARNING: {differs} of {len(seqs)} sampled responses re-tokenize to another token count than was "
+              "sampled; the KL estimate then scores other sequences than the policy drew.", file=sys.stderr)
     stats = KLStats(stage="kl", input=cfg.input, output=cfg.output, policy=cfg.policy, reference=cfg.reference,
                     records_in=len(records), skipped=dict(skipped), dtype=cfg.dtype, **summary,
+                    retokenized_length_differs=differs,
                     mean_response_tokens=round(sum(len(r) for _, r in seqs) / len(seqs), 2),
                     hardware=describe(_device(), cfg.dtype), seconds=round(time.time() - t0, 2))
     stats.write(stats_path(cfg.output))
