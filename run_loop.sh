@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Online iterative RLHF, one line per stage (README.md):
 #   [sft once] -> for i in 1..N: generate (vLLM) -> rewards -> pairs -> DPO -> held-out eval
+#   (+ KL from the starting policy; IFEval at iteration 0 and the last, ifeval.when)
 # The model of iteration i is the policy of iteration i+1.
 #
 # Usage: bash run_loop.sh [CONFIG] [key=value ...] [--fresh]
@@ -13,7 +14,7 @@
 #   Every config key, with its default: .venv-train/bin/python -m online_rlhf.loop -h
 #   Each stage runs as its resolved config runs/<name>/iter_<i>/configs/<stage>.yaml says (the
 #   command is written on top of that file; the stage table is online_rlhf/stage_table.py).
-#   Relative paths you pass (CONFIG, train_prompts=, eval_prompts=, policy=, sft.dataset=,
+#   Relative paths you pass (CONFIG, train_prompts=, eval_prompts=, ifeval.prompts=, policy=, sft.dataset=,
 #   reward.reward_model=, output_root=) are taken from where you run the command; without
 #   output_root=, runs go to this project's runs/.
 set -euo pipefail
@@ -32,7 +33,7 @@ for arg in "$@"; do
     *=*)
       key="${arg%%=*}" val="${arg#*=}"
       case "$key" in
-        train_prompts|eval_prompts|policy|sft.dataset|reward.reward_model|dpo_config|sft.config)
+        train_prompts|eval_prompts|ifeval.prompts|policy|sft.dataset|reward.reward_model|dpo_config|sft.config)
           [[ "$val" != /* && -e "$CALLER_PWD/$val" ]] && arg="$key=$CALLER_PWD/$val" ;;
         output_root) [[ "$val" != /* ]] && arg="$key=$CALLER_PWD/$val" ;;
       esac
@@ -126,6 +127,8 @@ run_stage() {
 run_stage 0 sft
 run_stage 0 eval_generate
 run_stage 0 eval_rewards
+run_stage 0 ifeval_generate                          # IFEval: ifeval.when (ends: iteration 0 and the last)
+run_stage 0 ifeval_score
 "$TRAIN" -m online_rlhf.loop metrics "$RUN_DIR" 0 | while read -r line; do say "$line"; done
 for ((i = 1; i <= ITERATIONS; i++)); do
   run_stage "$i" generate
@@ -135,6 +138,10 @@ for ((i = 1; i <= ITERATIONS; i++)); do
   run_stage "$i" grpo
   run_stage "$i" eval_generate
   run_stage "$i" eval_rewards
+  run_stage "$i" kl_generate                         # KL(policy || start): sampled held-out answers (kl_samples)
+  run_stage "$i" kl
+  run_stage "$i" ifeval_generate
+  run_stage "$i" ifeval_score
   "$TRAIN" -m online_rlhf.loop metrics "$RUN_DIR" "$i" | while read -r line; do say "$line"; done
 done
 REPORT="$("$TRAIN" -m online_rlhf.loop report "$RUN_DIR")"

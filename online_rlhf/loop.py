@@ -52,7 +52,8 @@ RUN_CONFIG_HEADER = "# online_rlhf run config, resolved from"
 
 # Keys of the loop config whose values are fixed per run, not per iteration.
 _RUN_LEVEL = ("run_name", "output_root", "iterations", "policy", "sft", "per_iteration", "wandb", "dry_run", "algorithm",
-              "num_machines", "machine_rank", "main_process_ip", "main_process_port", "launcher")
+              "num_machines", "machine_rank", "main_process_ip", "main_process_port", "launcher",
+              "ifeval", "kl_samples", "kl_warn")
 
 
 def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
@@ -286,6 +287,17 @@ _DERIVED = {"seed": "seed", "prompts": None, "num_shards": "generation_shards", 
 # Seeds the plan offsets per iteration, so that each iteration samples and pairs afresh.
 _SEED_OFFSET = {"generate": "+ 1000 x iteration", "pairs": "+ iteration"}
 
+# Values of the evaluation stages that the plan sets itself: (stage, key) -> origin.
+_PLAN_SET = {
+    ("kl_generate", "k"): "loop key kl_samples",
+    ("kl_generate", "prompts"): "loop key eval_prompts (the held-out prompts)",
+    ("kl_generate", "temperature"): "the KL estimate samples from the policy itself (temperature 1)",
+    ("kl_generate", "top_p"): "the KL estimate samples from the policy itself (top_p 1)",
+    ("kl_generate", "seed"): "loop key seed + 1000 x iteration + 500",
+    ("kl", "reference"): "the starting policy (KL is measured from where the loop started)",
+    ("ifeval_generate", "prompts"): "loop key ifeval.prompts",
+}
+
 
 def _provenance(stage: Stage, d: dict, c: LoopConfig, i: int, layers: _Layers,
                 start: str | None = None) -> list[tuple[str, Any, str]]:
@@ -311,8 +323,8 @@ def _provenance(stage: Stage, d: dict, c: LoopConfig, i: int, layers: _Layers,
             leaves.append(([k], v))
     out = []
     for path, v in leaves:
-        origin = None
-        for sec in stage.sections:
+        origin = _PLAN_SET.get((stage.name, ".".join(map(str, path))))
+        for sec in stage.sections if origin is None else ():
             for where in (["per_iteration", i, sec], [sec]):
                 origin = layers.find([*where, *path])
                 if origin:
@@ -703,6 +715,9 @@ def metrics(run_dir: Path, i: int) -> dict:
     }
     if i >= 1:
         row.update(_train_metrics(it, i, stats))
+    quality = _eval_quality(run_dir, i, evals, stats)
+    row["warnings"] = [*row["warnings"], *quality.pop("warnings")]
+    row.update(quality)
     # One stats.json per iteration: every stage's counts.
     write_json(it / "stats.json", {name: st.model_dump(mode="json") for name, st in stats.items()})
     # Markers exist only for stages that ran (no train stages in iteration 0).
@@ -712,8 +727,104 @@ def metrics(run_dir: Path, i: int) -> dict:
     rows = [r for r in (read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else [])
             if r["iteration"] != i]
     rows = sorted([*rows, row], key=lambda r: r["iteration"])
+    _refit_length_control(run_dir, rows)
     write_jsonl(run_dir / "metrics.jsonl", rows)
     return row
+
+
+def _first_answers(evals: list[dict]) -> dict[str, tuple[float, int]]:
+    """``{prompt id: (reward, response tokens)}`` of the first (greedy) held-out answer, scored ones only."""
+    return {str(r["id"]): (float(r["rewards"][0]), int((r.get("response_tokens") or [1])[0]))
+            for r in evals if r["rewards"] and r["rewards"][0] is not None}
+
+
+def _eval_quality(run_dir: Path, i: int, evals: list[dict], stats: dict[str, StageStats]) -> dict:
+    """Iteration ``i``'s evaluation columns beyond the held-out mean (``online_rlhf.evaluation``):
+
+    - ``eval_median_response_tokens``, ``eval_distinct_1`` / ``eval_distinct_2`` (greedy answers);
+    - ``eval_reward_vs_0``: paired bootstrap of the held-out reward against iteration 0, over the
+      prompts scored in both (``{diff, ci95, p_value, n, ...}``; None at iteration 0);
+    - ``ifeval``: IFEval's four numbers (when ifeval_score ran); ``ifeval_vs_0``: McNemar on
+      prompt-level strict pass/fail against iteration 0, plus the difference of that accuracy;
+    - ``kl``: KL(policy || starting policy) in nats (``{kl_mean, kl_se, samples}``; 0 at iteration 0
+      by construction), with a warning above the run's ``kl_warn``.
+    The length-controlled columns are added by :func:`_refit_length_control`.
+    """
+    from .evaluation import distinct_n, mcnemar_exact, paired_bootstrap
+
+    firsts = [r["responses"][0] for r in evals if r["responses"]]
+    tokens = [int(r["response_tokens"][0]) for r in evals if r.get("response_tokens")]
+    out: dict[str, Any] = {"eval_median_response_tokens": statistics.median(tokens) if tokens else None,
+                           "eval_distinct_1": _round(distinct_n(firsts, 1)), "eval_distinct_2": _round(distinct_n(firsts, 2)),
+                           "eval_reward_vs_0": None, "ifeval": None, "ifeval_vs_0": None, "kl": None, "warnings": []}
+    base_file = run_dir / "iter_0" / "eval.jsonl"
+    if i >= 1 and base_file.is_file():
+        base, now = _first_answers(read_jsonl(base_file)), _first_answers(evals)
+        common = sorted(set(base) & set(now))
+        if common:
+            out["eval_reward_vs_0"] = paired_bootstrap([base[k][0] for k in common], [now[k][0] for k in common])
+    if "ifeval.jsonl" in stats:
+        st = stats["ifeval.jsonl"]
+        out["ifeval"] = {k: getattr(st, k) for k in ("prompt_strict", "prompt_loose", "instruction_strict",
+                                                     "instruction_loose", "records_scored", "truncation_rate")}
+        base_file = run_dir / "iter_0" / "ifeval.jsonl"
+        if i >= 1 and base_file.is_file():
+            base = {str(r["id"]): r["prompt_strict"] for r in read_jsonl(base_file)}
+            now = {str(r["id"]): r["prompt_strict"] for r in read_jsonl(run_dir / f"iter_{i}" / "ifeval.jsonl")}
+            common = sorted(set(base) & set(now))
+            if common:
+                test = mcnemar_exact([base[k] for k in common], [now[k] for k in common])
+                test["prompt_strict_diff"] = (sum(now[k] for k in common) - sum(base[k] for k in common)) / len(common)
+                out["ifeval_vs_0"] = test
+    if i == 0:
+        out["kl"] = {"kl_mean": 0.0, "kl_se": 0.0, "samples": 0}  # the starting policy is the reference
+    elif "kl.jsonl" in stats:
+        st = stats["kl.jsonl"]
+        out["kl"] = {"kl_mean": st.kl_mean, "kl_se": st.kl_se, "samples": st.samples}
+        warn = _run_config(run_dir).get("kl_warn")
+        if warn is not None and st.kl_mean is not None and st.kl_mean > warn:
+            out["warnings"].append(f"iteration {i}: KL(policy || starting policy) = {st.kl_mean:.2f} nats per response "
+                                   f"exceeds kl_warn={warn}: the policy has drifted far from where it started; check "
+                                   "the held-out answers (length, repetition) before trusting the reward gain.")
+    return out
+
+
+def _refit_length_control(run_dir: Path, rows: list[dict]) -> None:
+    """Set ``eval_reward_lc`` (length-controlled held-out reward) and ``eval_reward_lc_vs_0`` (its
+    paired bootstrap against iteration 0) in every row, from one fit over the greedy held-out
+    answers of every iteration in ``rows`` (``online_rlhf.evaluation.length_controlled``), so that
+    all rows share the same fit. Rows without iteration 0's answers get None."""
+    from .evaluation import length_controlled, paired_bootstrap
+
+    answers = {r["iteration"]: _first_answers(read_jsonl(run_dir / f"iter_{r['iteration']}" / "eval.jsonl"))
+               for r in rows if (run_dir / f"iter_{r['iteration']}" / "eval.jsonl").is_file()}
+    answers = {i: a for i, a in answers.items() if a}
+    for r in rows:
+        r["eval_reward_lc"], r["eval_reward_lc_vs_0"] = None, None
+    if 0 not in answers:
+        return
+    keys = {i: sorted(a) for i, a in answers.items()}
+    lc = length_controlled({i: ([answers[i][k][0] for k in keys[i]], [answers[i][k][1] for k in keys[i]])
+                            for i in answers})
+    residual = {i: dict(zip(keys[i], lc["residuals"][i].tolist())) for i in answers}
+    for r in rows:
+        i = r["iteration"]
+        if i not in answers:
+            continue
+        r["eval_reward_lc"] = lc["lc_mean"][i]
+        r["eval_length_slope"] = lc["slope_per_log_token"]
+        common = sorted(set(residual[0]) & set(residual[i]))
+        if i >= 1 and common:
+            r["eval_reward_lc_vs_0"] = paired_bootstrap([residual[0][k] for k in common], [residual[i][k] for k in common])
+
+
+def _run_config(run_dir: Path) -> dict:
+    path = run_dir / "config.yaml"
+    return (yaml.safe_load(path.read_text(encoding="utf-8")) or {}) if path.is_file() else {}
+
+
+def _round(x: float | None, nd: int = 4) -> float | None:
+    return None if x is None else round(x, nd)
 
 
 def _hardware(stats: dict[str, StageStats]) -> dict:
@@ -823,8 +934,9 @@ def report(run_dir: Path) -> Path:
                      f"{'–' if rollout is None else f'{rollout:.4f}'} | {r.get('pairs', '–')} | {r.get('train_truncation_rate', '–')} | "
                      f"{r['eval_mean_response_tokens']} | {secs:.0f} |")
     lines += ["", f"Held-out: greedy responses to the eval prompts after the iteration's {cfg.get('algorithm', 'dpo').upper()}. Rollout: mean reward "
-              "of the iteration's K samples per train prompt, drawn from the previous iteration's policy.",
-              "", "Stage seconds per iteration:", ""]
+              "of the iteration's K samples per train prompt, drawn from the previous iteration's policy."]
+    lines += _quality_lines(rows, cfg)
+    lines += ["", "Stage seconds per iteration:", ""]
     for r in rows:
         lines.append(f"- iteration {r['iteration']}: " + ", ".join(f"{k} {v:.0f}" for k, v in r["stage_seconds"].items() if v))
     lines += _grpo_lines(rows)
@@ -838,6 +950,85 @@ def report(run_dir: Path) -> Path:
     return run_dir / "report.md"
 
 
+def _quality_summary(row: dict) -> str:
+    """The evaluation part of the loop's live ``metrics`` line (empty parts left out)."""
+    parts = []
+    t = row.get("eval_reward_vs_0")
+    if t:
+        parts.append(f"vs iteration 0 {t['diff']:+.4f} (95% CI {t['ci95'][0]:+.4f}..{t['ci95'][1]:+.4f}, {_p(t)})")
+    if row.get("eval_median_response_tokens") is not None:
+        parts.append(f"median tokens {row['eval_median_response_tokens']}")
+    kl = (row.get("kl") or {}).get("kl_mean")
+    if kl is not None and row["iteration"] >= 1:
+        parts.append(f"KL {kl:.3f} nats")
+    f = row.get("ifeval")
+    if f and f.get("prompt_strict") is not None:
+        parts.append(f"IFEval prompt/instruction strict {100 * f['prompt_strict']:.1f}/{100 * f['instruction_strict']:.1f}")
+    return "".join(", " + p for p in parts)
+
+
+def _fmt(x: Any, nd: int = 4, signed: bool = False) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    return f"{x:+.{nd}f}" if signed else f"{x:.{nd}f}"
+
+
+def _paired_cell(t: dict | None) -> str:
+    """``+0.0312 (−0.0100–+0.0700), p=0.14`` for a paired test result; – when there is none."""
+    if not t:
+        return "–"
+    lo, hi = t["ci95"]
+    return f"{_fmt(t['diff'], signed=True)} ({_fmt(lo, signed=True)}–{_fmt(hi, signed=True)}), {_p(t)}"
+
+
+def _p(t: dict) -> str:
+    """A bootstrap p-value; 0 resamples on the other side of 0 reads p < 1/resamples."""
+    return f"p<{1 / t['resamples']:.0e}" if t["p_value"] == 0 else f"p={t['p_value']:.3g}"
+
+
+def _quality_lines(rows: list[dict], cfg: dict) -> list[str]:
+    """The report's tables of paired comparisons with iteration 0, length and drift, and IFEval."""
+    lines = ["", "## Against iteration 0 (paired), length and drift", "",
+             "| iteration | Δ held-out reward (95% CI), p | LC reward | Δ LC reward (95% CI), p | tokens mean / median | "
+             "trunc. | distinct-1 / -2 | KL nats (se) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        kl = r.get("kl") or {}
+        lines.append(f"| {r['iteration']} | {_paired_cell(r.get('eval_reward_vs_0'))} | {_fmt(r.get('eval_reward_lc'))} | "
+                     f"{_paired_cell(r.get('eval_reward_lc_vs_0'))} | {r.get('eval_mean_response_tokens')} / "
+                     f"{r.get('eval_median_response_tokens', '–')} | {r.get('eval_truncation_rate')} | "
+                     f"{_fmt(r.get('eval_distinct_1'), 3)} / {_fmt(r.get('eval_distinct_2'), 3)} | "
+                     f"{_fmt(kl.get('kl_mean'), 3)} ({_fmt(kl.get('kl_se'), 3)}) |")
+    slope = next((r.get("eval_length_slope") for r in rows if r.get("eval_length_slope") is not None), None)
+    lines += ["", "Δ: paired bootstrap over the held-out prompts scored in both iterations (10,000 resamples, seed 0; "
+              "95% percentile interval, two-sided p). LC reward: length-controlled, the mean residual of one OLS fit "
+              f"reward = a + b·log(response tokens) over every iteration's greedy held-out answers (b = {_fmt(slope)}) "
+              "plus iteration 0's mean (after AlpacaEval's length-controlled win rate, Dubois et al. 2024, "
+              "arXiv 2404.04475). KL: mean over responses sampled from the iteration's policy (temperature 1) of "
+              "log p_policy − log p_start, summed over response tokens (0 at iteration 0 by construction)."]
+    if any(r.get("ifeval") for r in rows):
+        lines += ["", "## IFEval", "",
+                  "| iteration | prompts | prompt strict | prompt loose | instruction strict | instruction loose | "
+                  "Δ prompt strict vs 0 (McNemar p) | trunc. |", "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            f = r.get("ifeval")
+            if not f:
+                continue
+            t = r.get("ifeval_vs_0")
+            vs = f"{100 * t['prompt_strict_diff']:+.1f} (p={t['p_value']:.3g}; {t['new_only']} gained, {t['base_only']} lost)" if t else "–"
+            pct = {k: "–" if f[k] is None else f"{100 * f[k]:.1f}" for k in
+                   ("prompt_strict", "prompt_loose", "instruction_strict", "instruction_loose")}
+            lines.append(f"| {r['iteration']} | {f['records_scored']} | {pct['prompt_strict']} | {pct['prompt_loose']} | "
+                         f"{pct['instruction_strict']} | {pct['instruction_loose']} | {vs} | {f.get('truncation_rate')} |")
+        ifeval = cfg.get("ifeval") or {}
+        lines += ["", f"IFEval (Zhou et al. 2023): greedy answers, max_tokens {ifeval.get('max_tokens')}, "
+                  f"{'all prompts' if not ifeval.get('limit') else 'the first %s prompts' % ifeval.get('limit')}, scored "
+                  "with the if-verifiable checkers; percentages. McNemar: exact test on prompt-level strict pass/fail."]
+    warned = [w for r in rows for w in r.get("warnings", []) if "kl_warn" in w]
+    if warned:
+        lines += ["", "**Warnings**", "", *[f"- {w}" for w in warned]]
+    return lines
+
+
 def _plot(rows: list[dict], out: Path) -> None:
     import matplotlib
 
@@ -848,12 +1039,24 @@ def _plot(rows: list[dict], out: Path) -> None:
     means = [r["eval_reward_mean"] for r in rows]
     err = [[m - r["eval_reward_ci95"][0] for m, r in zip(means, rows)],
            [r["eval_reward_ci95"][1] - m for m, r in zip(means, rows)]]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, c, b) = plt.subplots(1, 3, figsize=(16, 4))
     a.errorbar(its, means, yerr=err, marker="o", capsize=4)
     a.set_xticks(its)
     a.set_xlabel("iteration (0 = starting policy)")
     a.set_ylabel("held-out reward (mean, 95% CI)")
     a.set_title("Held-out reward per iteration")
+    for key, label, shift in (("eval_reward_vs_0", "held-out reward", -0.05), ("eval_reward_lc_vs_0", "length-controlled", 0.05)):
+        pts = [(r["iteration"], r[key]) for r in rows if r.get(key)]
+        if pts:
+            c.errorbar([i + shift for i, _ in pts], [t["diff"] for _, t in pts], capsize=4, marker="o", label=label,
+                       yerr=[[t["diff"] - t["ci95"][0] for _, t in pts], [t["ci95"][1] - t["diff"] for _, t in pts]])
+    c.axhline(0.0, color="grey", lw=0.8)
+    c.set_xticks(its)
+    c.set_xlabel("iteration")
+    c.set_ylabel("difference vs iteration 0 (paired 95% CI)")
+    c.set_title("Paired change vs the starting policy")
+    if any(r.get("eval_reward_vs_0") for r in rows):
+        c.legend(fontsize=8)
     stages = [s for s in STAGES if any(r["stage_seconds"].get(s) for r in rows)]
     bottom = [0.0] * len(rows)
     for s in stages:
@@ -881,7 +1084,11 @@ def _log_wandb(rows: list[dict], run_dir: Path, cfg: dict) -> None:
     for r in rows:
         rollout = {"train/rollout_reward_mean": r["rollout_reward_mean"]} if r.get("rollout_reward_mean") is not None else {}
         grpo = {f"train/grpo_{k}": v for k, v in (r.get("grpo") or {}).items() if isinstance(v, (int, float))}
-        run.log({"eval/reward_mean": r["eval_reward_mean"], "train/pairs": r.get("pairs", 0), **rollout, **grpo,
+        quality = {f"eval/{k}": v for k, v in (("reward_lc", r.get("eval_reward_lc")),
+                                                   ("kl", (r.get("kl") or {}).get("kl_mean")),
+                                                   ("ifeval_prompt_strict", (r.get("ifeval") or {}).get("prompt_strict")))
+                   if v is not None}
+        run.log({"eval/reward_mean": r["eval_reward_mean"], "train/pairs": r.get("pairs", 0), **rollout, **grpo, **quality,
                  **{f"time/{k}": v for k, v in r["stage_seconds"].items() if v}}, step=r["iteration"])
     run.finish()
 
@@ -932,7 +1139,8 @@ def main(argv: list[str]) -> int:
             rollout = row.get("rollout_reward_mean")
             print(f"iteration {row['iteration']}: held-out reward {row['eval_reward_mean']:.4f} "
                   f"(95% CI {lo:.4f}-{hi:.4f}, n={row['eval_prompts']}), "
-                  + ("" if rollout is None else f"rollout reward {rollout:.4f}, ") + f"pairs {row.get('pairs', '-')}")
+                  + ("" if rollout is None else f"rollout reward {rollout:.4f}, ") + f"pairs {row.get('pairs', '-')}"
+                  + _quality_summary(row))
             for w in row["warnings"]:
                 print(f"WARNING: {w}")
         elif cmd == "report":

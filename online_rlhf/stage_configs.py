@@ -241,6 +241,45 @@ class GRPOStageConfig(StageConfig):
         return self
 
 
+class IFEvalScoreConfig(StageConfig):
+    """annotate_data/ifeval_score.py: IFEval's four scores of generated records (one greedy response each)."""
+
+    input: str = Field(..., description="generated records with instruction_id_list + kwargs (ifeval_generated.jsonl)")
+    output: str = Field(..., description="per-prompt outcomes (ifeval.jsonl): {id, strict: [bool], loose: [bool], prompt_strict, prompt_loose, response_tokens, finish_reason}")
+
+    @model_validator(mode="after")
+    def _output_is_not_input(self):
+        if Path(self.input).resolve() == Path(self.output).resolve():
+            raise ValueError(f"output={self.output} is the input file; write the outcomes to another file")
+        return self
+
+
+class KLConfig(StageConfig):
+    """annotate_data/kl_estimate.py: KL(policy || reference) from responses sampled from the policy."""
+
+    input: str = Field(..., description="generated records whose responses were SAMPLED from `policy` (temperature 1), e.g. kl_generated.jsonl")
+    policy: str = Field(..., description="the policy that sampled the responses (dir, Hub id or 'default')")
+    reference: str = Field(..., description="the reference model (dir, Hub id or 'default'), e.g. the starting policy")
+    output: str = Field(..., description="per-prompt log-probs (kl.jsonl): {id, logp_policy: [K], logp_reference: [K], kl: [K], response_tokens: [K]}")
+    batch_size: int = Field(8, ge=1, description="sequences per forward pass")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of both models for the log-prob passes")
+
+    @model_validator(mode="after")
+    def _output_is_not_input(self):
+        if Path(self.input).resolve() == Path(self.output).resolve():
+            raise ValueError(f"output={self.output} is the input file; write the log-probs to another file")
+        return self
+
+
+class IFEvalSection(StageConfig):
+    """The loop's `ifeval` section: IFEval (541 prompts, greedy) on the policy of an iteration."""
+
+    when: Literal["ends", "every", "never"] = Field("ends", description="ends: iteration 0 (starting policy) and the last iteration; every: each iteration; never: off")
+    prompts: str = Field("default", description="IFEval prompt set ('default' = .cache/data/ifeval.jsonl from scripts/prepare_default.py)")
+    limit: Optional[int] = Field(None, ge=1, description="first N IFEval prompts (null: all 541); cost grows with N x max_tokens")
+    max_tokens: int = Field(384, ge=1, description="max new tokens per IFEval answer (cut answers fail length checks more often)")
+
+
 # Keys of each stage that the loop's plan sets itself (files, policy, shard layout, processes); the
 # loop's sections cannot set them (``online_rlhf.loop_keys`` says what to set instead).
 _GEN_OWNED = ("model", "prompts", "prompt_field", "limit", "output", "shards_dir", "shard_index", "num_shards",
@@ -320,6 +359,9 @@ class LoopConfig(StageConfig):
     grpo: GRPOSection = Field(default_factory=GRPOSection, description="GRPOStageConfig fields (over grpo_config; algorithm=grpo)")
     ref_model: Literal["initial", "previous"] = Field("initial", description="reference of DPO and of the GRPO KL term: the starting (SFT) policy, or last iteration's policy")
     per_iteration: dict[int, dict[str, Any]] = Field(default_factory=dict, description="{i: {section: {key: value}}} overrides for iteration i")
+    ifeval: IFEvalSection = Field(default_factory=IFEvalSection, description="IFEval benchmark stages (ifeval_generate, ifeval_score): when, prompts, limit, max_tokens; decoding as `evaluation` (greedy)")
+    kl_samples: int = Field(1, ge=0, description="responses SAMPLED (temperature 1, as `evaluation` otherwise) per held-out prompt for the KL(policy || starting policy) estimate of iterations >= 1 (stages kl_generate, kl); 0: no KL estimate")
+    kl_warn: Optional[float] = Field(5.0, ge=0, description="warn (loop metrics line, report.md) when an iteration's estimated KL(policy || starting policy) exceeds this many nats; null: never")
     wandb: bool = Field(False, description="log the loop's metrics to wandb (offline unless WANDB_MODE is set)")
     dry_run: bool = Field(False, description="memory check instead of the run: plan as usual, then run SFT (when enabled) and iteration 1's generate, rewards (source=reward_model) and dpo stages once each in dry mode (one step at the largest shapes), print peak memory vs available per stage and what to lower; writes no checkpoint and marks no stage done. Exit 1 when a stage would not fit")
 

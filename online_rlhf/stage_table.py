@@ -20,9 +20,10 @@ from typing import Any, Callable, Literal, Optional
 
 from .config import ConfigError, deep_merge, load_yaml
 from .paths import PROJECT_ROOT, default_data_dir, default_model_dir
-from .stage_configs import (DPOStageConfig, GenerateConfig, GRPOStageConfig, LoopConfig, PairsConfig, RewardConfig,
-                            SFTStageConfig, StageConfig)
-from .stats import DPOStats, GenerateStats, GRPOStats, PairsStats, RewardStats, SFTStats, StageStats
+from .stage_configs import (DPOStageConfig, GenerateConfig, GRPOStageConfig, IFEvalScoreConfig, KLConfig, LoopConfig,
+                            PairsConfig, RewardConfig, SFTStageConfig, StageConfig)
+from .stats import (DPOStats, GenerateStats, GRPOStats, IFEvalStats, KLStats, PairsStats, RewardStats, SFTStats,
+                    StageStats)
 
 
 def check_process_count(planned: Optional[int], where: str) -> None:
@@ -131,6 +132,39 @@ def _eval_generate(c: LoopConfig, run_dir: Path, i: int) -> dict:
             "output": str(run_dir / f"iter_{i}" / "eval_generated.jsonl")}
 
 
+def _ifeval_generate(c: LoopConfig, run_dir: Path, i: int) -> dict:
+    # IFEval on the model after iteration i, greedy as the held-out set (the `evaluation` section's
+    # decoding), with the `ifeval` section's prompts, limit and max_tokens.
+    d = _eval_generate(c, run_dir, i)
+    prompts = str(default_data_dir() / "ifeval.jsonl") if c.ifeval.prompts == "default" else c.ifeval.prompts
+    return {**d, "prompts": prompts, "prompt_field": None, "limit": c.ifeval.limit, "max_tokens": c.ifeval.max_tokens,
+            "output": str(run_dir / f"iter_{i}" / "ifeval_generated.jsonl")}
+
+
+def _ifeval_score(c: LoopConfig, run_dir: Path, i: int) -> dict:
+    it = run_dir / f"iter_{i}"
+    return {"input": str(it / "ifeval_generated.jsonl"), "output": str(it / "ifeval.jsonl")}
+
+
+def _ifeval_runs(c: LoopConfig, i: int) -> bool:
+    """IFEval runs at iteration 0 and the last (``ends``), at every iteration, or never."""
+    return {"ends": i in (0, c.iterations), "every": True, "never": False}[c.ifeval.when]
+
+
+def _kl_generate(c: LoopConfig, run_dir: Path, i: int) -> dict:
+    # kl_samples responses per held-out prompt SAMPLED from the model after iteration i at
+    # temperature 1, top_p 1 (its own distribution), otherwise as the held-out generation.
+    d = _eval_generate(c, run_dir, i)
+    return {**d, "k": c.kl_samples, "temperature": 1.0, "top_p": 1.0, "seed": c.seed + 1000 * i + 500,
+            "output": str(run_dir / f"iter_{i}" / "kl_generated.jsonl")}
+
+
+def _kl(c: LoopConfig, run_dir: Path, i: int) -> dict:
+    it = run_dir / f"iter_{i}"
+    return {"input": str(it / "kl_generated.jsonl"), "policy": policy_of(c, run_dir, i + 1),
+            "reference": starting_policy(c, run_dir), "output": str(it / "kl.jsonl")}
+
+
 def _machines(c: LoopConfig) -> dict:
     """The multi-machine keys of an ``accelerate launch`` stage: the machine count, and machine 0's
     address and port only when there are several machines (one machine: left at null, so that its
@@ -215,6 +249,8 @@ class Stage:
         sections: the loop sections the stage's values come from (for the provenance comments).
         stage_file_key: the loop key naming the stage's own YAML that the section is layered on.
         enabled: whether the loop runs the stage at all.
+        runs: ``(loop config, i) -> bool`` when the iterations the stage runs in depend on the config
+            (IFEval: ``ifeval.when``); ``when`` is then not used.
     """
 
     name: str
@@ -230,11 +266,14 @@ class Stage:
     sections: tuple[str, ...] = ()
     stage_file_key: Optional[str] = None
     enabled: Callable[[LoopConfig], bool] = field(default=lambda c: True)
+    runs: Optional[Callable[[LoopConfig, int], bool]] = None
 
     def runs_in(self, cfg: LoopConfig, i: int) -> bool:
         """Whether this stage is part of iteration ``i`` of the loop ``cfg``."""
         if not self.enabled(cfg):
             return False
+        if self.runs is not None:
+            return self.runs(cfg, i)
         return {"start": i == 0, "train": i >= 1, "every": True}[self.when]
 
     def io(self, d: dict) -> tuple[list[str], list[str]]:
@@ -261,6 +300,18 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           ("output",), GenerateStats, "every", _eval_generate, ("evaluation", "generation")),
     Stage("eval_rewards", "train", "annotate_data/get_rewards.py", "accelerate", RewardConfig,
           ("input", "reward_model"), ("output",), RewardStats, "every", _eval_rewards, ("reward",)),
+    # Evaluation beyond the held-out reward: the KL of the iteration's policy from the starting
+    # policy (iterations >= 1; 0 at iteration 0) and IFEval (iteration 0 and the last by default).
+    Stage("kl_generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"),
+          ("output",), GenerateStats, "train", _kl_generate, ("evaluation", "generation"),
+          enabled=lambda c: c.kl_samples > 0),
+    Stage("kl", "train", "annotate_data/kl_estimate.py", "python", KLConfig, ("input", "policy", "reference"),
+          ("output",), KLStats, "train", _kl, enabled=lambda c: c.kl_samples > 0),
+    Stage("ifeval_generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"),
+          ("output",), GenerateStats, "every", _ifeval_generate, ("ifeval", "evaluation", "generation"),
+          runs=_ifeval_runs),
+    Stage("ifeval_score", "train", "annotate_data/ifeval_score.py", "python", IFEvalScoreConfig, ("input",),
+          ("output",), IFEvalStats, "every", _ifeval_score, runs=_ifeval_runs),
 )}
 
 

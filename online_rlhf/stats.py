@@ -18,6 +18,8 @@ file, the key and the stage that writes that file, never a silent ``None``. Nest
 - :class:`GRPOStats`: grpo_iteration/run_grpo.py (``model.stats.json``);
 - :class:`SFTStats`: sft/run_sft.py (``<output_dir>.stats.json``);
 - :class:`SFTDataStats`: sft/build_sft_data.py (``<output>.stats.json``);
+- :class:`IFEvalStats`: annotate_data/ifeval_score.py (``ifeval.jsonl.stats.json``);
+- :class:`KLStats`: annotate_data/kl_estimate.py (``kl.jsonl.stats.json``);
 - :class:`DryRunStats`: any stage run with ``dry_run=true`` (``<output>.dry_run.json``; no stats, no output).
 
 :class:`ScoreResult` is what every reward source (``verifiers``, ``reward_model``, ``remote``,
@@ -434,6 +436,53 @@ class SFTDataStats(StageStats):
     dropped_examples: dict[str, list[str]]
     responses_excluded: dict[str, int]
     kept_reward_mean: Optional[float]
+
+
+# ------------------------------------------------------------------------------------ evaluation
+
+class IFEvalStats(StageStats):
+    """ifeval_score's stats (``ifeval.jsonl.stats.json``): IFEval's four numbers in [0, 1]
+    (``online_rlhf.evaluation.ifeval_scores``; None when no prompt was scored)."""
+
+    WRITTEN_BY: ClassVar[str] = "annotate_data/ifeval_score.py (online_rlhf.stages.ifeval_score)"
+    stage: Literal["ifeval_score"]
+    input: str
+    output: str
+    records_in: int
+    records_scored: int
+    skipped: dict[str, int]  # records left out by reason (e.g. checker_error:LookupError)
+    skipped_ids: dict[str, list[str]]  # reason -> up to 5 ids
+    instructions: int
+    prompt_strict: Optional[float]
+    prompt_loose: Optional[float]
+    instruction_strict: Optional[float]
+    instruction_loose: Optional[float]
+    mean_response_tokens: Optional[float]
+    truncation_rate: Optional[float]
+    seconds: float
+
+
+class KLStats(StageStats):
+    """kl_estimate's stats (``kl.jsonl.stats.json``): KL(policy || reference) in nats per response,
+    the mean over sampled responses of ``log p_policy(y|x) - log p_reference(y|x)`` (summed over the
+    response tokens), with its standard error."""
+
+    WRITTEN_BY: ClassVar[str] = "annotate_data/kl_estimate.py (online_rlhf.stages.kl_estimate)"
+    stage: Literal["kl"]
+    input: str
+    output: str
+    policy: str
+    reference: str
+    records_in: int
+    samples: int
+    skipped: dict[str, int]  # responses left out by reason (e.g. special_text_not_tokenizable)
+    kl_mean: Optional[float]
+    kl_se: Optional[float]
+    retokenized_length_differs: int  # responses whose re-tokenized length is not the sampled count (response_tokens)
+    mean_response_tokens: Optional[float]
+    dtype: str
+    hardware: dict[str, Any]
+    seconds: float
 
 
 # --------------------------------------------------------------------------------------- dry run

@@ -248,5 +248,12 @@ def example_stats(cls, **overrides):
         S.SFTDataStats: {"stage": "build_sft_data", "rewards": "rewards.jsonl", "output": "sft.jsonl", "min_reward": 1.0,
                          "truncated": "exclude", "prompts_in": 2, "kept": 1, "dropped": {"below_min_reward": 1},
                          "dropped_examples": {}, "responses_excluded": {}, "kept_reward_mean": 1.0},
+        S.IFEvalStats: {"stage": "ifeval_score", "input": "ifeval_generated.jsonl", "output": "ifeval.jsonl",
+                        "records_in": 2, "records_scored": 2, "skipped": {}, "skipped_ids": {}, "instructions": 3,
+                        "prompt_strict": 0.5, "prompt_loose": 0.5, "instruction_strict": 0.6667,
+                        "instruction_loose": 0.6667, "mean_response_tokens": 10.0, "truncation_rate": 0.0, "seconds": 1.0},
+        S.KLStats: {"stage": "kl", "input": "kl_generated.jsonl", "output": "kl.jsonl", "policy": "model",
+                    "reference": "start", "records_in": 2, "samples": 2, "skipped": {}, "kl_mean": 0.5, "kl_se": 0.1, "retokenized_length_differs": 0,
+                    "mean_response_tokens": 10.0, "dtype": "float32", "hardware": hw, "seconds": 1.0},
     }
     return cls.model_validate({**examples[cls], **overrides})

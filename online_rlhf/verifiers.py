@@ -103,6 +103,61 @@ def ifeval_rewards(record: dict, responses: list[str], mode: str = "loose", scor
     """
     from if_verifiable.common import evaluate_instructions
 
+    ids, kwargs, prompt_text, registry = _ifeval_fields(record)
+    key = f"{'partial' if score == 'partial' else 'binary'}_{mode}"
+    with _record_seed(record):
+        try:
+            return [float(getattr(evaluate_instructions(resp, ids, kwargs, prompt_text, registry)[1], key))
+                    for resp in responses]
+        except Exception as e:  # noqa: BLE001 - any checker failure makes the record unscorable, counted
+            raise Unscorable(f"checker_error:{type(e).__name__}") from e
+
+
+def ifeval_instruction_results(record: dict, response: str) -> tuple[list[bool], list[bool]]:
+    """Per-instruction outcomes of one response, for IFEval's four scores
+    (:func:`online_rlhf.evaluation.ifeval_scores`): ``(strict, loose)``, one bool per id of the
+    record's ``instruction_id_list``, in order. An empty response follows no instruction.
+
+    Raises:
+        Unscorable: as :func:`ifeval_rewards`.
+    """
+    from if_verifiable.common import evaluate_instructions
+
+    ids, kwargs, prompt_text, registry = _ifeval_fields(record)
+    with _record_seed(record):
+        try:
+            results, _ = evaluate_instructions(response, ids, kwargs, prompt_text, registry)
+        except Exception as e:  # noqa: BLE001 - counted as unscorable by the caller
+            raise Unscorable(f"checker_error:{type(e).__name__}") from e
+    if not results:  # if-verifiable returns no result for an empty response
+        return [False] * len(ids), [False] * len(ids)
+    if len(results) != len(ids):
+        raise Unscorable("checker_error:missing_result")
+    return [r.strict_pass for r in results], [r.loose_pass for r in results]
+
+
+class _record_seed:
+    """Seed ``random`` from the record's id while checking it, then give the caller's state back: a
+    checker given no value for an argument draws one from ``random``, so rewards would change
+    between runs otherwise."""
+
+    def __init__(self, record: dict):
+        self.seed = int(hashlib.sha256(str(record.get("id")).encode()).hexdigest()[:16], 16)
+
+    def __enter__(self):
+        self.state = random.getstate()
+        random.seed(self.seed)
+
+    def __exit__(self, *exc):
+        random.setstate(self.state)
+
+
+def _ifeval_fields(record: dict) -> tuple[list[str], list[dict], str, dict]:
+    """``(instruction ids, kwargs without None values, last user text, checker registry)`` of a record.
+
+    Raises:
+        Unscorable: a missing/bad field or an unknown instruction id.
+    """
     registry = _registry()
     ids, kwargs = record.get("instruction_id_list"), record.get("kwargs")
     if not isinstance(ids, list) or not ids:
@@ -115,22 +170,7 @@ def ifeval_rewards(record: dict, responses: list[str], mode: str = "loose", scor
     if unknown:
         raise Unscorable(f"unknown_instruction:{unknown[0]}")
     kwargs = [{k: v for k, v in (kw or {}).items() if v is not None} for kw in kwargs]
-    prompt_text = _last_user_text(record.get("prompt") or [])
-    key = f"{'partial' if score == 'partial' else 'binary'}_{mode}"
-    # A checker given no value for an argument draws one from `random`: seed it per record so
-    # that rewards do not change between runs, and leave the caller's random state alone.
-    state = random.getstate()
-    random.seed(int(hashlib.sha256(str(record.get("id")).encode()).hexdigest()[:16], 16))
-    try:
-        out = []
-        for resp in responses:
-            _, scores = evaluate_instructions(resp, ids, kwargs, prompt_text, registry)
-            out.append(float(getattr(scores, key)))
-        return out
-    except Exception as e:  # noqa: BLE001 - any checker failure makes the record unscorable, counted
-        raise Unscorable(f"checker_error:{type(e).__name__}") from e
-    finally:
-        random.setstate(state)
+    return ids, kwargs, _last_user_text(record.get("prompt") or []), registry
 
 
 def gold_answer_text(answer: Any) -> str:

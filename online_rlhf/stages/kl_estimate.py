@@ -1,0 +1,180 @@
+"""Stage: KL(policy || reference) from responses sampled from the policy -> kl.jsonl (+ stats JSON).
+
+    python annotate_data/kl_estimate.py input=iter_1/kl_generated.jsonl policy=runs/x/iter_1/model \
+        reference=default output=iter_1/kl.jsonl
+
+KL(pi || ref) = E_{x, y ~ pi(.|x)} [log pi(y|x) - log ref(y|x)]: with responses y sampled from the
+policy (temperature 1, no top-p: the policy's own distribution), the mean of
+``log pi(y|x) - log ref(y|x)`` over them is an unbiased Monte Carlo estimate (Schulman 2020,
+"Approximating KL divergence", the k1 estimator). Greedy answers would bias it. Each term can be
+negative; the mean is >= 0 only in expectation.
+
+1. read the sampled records (``online_rlhf.stages.get_rewards.load_generated``);
+2. token ids of prompt and response exactly as the DPO stage builds them from the text (the
+   generated records keep text, not the sampled ids; responses whose re-tokenized length is not
+   the sampled ``response_tokens`` are counted, ``retokenized_length_differs``, with a warning
+   above 10%: the estimate then scores other sequences than the policy drew)
+   (``online_rlhf.chat_tokens.prompt_response_ids``: the policy's chat template, contents as
+   plain text), cut to what was sampled: through the end-of-turn token for a finished response
+   (``finish_reason`` stop), before it for one cut at ``max_tokens`` (``length``); a response
+   whose ids cannot be built is left out and counted (``special_text_not_tokenizable``);
+3. sum the response tokens' log-probs under the policy, then under the reference (one model in
+   memory at a time, on the GPU when there is one; TRL's ``selective_log_softmax``), in batches
+   of ``batch_size``;
+4. write ``{id, logp_policy: [K], logp_reference: [K], kl: [K], response_tokens: [K]}`` per prompt
+   and the stats (:class:`~online_rlhf.stats.KLStats`: mean and standard error in nats).
+
+Config: ``KLConfig`` (online_rlhf/stage_configs.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+from online_rlhf.chat_tokens import ChatTokenError, prompt_response_ids
+from online_rlhf.config import run_main
+from online_rlhf.evaluation import kl_summary
+from online_rlhf.jsonl import DataError, write_jsonl
+from online_rlhf.paths import resolve_model, setup_cache_env
+from online_rlhf.stage_configs import KLConfig
+from online_rlhf.stages.get_rewards import load_generated
+from online_rlhf.stats import KLStats, stats_path
+
+
+def response_token_ids(tokenizer: Any, prompt: list[dict], response: str, finish_reason: str
+                       ) -> tuple[list[int], list[int]]:
+    """``(prompt ids, response ids)`` of one sampled response, as the policy generated them: the
+    DPO stage's ids (``prompt_response_ids``) cut after the last EOS id for a finished response,
+    before it for one cut at max_tokens (the template's text after the end-of-turn token was not
+    sampled).
+
+    Raises:
+        ChatTokenError: the conversation cannot be tokenized with its contents as plain text.
+    """
+    prompt_ids, (ids,) = prompt_response_ids(tokenizer, prompt, [{"role": "assistant", "content": response}])
+    eos = tokenizer.eos_token_id
+    if eos is not None and eos in ids:
+        last = len(ids) - 1 - ids[::-1].index(eos)
+        ids = ids[:last + 1] if finish_reason == "stop" else ids[:last]
+    return prompt_ids, ids
+
+
+def sequence_log_probs(model: Any, seqs: list[tuple[list[int], list[int]]], batch_size: int, pad_id: int
+                       ) -> list[float]:
+    """Sum of ``log p(response token | prefix)`` over each sequence's response tokens.
+
+    Args:
+        model: a causal LM (``transformers``), in eval mode.
+        seqs: ``(prompt ids, response ids)`` per sequence.
+        pad_id: the id right padding uses (masked out).
+    Returns:
+        one float (nats, <= 0) per sequence, in order.
+    """
+    import torch
+    from trl.trainer.utils import selective_log_softmax
+
+    out: list[float] = []
+    device = next(model.parameters()).device
+    for start in range(0, len(seqs), batch_size):
+        batch = seqs[start:start + batch_size]
+        full = [p + r for p, r in batch]
+        width = max(len(f) for f in full)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)  # (B, T)
+        attn = torch.zeros((len(batch), width), dtype=torch.long)  # (B, T)
+        resp = torch.zeros((len(batch), width), dtype=torch.bool)  # (B, T): response positions
+        for j, ((p, r), f) in enumerate(zip(batch, full)):
+            ids[j, :len(f)] = torch.tensor(f)
+            attn[j, :len(f)] = 1
+            resp[j, len(p):len(f)] = True
+        ids, attn, resp = ids.to(device), attn.to(device), resp.to(device)
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()  # (B, T-1, V): predicts t+1
+            logps = selective_log_softmax(logits, ids[:, 1:])  # (B, T-1)
+        out += (logps * resp[:, 1:]).sum(dim=1).tolist()  # (B,)
+    return out
+
+
+def _device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _log_probs_under(path: str, seqs: list[tuple[list[int], list[int]]], cfg: KLConfig, pad_id: int) -> list[float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cfg.dtype)).eval().to(_device())
+    try:
+        return sequence_log_probs(model, seqs, cfg.batch_size, pad_id)
+    finally:
+        del model
+
+
+def main(cfg: KLConfig) -> KLStats:
+    """Estimate KL(policy || reference) on ``cfg.input``; write ``cfg.output`` and its stats.
+
+    Raises:
+        DataError: a malformed input record, or no response could be tokenized.
+        FileNotFoundError: the policy or reference does not exist.
+    """
+    from transformers import AutoTokenizer
+
+    from online_rlhf.hardware import describe
+
+    setup_cache_env()
+    t0 = time.time()
+    policy, reference = resolve_model(cfg.policy), resolve_model(cfg.reference)
+    records = load_generated(cfg.input)
+    tokenizer = AutoTokenizer.from_pretrained(policy)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    seqs, where, skipped = [], [], Counter()  # where: (record index, response index) of each sequence
+    for n, rec in enumerate(records):
+        for j, (resp, finish) in enumerate(zip(rec["responses"], rec["finish_reasons"])):
+            try:
+                seqs.append(response_token_ids(tokenizer, rec["prompt"], resp, finish))
+                where.append((n, j))
+            except ChatTokenError:
+                skipped["special_text_not_tokenizable"] += 1
+    if not seqs:
+        raise DataError(f"{cfg.input}: no sampled response to estimate the KL on (skipped: {dict(skipped)}).")
+    lp_pol = _log_probs_under(policy, seqs, cfg, pad_id)
+    lp_ref = lp_pol if reference == policy else _log_probs_under(reference, seqs, cfg, pad_id)
+    rows: dict[int, dict] = {}
+    for (n, _), (_, r), a, b in zip(where, seqs, lp_pol, lp_ref):
+        row = rows.setdefault(n, {"id": records[n]["id"], "logp_policy": [], "logp_reference": [], "kl": [],
+                                  "response_tokens": []})
+        row["logp_policy"].append(a)
+        row["logp_reference"].append(b)
+        row["kl"].append(a - b)
+        row["response_tokens"].append(len(r))
+    write_jsonl(cfg.output, [rows[n] for n in sorted(rows)])
+    summary = kl_summary([a - b for a, b in zip(lp_pol, lp_ref)])
+    # The generated records hold the text, not the sampled ids: count the responses whose ids
+    # here are not as many as were sampled (a tokenizer that does not round-trip its own output).
+    counts = [(records[n].get("response_tokens") or [None] * (j + 1))[j] for n, j in where]
+    differs = sum(c is not None and c != len(r) for c, (_, r) in zip(counts, seqs))
+    if differs > 0.1 * len(seqs):
+        print(f"WARNING: {differs} of {len(seqs)} sampled responses re-tokenize to another token count than was "
+              "sampled; the KL estimate then scores other sequences than the policy drew.", file=sys.stderr)
+    stats = KLStats(stage="kl", input=cfg.input, output=cfg.output, policy=cfg.policy, reference=cfg.reference,
+                    records_in=len(records), skipped=dict(skipped), dtype=cfg.dtype, **summary,
+                    retokenized_length_differs=differs,
+                    mean_response_tokens=round(sum(len(r) for _, r in seqs) / len(seqs), 2),
+                    hardware=describe(_device(), cfg.dtype), seconds=round(time.time() - t0, 2))
+    stats.write(stats_path(cfg.output))
+    print(f"kl_estimate: KL(policy || reference) = {summary['kl_mean']:.4f} nats per response "
+          f"(se {summary['kl_se']}, {summary['samples']} samples) -> {cfg.output}", file=sys.stderr)
+    return stats
+
+
+def cli() -> None:
+    """Command-line entry point (annotate_data/kl_estimate.py calls this)."""
+    run_main(main, KLConfig)
+
+
+if __name__ == "__main__":
+    cli()
