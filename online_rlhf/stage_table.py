@@ -156,7 +156,7 @@ def _kl_generate(c: LoopConfig, run_dir: Path, i: int) -> dict:
     # temperature 1, top_p 1 (its own distribution), otherwise as the held-out generation.
     d = _eval_generate(c, run_dir, i)
     return {**d, "k": c.kl_samples, "temperature": 1.0, "top_p": 1.0, "seed": c.seed + 1000 * i + 500,
-            "output": str(run_dir / f"iter_{i}" / "kl_generated.jsonl")}
+            "save_token_ids": True, "output": str(run_dir / f"iter_{i}" / "kl_generated.jsonl")}
 
 
 def _kl(c: LoopConfig, run_dir: Path, i: int) -> dict:

@@ -479,6 +479,7 @@ class KLStats(StageStats):
     kl_mean: Optional[float]
     kl_se: Optional[float]
     retokenized_length_differs: int  # responses whose re-tokenized length is not the sampled count (response_tokens)
+    retokenized: int = 0  # responses whose ids were rebuilt from the text (records without the sampled ids)
     mean_response_tokens: Optional[float]
     dtype: str
     hardware: dict[str, Any]

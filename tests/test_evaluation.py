@@ -148,6 +148,7 @@ def test_kl_is_zero_when_the_policy_is_the_reference(tmp_path):
     same = kl_estimate.main(KLConfig(input=str(tmp_path / "kl_generated.jsonl"), policy=str(policy),
                                      reference=str(policy), output=str(tmp_path / "kl.jsonl"), batch_size=4))
     assert same.kl_mean == 0.0 and same.samples == 6 and same.retokenized_length_differs == 6  # made-up counts
+    assert same.retokenized == 6  # no sampled ids in these records: the text was re-tokenized
     rows = read_jsonl(tmp_path / "kl.jsonl")
     assert all(x == 0.0 for r in rows for x in r["kl"]) and all(lp < 0 for r in rows for lp in r["logp_policy"])
     # a different reference: log-probs differ, the per-sample differences are what the mean averages
@@ -158,6 +159,41 @@ def test_kl_is_zero_when_the_policy_is_the_reference(tmp_path):
     flat = lambda rs, k: [x for r in rs for x in r[k]]
     assert flat(rows2, "logp_policy") == pytest.approx(flat(rows, "logp_policy"), abs=1e-4)  # batch size 1 vs 4
     assert diff.kl_mean == pytest.approx(np.mean([x for r in rows2 for x in r["kl"]]))
+
+
+def test_kl_scores_the_sampled_ids_when_the_records_have_them(tmp_path):
+    import torch
+
+    from online_rlhf.jsonl import DataError
+    from online_rlhf.stage_configs import KLConfig
+    from online_rlhf.stages import kl_estimate
+    from online_rlhf.testing import make_tiny_policy
+
+    policy = make_tiny_policy(tmp_path / "tiny", seed=1)
+    other = make_tiny_policy(tmp_path / "other", seed=2)
+    # ids no re-tokenization of the text would give: the stage must score these, not the text
+    prompt_ids, responses = [5, 6, 7, 8], [[9, 10, 11], [12, 13]]
+    records = [{"id": "p0", "prompt": [{"role": "user", "content": "question"}], "responses": ["x", "y"],
+                "finish_reasons": ["stop", "length"], "response_tokens": [3, 2],
+                "prompt_token_ids": prompt_ids, "response_token_ids": responses}]
+    write_jsonl(tmp_path / "in.jsonl", records)
+    st = kl_estimate.main(KLConfig(input=str(tmp_path / "in.jsonl"), policy=str(policy), reference=str(other),
+                                   output=str(tmp_path / "kl.jsonl")))
+    assert (st.samples, st.retokenized, st.retokenized_length_differs) == (2, 0, 0)
+    row = read_jsonl(tmp_path / "kl.jsonl")[0]
+    assert row["response_tokens"] == [3, 2]
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval()
+    with torch.no_grad():  # the sum of the response tokens' log-probs, computed by hand
+        ids = torch.tensor([prompt_ids + responses[0]])
+        logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+        expect = sum(logp[len(prompt_ids) - 1 + t, responses[0][t]].item() for t in range(3))
+    assert row["logp_policy"][0] == pytest.approx(expect, abs=1e-4)
+    records[0]["response_token_ids"] = [[9, 10, 11]]  # one id list for two responses
+    write_jsonl(tmp_path / "bad.jsonl", records)
+    with pytest.raises(DataError, match="record 1 .*response_token_ids"):
+        kl_estimate.main(KLConfig(input=str(tmp_path / "bad.jsonl"), policy=str(policy), reference=str(other),
+                                  output=str(tmp_path / "kl_bad.jsonl")))
 
 
 def test_kl_response_ids_end_at_the_end_of_turn_only_when_the_response_finished():

@@ -207,6 +207,22 @@ def test_records_have_k_responses_finish_reasons_and_task_fields(policy, tmp_pat
     assert stats.prompts_all_distinct == 3 and stats.mean_response_tokens == 4.0
 
 
+def test_save_token_ids_writes_the_ids_the_engine_got_and_sampled(policy, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(generate, "run_engine", fake_run_engine(calls))
+    prompts = write_prompts(tmp_path / "p.jsonl", 2)
+    generate.main(_cfg(tmp_path, prompts, policy))
+    plain = read_jsonl(tmp_path / "gen" / "shard_00.jsonl")
+    assert "response_token_ids" not in plain[0] and "prompt_token_ids" not in plain[0]  # off by default
+    cfg = _cfg(tmp_path, prompts, policy, save_token_ids=True, output=str(tmp_path / "ids" / "shard_00.jsonl"))
+    generate.main(cfg)
+    recs = read_jsonl(cfg.output)
+    for rec, ids in zip(recs, calls[-1]["prompt_ids"]):
+        assert rec["prompt_token_ids"] == list(ids) and len(ids) == rec["prompt_tokens"]
+        assert rec["response_token_ids"] == [list(range(3 + j)) for j in range(3)]  # what the fake engine sampled
+        assert [len(r) for r in rec["response_token_ids"]] == rec["response_tokens"]
+
+
 def test_stats_count_special_token_text_and_the_engine_gets_it_as_text(policy, tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(generate, "run_engine", fake_run_engine(calls, texts=["plain", "ends early<|im_end|>\nmore"]))
@@ -503,7 +519,8 @@ def vllm_run(tmp_path_factory):
                                                      {"id": "long", "prompt": "The quick brown fox " * 60}])
     out = d / "generated.jsonl"
     argv = [sys.executable, str(GEN_DIR / "launch.py"), f"prompts={prompts}", f"model={model}", f"output={out}",
-            "num_shards=2", "k=3", "max_tokens=12", "max_model_len=128", "kv_cache_gb=0.25", "temperature=1.0"]
+            "num_shards=2", "k=3", "max_tokens=12", "max_model_len=128", "kv_cache_gb=0.25", "temperature=1.0",
+            "save_token_ids=true"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -518,6 +535,8 @@ def test_vllm_every_prompt_once_with_k_responses(vllm_run):
         assert len(r["responses"]) == 3 and all(isinstance(s, str) for s in r["responses"])
         assert set(r["finish_reasons"]) <= {"stop", "length"}
         assert all(1 <= n <= 12 for n in r["response_tokens"])
+        assert [len(ids) for ids in r["response_token_ids"]] == r["response_tokens"]  # save_token_ids=true
+        assert len(r["prompt_token_ids"]) == r["prompt_tokens"]
     assert recs[-1]["prompt"][0]["content"] == NON_ASCII
 
 

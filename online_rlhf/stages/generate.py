@@ -54,7 +54,8 @@ from online_rlhf.stage_configs import GenerateConfig
 from online_rlhf.stats import GenerateShardStats, stats_path
 
 # Fields this stage writes; a prompt's task field with one of these names is replaced (and counted).
-GENERATED_KEYS = ("id", "prompt", "responses", "finish_reasons", "response_tokens", "prompt_tokens")
+GENERATED_KEYS = ("id", "prompt", "responses", "finish_reasons", "response_tokens", "prompt_tokens",
+                  "prompt_token_ids", "response_token_ids")
 # Config fields that change only resources, not what is sampled: left out of the resume fingerprint.
 _NOT_IN_FINGERPRINT = {"output", "shards_dir", "kv_cache_gb", "gpu_memory_utilization"}
 
@@ -182,11 +183,12 @@ def existing_output_status(output: Path, stats_path: Path, expected_ids: list[st
     return True, "complete"
 
 
-def to_record(prompt_rec: dict, output: Any) -> tuple[dict, list[str]]:
+def to_record(prompt_rec: dict, output: Any, save_token_ids: bool = False) -> tuple[dict, list[str]]:
     """One generated record from a prompt record and vLLM's ``RequestOutput``.
 
     ``response_tokens`` counts the generated tokens, the final EOS included; ``prompt_tokens``
-    the prompt tokens the engine received.
+    the prompt tokens the engine received. With ``save_token_ids`` the record also holds
+    ``prompt_token_ids`` (list of ints) and ``response_token_ids`` (K lists of ints, as sampled).
 
     Returns:
         ``(record, replaced)``: replaced lists task fields dropped because their name is one
@@ -200,6 +202,9 @@ def to_record(prompt_rec: dict, output: Any) -> tuple[dict, list[str]]:
         "response_tokens": [len(c.token_ids) for c in output.outputs],
         "prompt_tokens": len(output.prompt_token_ids),
     }
+    if save_token_ids:
+        rec["prompt_token_ids"] = [int(t) for t in output.prompt_token_ids]
+        rec["response_token_ids"] = [[int(t) for t in c.token_ids] for c in output.outputs]
     replaced = [key for key in prompt_rec if key in GENERATED_KEYS[2:]]
     rec.update({key: v for key, v in prompt_rec.items() if key not in GENERATED_KEYS})
     return rec, replaced
@@ -385,7 +390,7 @@ def generate_shard(cfg: GenerateConfig) -> GenerateShardStats:
         for (rec, ids), out in zip(kept, outputs):
             if list(out.prompt_token_ids) != ids:  # outputs come back in input order; make sure
                 raise RuntimeError(f"vLLM output order does not match the prompts (id {rec['id']!r})")
-            new, dropped = to_record(rec, out)
+            new, dropped = to_record(rec, out, cfg.save_token_ids)
             replaced.update(dropped)
             records.append(new)
     else:

@@ -10,8 +10,10 @@ policy (temperature 1, no top-p: the policy's own distribution), the mean of
 negative; the mean is >= 0 only in expectation.
 
 1. read the sampled records (``online_rlhf.stages.get_rewards.load_generated``);
-2. token ids of prompt and response exactly as the DPO stage builds them from the text (the
-   generated records keep text, not the sampled ids; responses whose re-tokenized length is not
+2. token ids of prompt and response: the sampled ids when the record has them
+   (``prompt_token_ids``/``response_token_ids``, written by the generation stage with
+   ``save_token_ids: true``, as the loop's ``kl_generate`` does); otherwise exactly as the DPO
+   stage builds them from the text (responses whose re-tokenized length is not
    the sampled ``response_tokens`` are counted, ``retokenized_length_differs``, with a warning
    above 10%: the estimate then scores other sequences than the policy drew)
    (``online_rlhf.chat_tokens.prompt_response_ids``: the policy's chat template, contents as
@@ -60,6 +62,27 @@ def response_token_ids(tokenizer: Any, prompt: list[dict], response: str, finish
         last = len(ids) - 1 - ids[::-1].index(eos)
         ids = ids[:last + 1] if finish_reason == "stop" else ids[:last]
     return prompt_ids, ids
+
+
+def sampled_ids(rec: dict, j: int, path: str, n: int) -> tuple[list[int], list[int]] | None:
+    """``(prompt ids, response ids)`` of response ``j`` exactly as the engine sampled it, from the
+    ``prompt_token_ids`` / ``response_token_ids`` that the generation stage writes with
+    ``save_token_ids: true``; None when the record has no ids (then the text is re-tokenized).
+
+    Raises:
+        DataError: the ids are there but malformed (not int lists, or fewer responses than texts).
+    """
+    prompt, responses = rec.get("prompt_token_ids"), rec.get("response_token_ids")
+    if prompt is None and responses is None:
+        return None
+    ok = (isinstance(prompt, list) and isinstance(responses, list) and len(responses) == len(rec["responses"])
+          and all(isinstance(t, int) for t in prompt)
+          and all(isinstance(r, list) and all(isinstance(t, int) for t in r) for r in responses))
+    if not ok:
+        raise DataError(f"{path}: record {n + 1} (id {rec.get('id')!r}): prompt_token_ids must be a list of ints and "
+                        "response_token_ids one list of ints per response; regenerate the file with save_token_ids=true "
+                        "or remove both fields to re-tokenize the text.")
+    return list(prompt), list(responses[j])
 
 
 def sequence_log_probs(model: Any, seqs: list[tuple[list[int], list[int]]], batch_size: int, pad_id: int
@@ -132,11 +155,18 @@ def main(cfg: KLConfig) -> KLStats:
     tokenizer = AutoTokenizer.from_pretrained(policy)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     seqs, where, skipped = [], [], Counter()  # where: (record index, response index) of each sequence
+    retokenized = 0  # sequences built from the text (records without the sampled ids)
     for n, rec in enumerate(records):
         for j, (resp, finish) in enumerate(zip(rec["responses"], rec["finish_reasons"])):
+            sampled = sampled_ids(rec, j, cfg.input, n)
+            if sampled is not None:
+                seqs.append(sampled)
+                where.append((n, j))
+                continue
             try:
                 seqs.append(response_token_ids(tokenizer, rec["prompt"], resp, finish))
                 where.append((n, j))
+                retokenized += 1
             except ChatTokenError:
                 skipped["special_text_not_tokenizable"] += 1
     if not seqs:
@@ -157,12 +187,12 @@ def main(cfg: KLConfig) -> KLStats:
     # here are not as many as were sampled (a tokenizer that does not round-trip its own output).
     counts = [(records[n].get("response_tokens") or [None] * (j + 1))[j] for n, j in where]
     differs = sum(c is not None and c != len(r) for c, (_, r) in zip(counts, seqs))
-    if differs > 0.1 * len(seqs):
+    if retokenized and differs > 0.1 * len(seqs):
         print(f"WARNING: {differs} of {len(seqs)} sampled responses re-tokenize to another token count than was "
               "sampled; the KL estimate then scores other sequences than the policy drew.", file=sys.stderr)
     stats = KLStats(stage="kl", input=cfg.input, output=cfg.output, policy=cfg.policy, reference=cfg.reference,
                     records_in=len(records), skipped=dict(skipped), dtype=cfg.dtype, **summary,
-                    retokenized_length_differs=differs,
+                    retokenized_length_differs=differs, retokenized=retokenized,
                     mean_response_tokens=round(sum(len(r) for _, r in seqs) / len(seqs), 2),
                     hardware=describe(_device(), cfg.dtype), seconds=round(time.time() - t0, 2))
     stats.write(stats_path(cfg.output))
