@@ -207,6 +207,28 @@ def validate_generated(rec: dict, where: str) -> None:
         raise DataError(f"{where}: 'finish_reasons' must have one entry per response ({len(resp)}).")
 
 
+def sampled_token_ids(rec: dict, j: int, where: str) -> tuple[list[int], list[int]] | None:
+    """``(prompt ids, response ids)`` of response ``j`` of a generated record exactly as the engine
+    sampled it: the ``prompt_token_ids`` / ``response_token_ids`` the generation stage writes with
+    ``save_token_ids: true``. None when the record has neither (the caller re-tokenizes the text,
+    which a tokenizer need not round-trip).
+
+    Raises:
+        DataError: the ids are there but malformed (not int lists, or not one list per response).
+    """
+    prompt, responses = rec.get("prompt_token_ids"), rec.get("response_token_ids")
+    if prompt is None and responses is None:
+        return None
+    ok = (isinstance(prompt, list) and isinstance(responses, list) and len(responses) == len(rec.get("responses") or [])
+          and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+          and all(isinstance(r, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in r) for r in responses))
+    if not ok:
+        raise DataError(f"{where}: prompt_token_ids must be a list of ints and response_token_ids one list of ints "
+                        "per response; regenerate the file with save_token_ids=true or remove both fields to "
+                        "re-tokenize the text.")
+    return list(prompt), list(responses[j])
+
+
 def validate_rewards(rec: dict, where: str) -> list[float | None]:
     """Check a rewards record; return its rewards, one per response.
 

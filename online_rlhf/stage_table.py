@@ -118,7 +118,9 @@ def _sft(c: LoopConfig, run_dir: Path, i: int) -> dict:
 
 def _generate(c: LoopConfig, run_dir: Path, i: int) -> dict:
     it = run_dir / f"iter_{i}"
-    return {"model": policy_of(c, run_dir, i), "seed": c.seed + 1000 * i, **section(c, "generation"),
+    # GRPO trains on the sampled token ids (the text need not re-tokenize to them); DPO on the text.
+    ids = {"save_token_ids": True} if c.algorithm == "grpo" else {}
+    return {"model": policy_of(c, run_dir, i), "seed": c.seed + 1000 * i, **section(c, "generation"), **ids,
             "num_shards": c.generation_shards, "num_machines": c.num_machines, "prompts": str(it / "prompts.jsonl"),
             "output": str(it / "generated.jsonl")}
 

@@ -23,7 +23,7 @@ trl = pytest.importorskip("trl")
 
 from online_rlhf import loop  # noqa: E402
 from online_rlhf.config import ConfigError  # noqa: E402
-from online_rlhf.jsonl import read_json, read_jsonl, write_jsonl  # noqa: E402
+from online_rlhf.jsonl import DataError, read_json, read_jsonl, write_jsonl  # noqa: E402
 from online_rlhf.stage_configs import GRPOStageConfig  # noqa: E402
 from online_rlhf.stage_table import STAGES  # noqa: E402
 from online_rlhf.stages import run_grpo  # noqa: E402
@@ -258,6 +258,27 @@ def test_truncated_responses_are_penalized_or_masked(tmp_path, policy):
     assert groups[0]["rewards"] == [0.5, 1.0, 0.0, 0.0]
     stats = run_grpo.main(_cfg(tmp_path, policy, tmp_path / "rewards.jsonl", mask_truncated_completions=True))
     assert stats.completions_used == 3 and stats.completions_masked == {"truncated": 1}
+
+
+def test_completions_are_the_sampled_ids_when_the_records_have_them(tmp_path):
+    from online_rlhf.testing import make_tiny_tokenizer
+
+    rows = [_record(0, ["yes", "no"], [1.0, 0.0], finish=["stop", "length"]), _record(1, ["a", "b"], [1.0, 0.0])]
+    rows[0].update(prompt_token_ids=[5, 6, 7], response_token_ids=[[8, 9, 2], [10, 11, 12, 13]])
+    write_jsonl(tmp_path / "rewards.jsonl", rows)
+    groups, _ = run_grpo.load_groups(str(tmp_path / "rewards.jsonl"))
+    adv, usable = run_grpo.group_advantages(torch.tensor([g["rewards"] for g in groups]))
+    comps, info = run_grpo.build_completions(groups, adv, usable, make_tiny_tokenizer(), max_length=6,
+                                             mask_truncated=False)
+    sampled = [c for c in comps if c["group"] == 0]
+    assert [c["prompt_ids"] for c in sampled] == [[5, 6, 7]] * 2
+    assert [c["completion_ids"] for c in sampled] == [[8, 9, 2], [10, 11, 12]]  # as sampled; max_length cuts
+    assert info["cut"] == 1
+    assert all(c["prompt_ids"] != [5, 6, 7] for c in comps if c["group"] == 1)  # no ids: the text, tokenized
+    rows[0]["response_token_ids"] = [[8, 9, 2]]  # one id list for two responses
+    write_jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(DataError, match=r"bad\.jsonl:1: .*response_token_ids"):
+        run_grpo.load_groups(str(tmp_path / "bad.jsonl"))
 
 
 def test_a_bad_rewards_record_names_file_and_line(tmp_path, policy):

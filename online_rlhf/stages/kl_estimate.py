@@ -41,6 +41,7 @@ from online_rlhf.config import run_main
 from online_rlhf.evaluation import kl_summary
 from online_rlhf.jsonl import DataError, write_jsonl
 from online_rlhf.paths import resolve_model, setup_cache_env
+from online_rlhf.records import sampled_token_ids
 from online_rlhf.stage_configs import KLConfig
 from online_rlhf.stages.get_rewards import load_generated
 from online_rlhf.stats import KLStats, stats_path
@@ -62,27 +63,6 @@ def response_token_ids(tokenizer: Any, prompt: list[dict], response: str, finish
         last = len(ids) - 1 - ids[::-1].index(eos)
         ids = ids[:last + 1] if finish_reason == "stop" else ids[:last]
     return prompt_ids, ids
-
-
-def sampled_ids(rec: dict, j: int, path: str, n: int) -> tuple[list[int], list[int]] | None:
-    """``(prompt ids, response ids)`` of response ``j`` exactly as the engine sampled it, from the
-    ``prompt_token_ids`` / ``response_token_ids`` that the generation stage writes with
-    ``save_token_ids: true``; None when the record has no ids (then the text is re-tokenized).
-
-    Raises:
-        DataError: the ids are there but malformed (not int lists, or fewer responses than texts).
-    """
-    prompt, responses = rec.get("prompt_token_ids"), rec.get("response_token_ids")
-    if prompt is None and responses is None:
-        return None
-    ok = (isinstance(prompt, list) and isinstance(responses, list) and len(responses) == len(rec["responses"])
-          and all(isinstance(t, int) for t in prompt)
-          and all(isinstance(r, list) and all(isinstance(t, int) for t in r) for r in responses))
-    if not ok:
-        raise DataError(f"{path}: record {n + 1} (id {rec.get('id')!r}): prompt_token_ids must be a list of ints and "
-                        "response_token_ids one list of ints per response; regenerate the file with save_token_ids=true "
-                        "or remove both fields to re-tokenize the text.")
-    return list(prompt), list(responses[j])
 
 
 def sequence_log_probs(model: Any, seqs: list[tuple[list[int], list[int]]], batch_size: int, pad_id: int
@@ -158,7 +138,7 @@ def main(cfg: KLConfig) -> KLStats:
     retokenized = 0  # sequences built from the text (records without the sampled ids)
     for n, rec in enumerate(records):
         for j, (resp, finish) in enumerate(zip(rec["responses"], rec["finish_reasons"])):
-            sampled = sampled_ids(rec, j, cfg.input, n)
+            sampled = sampled_token_ids(rec, j, f"{cfg.input}: record {n + 1} (id {rec.get('id')!r})")
             if sampled is not None:
                 seqs.append(sampled)
                 where.append((n, j))

@@ -61,7 +61,7 @@ from online_rlhf.config import ConfigError, run_main
 from online_rlhf.hardware import describe, processes_here, stage_threads
 from online_rlhf.jsonl import DataError, iter_jsonl
 from online_rlhf.paths import resolve_model, setup_cache_env
-from online_rlhf.records import check_messages, validate_rewards
+from online_rlhf.records import check_messages, sampled_token_ids, validate_rewards
 from online_rlhf.stage_configs import GRPOStageConfig
 from online_rlhf.stage_table import check_process_count
 from online_rlhf.stats import GRPOStats, stats_path
@@ -81,7 +81,8 @@ def load_groups(path: str, truncated_penalty: float = 0.0) -> tuple[list[dict], 
 
     Returns:
         (groups, info): each group ``{"where": "file:line", "prompt": [messages], "responses": [K str],
-        "rewards": [K float | None], "truncated": [K bool]}`` with ``truncated_penalty`` already
+        "rewards": [K float | None], "truncated": [K bool], "sampled_ids": [K (prompt ids, response ids)] |
+        None}`` (the ids the engine sampled, when the generation stage saved them) with ``truncated_penalty`` already
         subtracted from the reward of each response whose finish_reason is ``length``;
         info = ``{"in": n, "reward_mean_all": mean of the scored rewards (after the penalty) | None}``.
     Raises:
@@ -96,8 +97,9 @@ def load_groups(path: str, truncated_penalty: float = 0.0) -> tuple[list[dict], 
         truncated = [f == "length" for f in rec["finish_reasons"]]
         rewards = [None if r is None else r - truncated_penalty * t for r, t in zip(rewards, truncated)]
         scored += [r for r in rewards if r is not None]
+        ids = [sampled_token_ids(rec, k, where) for k in range(len(rec["responses"]))]
         groups.append({"where": where, "prompt": prompt, "responses": rec["responses"], "rewards": rewards,
-                       "truncated": truncated})
+                       "truncated": truncated, "sampled_ids": None if ids and ids[0] is None else ids})
     return groups, {"in": len(groups), "reward_mean_all": sum(scored) / len(scored) if scored else None}
 
 
@@ -140,7 +142,9 @@ def build_completions(groups: list[dict], advantages, usable, tokenizer, max_len
                       mask_truncated: bool) -> tuple[list[dict], dict]:
     """One training completion per scored response of each usable group.
 
-    Token ids as the DPO stage trains on them (``online_rlhf.chat_tokens.prompt_response_ids``):
+    Token ids: the ones the engine sampled when the records hold them (the loop's generation stage
+    saves them for ``algorithm: grpo``: ``save_token_ids``); otherwise as the DPO stage trains on
+    them (``online_rlhf.chat_tokens.prompt_response_ids``):
     ``prompt_ids`` = the prompt with the generation prompt; ``completion_ids`` = the response text
     and the template's end-of-turn marker, or the text alone for a response cut at max_tokens (it
     never ended). ``max_length`` cuts completions to ``max_length - len(prompt_ids)`` tokens.
@@ -164,12 +168,15 @@ def build_completions(groups: list[dict], advantages, usable, tokenizer, max_len
         if not bool(usable[gi]):
             skip("fewer_than_2_scored" if len(scored) < 2 else "all_equal", g)
             continue
-        try:
-            prompt_ids, resp_ids = prompt_response_ids(
-                tokenizer, g["prompt"], *[[{"role": "assistant", "content": g["responses"][k]}] for k in scored])
-        except ChatTokenError as e:
-            skip("special_text_not_tokenizable", g, str(e))
-            continue
+        if g.get("sampled_ids"):  # the ids the engine sampled: nothing to re-tokenize
+            prompt_ids, resp_ids = g["sampled_ids"][scored[0]][0], [g["sampled_ids"][k][1] for k in scored]
+        else:
+            try:
+                prompt_ids, resp_ids = prompt_response_ids(
+                    tokenizer, g["prompt"], *[[{"role": "assistant", "content": g["responses"][k]}] for k in scored])
+            except ChatTokenError as e:
+                skip("special_text_not_tokenizable", g, str(e))
+                continue
         if max_length is not None and len(prompt_ids) >= max_length:
             skip("prompt_too_long", g, f"{len(prompt_ids)} prompt tokens")
             continue
@@ -180,9 +187,10 @@ def build_completions(groups: list[dict], advantages, usable, tokenizer, max_len
                 if mask_truncated:
                     masked["truncated"] += 1
                     continue
-                text_ids = tokenizer.encode(g["responses"][k], add_special_tokens=False)
-                if ids[:len(text_ids)] == text_ids:
-                    ids = text_ids  # no end-of-turn after a response that was cut off
+                if not g.get("sampled_ids"):  # (sampled ids of a cut response have no end-of-turn)
+                    text_ids = tokenizer.encode(g["responses"][k], add_special_tokens=False)
+                    if ids[:len(text_ids)] == text_ids:
+                        ids = text_ids  # no end-of-turn after a response that was cut off
             if max_length is not None and len(prompt_ids) + len(ids) > max_length:
                 ids, cut = ids[:max_length - len(prompt_ids)], cut + 1
             if ids:
