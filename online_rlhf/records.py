@@ -221,10 +221,12 @@ def sampled_token_ids(rec: dict, j: int, where: str) -> tuple[list[int], list[in
         return None
     ok = (isinstance(prompt, list) and isinstance(responses, list) and len(responses) == len(rec.get("responses") or [])
           and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-          and all(isinstance(r, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in r) for r in responses))
+          and all(isinstance(r, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in r) for r in responses)
+          and len(prompt) > 0 and all(len(r) > 0 for r in responses)
+          and all(t >= 0 for t in prompt) and all(t >= 0 for r in responses for t in r))
     if not ok:
-        raise DataError(f"{where}: prompt_token_ids must be a list of ints and response_token_ids one list of ints "
-                        "per response; regenerate the file with save_token_ids=true or remove both fields to "
+        raise DataError(f"{where}: prompt_token_ids must be a non-empty list of token ids (ints >= 0) and "
+                        "response_token_ids one non-empty list of token ids per response; regenerate the file with save_token_ids=true or remove both fields to "
                         "re-tokenize the text.")
     return list(prompt), list(responses[j])
 

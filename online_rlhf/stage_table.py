@@ -135,11 +135,12 @@ def _eval_generate(c: LoopConfig, run_dir: Path, i: int) -> dict:
 
 
 def _ifeval_generate(c: LoopConfig, run_dir: Path, i: int) -> dict:
-    # IFEval on the model after iteration i, greedy as the held-out set (the `evaluation` section's
-    # decoding), with the `ifeval` section's prompts, limit and max_tokens.
+    # IFEval on the model after iteration i: always one greedy answer per prompt (the benchmark's
+    # protocol, whatever the `evaluation` section samples), with the `ifeval` section's prompts,
+    # limit and max_tokens.
     d = _eval_generate(c, run_dir, i)
     prompts = str(default_data_dir() / "ifeval.jsonl") if c.ifeval.prompts == "default" else c.ifeval.prompts
-    return {**d, "prompts": prompts, "prompt_field": None, "limit": c.ifeval.limit, "max_tokens": c.ifeval.max_tokens,
+    return {**d, "k": 1, "temperature": 0.0, "top_p": 1.0, "prompts": prompts, "prompt_field": None, "limit": c.ifeval.limit, "max_tokens": c.ifeval.max_tokens,
             "output": str(run_dir / f"iter_{i}" / "ifeval_generated.jsonl")}
 
 

@@ -140,6 +140,10 @@ def main(cfg: KLConfig) -> KLStats:
         for j, (resp, finish) in enumerate(zip(rec["responses"], rec["finish_reasons"])):
             sampled = sampled_token_ids(rec, j, f"{cfg.input}: record {n + 1} (id {rec.get('id')!r})")
             if sampled is not None:
+                if max(max(sampled[0]), max(sampled[1])) >= len(tokenizer):
+                    raise DataError(f"{cfg.input}: record {n + 1} (id {rec.get('id')!r}), response {j + 1}: a token id is "
+                                    f"outside the policy's vocabulary ({len(tokenizer)} ids); the file was generated "
+                                    "by another model than `policy`.")
                 seqs.append(sampled)
                 where.append((n, j))
                 continue
