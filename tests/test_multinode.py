@@ -203,7 +203,7 @@ def test_loop_exec_on_another_machine(tmp_path, capsys):
     assert "runs on machine 0 only" in capsys.readouterr().out
     with pytest.raises(ConfigError, match=r"machine_rank=2 must be in 0..1"):
         loop.exec_stage(run, 0, "eval_generate", machine_rank=2)
-    assert loop.previous_stage(run, 1, "generate") == (0, "eval_rewards")
+    assert loop.previous_stage(run, 1, "generate") == (0, "ifeval_score")  # IFEval ends iteration 0 (ifeval.when=ends)
     assert loop.previous_stage(run, 1, "dpo") == (1, "pairs")
     assert loop.previous_stage(run, 0, "eval_generate") is None
     slurm = _plan(tmp_path / "s", *TWO, "num_processes=4", "launcher=slurm")
