@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from online_rlhf.config import ConfigError
+from online_rlhf.checkpoint import rmtree
 from online_rlhf.dry_run import GIB, dry_run_path
 from online_rlhf.memory import PeakMemory
 from online_rlhf.stats import DryRunStats
@@ -170,7 +171,7 @@ def dpo(cfg, args, lora_config, policy_path: str, ref_path: Optional[str], pol_d
 
             with args.main_process_first(local=True, desc="DPO dry-run pairs"):
                 if args.local_process_index == 0:
-                    R._rmtree(work)
+                    rmtree(work)
                     write_jsonl(work / "pairs_dummy.jsonl", rows)
                 train_ds = datasets.load_dataset("json", data_files=str(work / "pairs_dummy.jsonl"), split="train",
                                                  cache_dir=str(work / "hf_datasets"))
@@ -203,7 +204,7 @@ def dpo(cfg, args, lora_config, policy_path: str, ref_path: Optional[str], pol_d
     result = finish("dpo", mem, cfg.output_dir, status=status, error=error, step_s=times[-1] if times else None,
                     step=step, shapes=shapes, settings=settings, t_start=t_start)
     if _is_main():
-        R._rmtree(work)
+        rmtree(work)
     if status != "ok":
         print(f"error: dry run dpo: out of memory: {error}", file=sys.stderr)
         raise SystemExit(1)

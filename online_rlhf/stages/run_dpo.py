@@ -44,12 +44,12 @@ from __future__ import annotations
 
 import gc
 import os
-import shutil
 import time
 from collections import Counter
 from pathlib import Path
 
 
+from online_rlhf.checkpoint import finish_checkpoint, publish, restore_input_config, rmtree
 from online_rlhf.chat_tokens import ChatTokenError, messages_have_special_text, prompt_response_ids
 from online_rlhf.config import ConfigError, run_main
 from online_rlhf.hardware import compute_dtype, describe, processes_here, stage_threads
@@ -65,7 +65,6 @@ from online_rlhf.trl_args import per_device_batch as split_batch
 _HALF = {"float16", "bfloat16"}
 # config.json keys put back from the input policy before saving (the Trainer may change them,
 # e.g. use_cache=False under gradient checkpointing).
-_RESTORE_CONFIG_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "use_cache")
 _MAX_EXAMPLES = 5  # dropped-record examples kept per reason in the stats
 
 
@@ -370,13 +369,6 @@ def summarize_log_history(history: list[dict]) -> dict:
     return out
 
 
-def _rmtree(path: Path) -> None:
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.exists():
-        shutil.rmtree(path)
-
-
 def save_checkpoint(trainer, tmp_dir: Path, policy_path: str, orig_config: dict, is_lora: bool,
                     trust_remote_code: bool) -> None:
     """Write the trained policy to ``tmp_dir`` (all ranks call this; rank 0 writes).
@@ -385,18 +377,10 @@ def save_checkpoint(trainer, tmp_dir: Path, policy_path: str, orig_config: dict,
     template and generation_config copied from the input policy unchanged; config.json keeps the
     input's bos/eos/pad ids and use_cache. No optimizer state, no training_args.bin.
     """
-    from transformers import AutoTokenizer, GenerationConfig
-
     model = trainer.accelerator.unwrap_model(trainer.model)
     if is_lora:
         model = model.merge_and_unload()
-    for key in _RESTORE_CONFIG_KEYS:
-        if key in orig_config:
-            setattr(model.config, key, orig_config[key])
-    try:
-        model.generation_config = GenerationConfig.from_pretrained(policy_path)
-    except OSError:
-        pass  # the input had no generation_config.json; keep the model's own
+    restore_input_config(model, policy_path, orig_config)
     if is_lora:
         if trainer.accelerator.is_main_process:
             model.save_pretrained(tmp_dir, safe_serialization=True)
@@ -404,12 +388,10 @@ def save_checkpoint(trainer, tmp_dir: Path, policy_path: str, orig_config: dict,
         trainer.save_model(str(tmp_dir))  # gathers ZeRO-3 shards; writes on rank 0 only
     trainer.accelerator.wait_for_everyone()
     if trainer.accelerator.is_main_process:
-        # The trainer's tokenizer may have been given a pad token; save the input's untouched one.
-        AutoTokenizer.from_pretrained(policy_path, trust_remote_code=trust_remote_code).save_pretrained(tmp_dir)
         for junk in ("training_args.bin", "README.md"):
             (tmp_dir / junk).unlink(missing_ok=True)
-        if not any(tmp_dir.glob("*.safetensors")):
-            raise RuntimeError(f"{tmp_dir}: no safetensors weights were written; the checkpoint is incomplete.")
+        # The trainer's tokenizer may have been given a pad token; save the input's untouched one.
+        finish_checkpoint(tmp_dir, policy_path, trust_remote_code)
 
 
 def main(cfg: DPOStageConfig) -> DPOStats:
@@ -494,8 +476,8 @@ def main(cfg: DPOStageConfig) -> DPOStats:
     with args.main_process_first(local=False, desc="DPO pairs dataset"):
         if args.process_index == 0:
             # stale leftovers of a crashed run (never look like a checkpoint: they end in .tmp / .work)
-            _rmtree(tmp_dir)
-            _rmtree(work_dir)
+            rmtree(tmp_dir)
+            rmtree(work_dir)
             write_jsonl(work_dir / "pairs_kept.jsonl",
                         ({k: p[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for p in kept))
         import datasets
@@ -541,16 +523,11 @@ def main(cfg: DPOStageConfig) -> DPOStats:
     try:
         save_checkpoint(trainer, tmp_dir, policy_path, orig_config, lora_config is not None, trust)
         if is_main:
-            old = Path(f"{out_dir}.old")
-            _rmtree(old)
-            if out_dir.exists():
-                os.replace(out_dir, old)
-            os.replace(tmp_dir, out_dir)
-            _rmtree(old)
-            _rmtree(work_dir)
+            publish(tmp_dir, out_dir)
+            rmtree(work_dir)
     except BaseException:
         if is_main:
-            _rmtree(tmp_dir)
+            rmtree(tmp_dir)
         raise
     trainer.accelerator.wait_for_everyone()
     save_s = time.perf_counter() - t0

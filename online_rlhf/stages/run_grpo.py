@@ -56,6 +56,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from online_rlhf.checkpoint import finish_checkpoint, publish, restore_input_config, rmtree
 from online_rlhf.chat_tokens import ChatTokenError, prompt_response_ids
 from online_rlhf.config import ConfigError, run_main
 from online_rlhf.hardware import describe, processes_here, stage_threads
@@ -67,7 +68,6 @@ from online_rlhf.stage_table import check_process_count
 from online_rlhf.stats import GRPOStats, stats_path
 
 _MAX_EXAMPLES = 5  # skipped-group examples kept per reason in the stats
-_RESTORE_CONFIG_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "use_cache")
 
 
 def _world_size() -> int:
@@ -426,41 +426,17 @@ def train(cfg: GRPOStageConfig, accelerator, model, optimizer, completions: list
     return history
 
 
-def _rmtree(path: Path) -> None:
-    import shutil
-
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.exists():
-        shutil.rmtree(path)
-
-
 def save(accelerator, model, tmp_dir: Path, out_dir: Path, policy_path: str, orig_config: dict, trust: bool) -> None:
     """Write the policy to ``tmp_dir`` (safetensors, the input's tokenizer, generation_config and
     bos/eos/pad ids), then rename it to ``out_dir`` (rank 0)."""
-    from transformers import AutoTokenizer, GenerationConfig
-
     state = accelerator.get_state_dict(model)  # every rank: gathers ZeRO-3 shards
     if accelerator.is_main_process:
-        _rmtree(tmp_dir)
+        rmtree(tmp_dir)
         unwrapped = accelerator.unwrap_model(model)
-        for key in _RESTORE_CONFIG_KEYS:
-            if key in orig_config:
-                setattr(unwrapped.config, key, orig_config[key])
-        try:
-            unwrapped.generation_config = GenerationConfig.from_pretrained(policy_path)
-        except OSError:
-            pass  # the input had no generation_config.json; keep the model's own
+        restore_input_config(unwrapped, policy_path, orig_config)
         unwrapped.save_pretrained(tmp_dir, state_dict=state, safe_serialization=True)
-        AutoTokenizer.from_pretrained(policy_path, trust_remote_code=trust).save_pretrained(tmp_dir)
-        if not any(tmp_dir.glob("*.safetensors")):
-            raise RuntimeError(f"{tmp_dir}: no safetensors weights were written; the checkpoint is incomplete.")
-        old = Path(f"{out_dir}.old")
-        _rmtree(old)
-        if out_dir.exists():
-            os.replace(out_dir, old)
-        os.replace(tmp_dir, out_dir)
-        _rmtree(old)
+        finish_checkpoint(tmp_dir, policy_path, trust)
+        publish(tmp_dir, out_dir)
     accelerator.wait_for_everyone()
 
 
@@ -578,7 +554,7 @@ def main(cfg: GRPOStageConfig) -> GRPOStats:
         save(accelerator, model, tmp_dir, out_dir, policy_path, orig_config, trust)
     except BaseException:
         if accelerator.is_main_process:
-            _rmtree(tmp_dir)
+            rmtree(tmp_dir)
         raise
     save_s = time.perf_counter() - t0
 
