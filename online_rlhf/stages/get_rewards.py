@@ -154,6 +154,17 @@ def _reward_summary(values: list[float]) -> RewardSummary:
     return RewardSummary(mean=statistics.fmean(values), std=statistics.pstdev(values), min=min(values), max=max(values))
 
 
+def _leave_together(state) -> None:
+    """Barrier, then tear the process group down on every rank. Without it a rank other than the
+    main one exits while gloo's threads still talk to the others, and that rank can die at exit with
+    SIGABRT ("terminate called without an active exception"), failing a run that scored everything."""
+    import torch.distributed as dist
+
+    state.wait_for_everyone()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _score(cfg: RewardConfig, scorable: list[dict]) -> tuple[ScoreResult, bool, int]:
     """Run the configured source. Returns ``(its result, is_main_process, num_processes)``.
 
@@ -173,6 +184,8 @@ def _score(cfg: RewardConfig, scorable: list[dict]) -> tuple[ScoreResult, bool, 
                           "with several processes.")
     source = importlib.import_module(SOURCES[cfg.source])
     result = source.score(scorable, cfg) if scorable else ScoreResult(rewards=[])
+    if num_processes > 1:
+        _leave_together(state)
     if not isinstance(result, ScoreResult):
         raise TypeError(f"source {cfg.source}: score() returned {type(result).__name__}, not a ScoreResult.")
     if is_main and len(result.rewards) != len(scorable):
