@@ -196,6 +196,28 @@ def test_kl_scores_the_sampled_ids_when_the_records_have_them(tmp_path):
                                   output=str(tmp_path / "kl_bad.jsonl")))
 
 
+def test_kl_log_probs_batched_longest_first_equal_one_sequence_at_a_time(tmp_path):
+    """Sorting by length, padding and scoring only positions after the shortest prompt of a batch
+    give each sequence the same sum as a full forward pass over that sequence alone, in input order."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from online_rlhf.stages.kl_estimate import sequence_log_probs
+    from online_rlhf.testing import make_tiny_policy
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_policy(tmp_path / "tiny", seed=3), dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    rand = lambda n: torch.randint(3, 500, (n,), generator=g).tolist()
+    seqs = [(rand(p), rand(r)) for p, r in [(3, 7), (12, 2), (1, 1), (8, 15), (5, 0), (20, 4), (2, 9)]]
+    got = sequence_log_probs(model, seqs, batch_size=3, pad_id=0)
+    with torch.no_grad():
+        for (p, r), value in zip(seqs, got):
+            logp = torch.log_softmax(model(torch.tensor([p + r])).logits[0, :-1].float(), -1)  # (T-1, V)
+            expect = sum(logp[len(p) - 1 + t, tok].item() for t, tok in enumerate(r))
+            assert value == pytest.approx(expect, abs=1e-4)
+    assert got[4] == 0.0  # an empty response scores nothing
+
+
 def test_kl_response_ids_end_at_the_end_of_turn_only_when_the_response_finished():
     from online_rlhf.stages.kl_estimate import response_token_ids
     from online_rlhf.testing import make_tiny_tokenizer

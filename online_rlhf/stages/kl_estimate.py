@@ -39,6 +39,7 @@ from typing import Any
 from online_rlhf.chat_tokens import ChatTokenError, prompt_response_ids
 from online_rlhf.config import run_main
 from online_rlhf.evaluation import kl_summary
+from online_rlhf.hardware import stage_threads
 from online_rlhf.jsonl import DataError, write_jsonl
 from online_rlhf.paths import resolve_model, setup_cache_env
 from online_rlhf.records import sampled_token_ids
@@ -69,6 +70,10 @@ def sequence_log_probs(model: Any, seqs: list[tuple[list[int], list[int]]], batc
                        ) -> list[float]:
     """Sum of ``log p(response token | prefix)`` over each sequence's response tokens.
 
+    Sequences are batched longest first (less padding), and the LM head runs only from the
+    shortest prompt of a batch on (``logits_to_keep``): prompt positions before it predict no
+    response token. Results come back in the input order.
+
     Args:
         model: a causal LM (``transformers``), in eval mode.
         seqs: ``(prompt ids, response ids)`` per sequence.
@@ -79,12 +84,15 @@ def sequence_log_probs(model: Any, seqs: list[tuple[list[int], list[int]]], batc
     import torch
     from trl.trainer.utils import selective_log_softmax
 
-    out: list[float] = []
+    out: list[float] = [0.0] * len(seqs)
     device = next(model.parameters()).device
-    for start in range(0, len(seqs), batch_size):
-        batch = seqs[start:start + batch_size]
+    order = sorted(range(len(seqs)), key=lambda i: -(len(seqs[i][0]) + len(seqs[i][1])))
+    for start in range(0, len(order), batch_size):
+        idx = order[start:start + batch_size]
+        batch = [seqs[i] for i in idx]
         full = [p + r for p, r in batch]
         width = max(len(f) for f in full)
+        first = max(min(len(p) for p, _ in batch) - 1, 0)  # first position whose logits predict a response token
         ids = torch.full((len(batch), width), pad_id, dtype=torch.long)  # (B, T)
         attn = torch.zeros((len(batch), width), dtype=torch.long)  # (B, T)
         resp = torch.zeros((len(batch), width), dtype=torch.bool)  # (B, T): response positions
@@ -93,10 +101,13 @@ def sequence_log_probs(model: Any, seqs: list[tuple[list[int], list[int]]], batc
             attn[j, :len(f)] = 1
             resp[j, len(p):len(f)] = True
         ids, attn, resp = ids.to(device), attn.to(device), resp.to(device)
+        keep = torch.arange(first, width - 1, device=device)  # logits at positions first..T-2 predict first+1..T-1
         with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()  # (B, T-1, V): predicts t+1
-            logps = selective_log_softmax(logits, ids[:, 1:])  # (B, T-1)
-        out += (logps * resp[:, 1:]).sum(dim=1).tolist()  # (B,)
+            logits = model(input_ids=ids, attention_mask=attn, logits_to_keep=keep).logits.float()  # (B, T-1-first, V)
+            logps = selective_log_softmax(logits, ids[:, first + 1:])  # (B, T-1-first)
+        sums = (logps * resp[:, first + 1:]).sum(dim=1).tolist()  # (B,)
+        for i, v in zip(idx, sums):
+            out[i] = v
     return out
 
 
@@ -110,6 +121,8 @@ def _log_probs_under(path: str, seqs: list[tuple[list[int], list[int]]], cfg: KL
     import torch
     from transformers import AutoModelForCausalLM
 
+    if _device() == "cpu":
+        torch.set_num_threads(stage_threads())  # the stage runs alone: every free core
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cfg.dtype)).eval().to(_device())
     try:
         return sequence_log_probs(model, seqs, cfg.batch_size, pad_id)
