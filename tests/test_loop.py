@@ -30,13 +30,20 @@ def small_cfg(tmp_path):
             "run_name=t", f"policy={policy}", "iterations=2"]
 
 
+def _with(cfg_args: list[str], *overrides: str) -> list[str]:
+    """``cfg_args`` with ``overrides`` replacing the overrides of the same keys (a key may be given
+    once per command line)."""
+    keys = {o.split("=", 1)[0] for o in overrides}
+    return [a for a in cfg_args if a.split("=", 1)[0] not in keys] + list(overrides)
+
+
 def _policy(cfg_args: list[str]) -> str:
     return next(a.split("=", 1)[1] for a in cfg_args if a.startswith("policy="))
 
 
 def test_missing_local_policy_is_refused_at_start(small_cfg, tmp_path):
     with pytest.raises(ConfigError, match=r"policy=.*no_such_ckpt: no such directory"):
-        loop.resolve(None, small_cfg + [f"policy={tmp_path / 'no_such_ckpt'}"])
+        loop.resolve(None, _with(small_cfg, f"policy={tmp_path / 'no_such_ckpt'}"))
 
 
 def test_default_config_resolves():
@@ -457,7 +464,7 @@ def test_dpo_training_typo_fails_at_start(small_cfg):
 @pytest.mark.parametrize("name", ["..", ".", "", "a/b", "/etc"])
 def test_run_name_must_be_one_folder_inside_output_root(small_cfg, name):
     with pytest.raises(ConfigError, match="run_name must be one folder name inside output_root"):
-        loop.resolve(None, small_cfg + [f"run_name={name}"])
+        loop.resolve(None, _with(small_cfg, f"run_name={name}"))
 
 
 def test_one_sample_per_prompt_is_refused_at_start(small_cfg):
