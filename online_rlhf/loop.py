@@ -296,6 +296,8 @@ _PLAN_SET = {
     ("kl_generate", "seed"): "loop key seed + 1000 x iteration + 500",
     ("kl", "reference"): "the starting policy (KL is measured from where the loop started)",
     ("ifeval_generate", "prompts"): "loop key ifeval.prompts",
+    ("grpo", "temperature"): "loop key generation.temperature (the rollouts' sampling temperature)",
+    ("grpo", "max_completion_length"): "loop key generation.max_tokens (the rollouts' max new tokens)",
 }
 
 

@@ -292,7 +292,8 @@ LOOP_OWNED: dict[str, tuple[str, ...]] = {
     "reward": ("input", "output", "num_processes", "launch_profile", *_MACHINES, "dry_run"),
     "pairs": ("input", "output"),
     "dpo": ("policy", "reference", "pairs", "output_dir", "num_processes", "launch_profile", *_MACHINES, "dry_run"),
-    "grpo": ("policy", "reference", "rewards", "output_dir", "num_processes", "launch_profile", *_MACHINES),
+    "grpo": ("policy", "reference", "rewards", "output_dir", "num_processes", "launch_profile", *_MACHINES,
+             "temperature", "max_completion_length"),
 }
 
 

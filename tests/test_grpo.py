@@ -184,10 +184,43 @@ def test_grpo_keys_are_checked_by_the_plan():
         loop.resolve(None, SMALL + ["per_iteration={2: {algorithm: grpo}}"])
 
 
+@pytest.mark.parametrize("override,where,fix", [
+    ("grpo.temperature=0.7", r"grpo\.temperature", "generation.temperature"),
+    ("grpo.max_completion_length=64", r"grpo\.max_completion_length", "generation.max_tokens"),
+    ("per_iteration={2: {grpo: {temperature: 0.7}}}", r"per_iteration\.2\.grpo\.temperature", "generation.temperature"),
+    ("per_iteration={2: {grpo: {max_completion_length: 64}}}", r"per_iteration\.2\.grpo\.max_completion_length",
+     "generation.max_tokens"),
+])
+def test_grpo_sampling_keys_are_set_only_by_the_loop(override, where, fix):
+    """grpo.temperature / max_completion_length come from the generation section; set anywhere
+    else they would silently disagree with how the rollouts were sampled."""
+    with pytest.raises(ConfigError, match=rf"{where}: cannot be set here; the loop sets it from {fix}.*set {fix} instead"):
+        loop.resolve(None, SMALL + ["algorithm=grpo", override])
+
+
+@pytest.mark.parametrize("key,fix", [("temperature", "generation.temperature"),
+                                     ("max_completion_length", "generation.max_tokens")])
+def test_grpo_sampling_keys_in_the_stage_file_are_refused(tmp_path, key, fix):
+    recipe = tmp_path / "grpo.yaml"
+    recipe.write_text(f"beta: 0.0\n{key}: 7\n")
+    with pytest.raises(ConfigError, match=rf"grpo_config={recipe}: {key}: cannot be set in this file; .*set {fix} "
+                                          rf"instead \(and remove {key} from {recipe}\)"):
+        loop.resolve(None, SMALL + ["algorithm=grpo", f"grpo_config={recipe}"])
+
+
+def test_grpo_sampling_keys_follow_the_generation_section():
+    cfg = loop.resolve(None, SMALL + ["algorithm=grpo", "generation.temperature=0.8", "generation.max_tokens=48",
+                                      "per_iteration={2: {generation: {max_tokens: 32}}}"])
+    d1, d2 = (loop.stage_dict(cfg, Path("/r"), i, "grpo") for i in (1, 2))
+    assert (d1["temperature"], d1["max_completion_length"]) == (0.8, 48)
+    assert (d2["temperature"], d2["max_completion_length"]) == (0.8, 32)
+
+
 def test_help_lists_the_grpo_section(capsys):
     assert loop.main(["-h"]) == 0
     out = capsys.readouterr().out
     assert "algorithm (default 'dpo'" in out and "grpo.loss_type" in out and "grpo.policy" not in out
+    assert "grpo.temperature" not in out and "grpo.max_completion_length" not in out  # set by the loop
 
 
 # --- the stage, in one process, on a tiny random policy -----------------------------------------

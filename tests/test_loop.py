@@ -267,6 +267,14 @@ def test_owned_keys_agree_between_the_typed_sections_and_the_key_checks():
         assert set(owned) == {k for k in LOOP_OWNED[name] if k in cls.model_fields}, name
 
 
+def test_loop_owned_keys_in_the_dpo_stage_file_are_refused(small_cfg, tmp_path):
+    recipe = tmp_path / "dpo.yaml"
+    recipe.write_text("training: {beta: 0.1}\npolicy: /some/model\n")
+    with pytest.raises(ConfigError, match=rf"dpo_config={recipe}: policy: cannot be set in this file; set policy= at "
+                                          rf"the top level.*remove policy from {recipe}"):
+        loop.resolve(None, small_cfg + [f"dpo_config={recipe}"])
+
+
 def test_launch_keys_in_a_stage_section_point_to_the_top_level(small_cfg):
     with pytest.raises(ConfigError, match=r"dpo\.num_processes: cannot be set here; set num_processes at the top level"):
         loop.resolve(None, small_cfg + ["dpo.num_processes=2"])
