@@ -97,8 +97,11 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
             d = stage_dict(cfg, Path("/dry-run"), i, stage.name)
             stage_cfg = stage.config.from_dict(d, f"{src}, iteration {i}, stage {stage.name}")
             if stage.name == "generate" and stage_cfg.k < 2:
-                raise ConfigError(f"{src}, iteration {i}: generation.k={stage_cfg.k}, but a chosen/rejected pair needs "
-                                  "at least 2 responses per train prompt; set generation.k >= 2 (4-8 is usual).")
+                need = ("GRPO needs a group of at least 2 responses per train prompt (each response's advantage is "
+                        "its reward against the group's)" if cfg.algorithm == "grpo" else
+                        "a chosen/rejected pair needs at least 2 responses per train prompt")
+                raise ConfigError(f"{src}, iteration {i}: generation.k={stage_cfg.k}, but {need}; set generation.k >= 2 "
+                                  f"({'4-16' if cfg.algorithm == 'grpo' else '4-8'} is usual).")
             if stage.name == "dpo":  # the merged section: also the keys of the dpo_config file
                 check_dpo_training(d["training"], f"{src}, iteration {i}: dpo.training")
                 check_lora(d.get("lora"), f"{src}, iteration {i}: dpo.lora", required=False)
@@ -952,6 +955,27 @@ def report(run_dir: Path) -> Path:
     return run_dir / "report.md"
 
 
+def metrics_line(row: dict) -> str:
+    """The loop's live line after an iteration's ``metrics`` (one row of ``metrics.jsonl``): held-out
+    reward, rollout reward, what the update trained on (DPO: pairs; GRPO: groups used of all, the
+    skipped ones by reason; iteration 0: nothing), then :func:`_quality_summary`."""
+    lo, hi = row["eval_reward_ci95"]
+    parts = [f"iteration {row['iteration']}: held-out reward {row['eval_reward_mean']:.4f} "
+             f"(95% CI {lo:.4f}-{hi:.4f}, n={row['eval_prompts']})"]
+    if row.get("rollout_reward_mean") is not None:
+        parts.append(f"rollout reward {row['rollout_reward_mean']:.4f}")
+    g = row.get("grpo")
+    if g:
+        skipped = g.get("groups_skipped") or {}
+        total = g["groups_used"] + sum(skipped.values())
+        parts.append(f"grpo groups used {g['groups_used']}/{total}"
+                     + (f" (skipped: {', '.join(f'{k} {v}' for k, v in skipped.items())})" if skipped else "")
+                     + f", {g['steps']} steps")
+    elif "pairs" in row:
+        parts.append(f"pairs {row['pairs']}")
+    return ", ".join(parts) + _quality_summary(row)
+
+
 def _quality_summary(row: dict) -> str:
     """The evaluation part of the loop's live ``metrics`` line (empty parts left out)."""
     parts = []
@@ -1137,12 +1161,7 @@ def main(argv: list[str]) -> int:
             mark(Path(args[0]), int(args[1]), args[2], float(args[3]))
         elif cmd == "metrics":
             row = metrics(Path(args[0]), int(args[1]))
-            lo, hi = row["eval_reward_ci95"]
-            rollout = row.get("rollout_reward_mean")
-            print(f"iteration {row['iteration']}: held-out reward {row['eval_reward_mean']:.4f} "
-                  f"(95% CI {lo:.4f}-{hi:.4f}, n={row['eval_prompts']}), "
-                  + ("" if rollout is None else f"rollout reward {rollout:.4f}, ") + f"pairs {row.get('pairs', '-')}"
-                  + _quality_summary(row))
+            print(metrics_line(row))
             for w in row["warnings"]:
                 print(f"WARNING: {w}")
         elif cmd == "report":

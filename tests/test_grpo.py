@@ -216,6 +216,24 @@ def test_grpo_sampling_keys_follow_the_generation_section():
     assert (d2["temperature"], d2["max_completion_length"]) == (0.8, 32)
 
 
+def test_one_sample_per_prompt_is_refused_in_grpo_terms():
+    with pytest.raises(ConfigError) as e:
+        loop.resolve(None, SMALL + ["algorithm=grpo", "generation.k=1"])
+    assert "generation.k=1, but GRPO needs a group of at least 2 responses per train prompt" in str(e.value)
+    assert "pair" not in str(e.value)
+
+
+def test_metrics_line_of_a_grpo_iteration_shows_the_groups_not_pairs():
+    row = {"iteration": 1, "eval_reward_mean": 0.5, "eval_reward_ci95": [0.4, 0.6], "eval_prompts": 4,
+           "rollout_reward_mean": 0.25, "grpo": {"groups_used": 9, "groups_skipped": {"all_equal": 23}, "steps": 6}}
+    line = loop.metrics_line(row)
+    assert "grpo groups used 9/32 (skipped: all_equal 23), 6 steps" in line and "pairs" not in line
+    dpo = {**{k: v for k, v in row.items() if k != "grpo"}, "pairs": 12}
+    assert "rollout reward 0.2500, pairs 12" in loop.metrics_line(dpo)
+    first = {k: v for k, v in dpo.items() if k not in ("pairs", "rollout_reward_mean")}  # iteration 0
+    assert loop.metrics_line(first) == "iteration 1: held-out reward 0.5000 (95% CI 0.4000-0.6000, n=4)"
+
+
 def test_help_lists_the_grpo_section(capsys):
     assert loop.main(["-h"]) == 0
     out = capsys.readouterr().out
