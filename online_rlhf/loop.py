@@ -180,6 +180,7 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
     """Resolve the config, write the run dir's config.yaml, stage configs, plan.json and prompt
     slices; print shell assignments (RUN_DIR, ITERATIONS, ...) for run_loop.sh to ``eval``."""
     cfg = resolve(config_path, overrides)
+    _check_ifeval_prompts(cfg)
     run_dir = Path(cfg.output_root) / cfg.run_name
     run_dir = run_dir.resolve()
     train_sets: dict[str, list[dict]] = {}  # prompt source -> rows (a source may change per iteration)
@@ -233,6 +234,29 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
     for k, v in shell.items():
         print(f"{k}={shlex.quote(str(v))}")
     return run_dir
+
+
+def _check_ifeval_prompts(cfg: LoopConfig) -> None:
+    """When the run has IFEval stages (``ifeval.when`` other than ``never``), their prompt file must
+    exist before the first stage (else ``ifeval_generate`` fails after the training of the run).
+    A Hub dataset id (``owner/name``, not a local path) is left to the stage.
+
+    Raises:
+        ConfigError: a missing local file, naming ``ifeval.prompts``, the path and the fixes.
+    """
+    if cfg.ifeval.when == "never":
+        return
+    from .paths import default_data_dir
+
+    given = cfg.ifeval.prompts
+    path = default_data_dir() / "ifeval.jsonl" if given == "default" else Path(given)
+    local = (given == "default" or path.suffix in (".jsonl", ".json", ".parquet", ".csv") or path.is_absolute()
+             or given.startswith(".") or given.count("/") != 1)
+    if local and not path.exists():
+        raise ConfigError(f"ifeval.prompts={given}: no such file ({path}); ifeval.when={cfg.ifeval.when} runs IFEval on "
+                          "it. Prepare the default with `.venv-train/bin/python scripts/prepare_default.py` (writes "
+                          f"{default_data_dir() / 'ifeval.jsonl'}), point ifeval.prompts at a JSONL file of IFEval "
+                          "prompts (prompt, instruction_id_list, kwargs), or set ifeval.when=never.")
 
 
 class _Layers:

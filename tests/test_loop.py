@@ -175,6 +175,15 @@ def test_plan_writes_configs_and_fresh_prompt_slices(small_cfg, capsys):
     assert list(read_json(run_dir / "iter_0" / "plan.json")) == ["eval_generate", "eval_rewards", *ifeval]
 
 
+def test_a_missing_ifeval_prompt_file_is_refused_by_the_plan(small_cfg, tmp_path):
+    missing = tmp_path / "no_ifeval.jsonl"
+    with pytest.raises(ConfigError, match=rf"ifeval\.prompts={missing}: no such file .*scripts/prepare_default\.py"
+                                          r".*point ifeval\.prompts at a JSONL file.*ifeval\.when=never"):
+        loop.plan(None, small_cfg + [f"ifeval.prompts={missing}"])
+    assert not (tmp_path / "runs" / "t" / "config.yaml").exists()  # refused before anything is written
+    loop.plan(None, small_cfg + [f"ifeval.prompts={missing}", "ifeval.when=never"])  # no IFEval: not needed
+
+
 def test_done_marker_goes_stale_when_config_or_input_changes(small_cfg):
     run_dir = loop.plan(None, small_cfg)
     it = run_dir / "iter_1"
