@@ -218,6 +218,7 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
             rows = _write_prompt_slice(it / "prompts.jsonl", train_sets[src], c, i)
             warnings += _overlap_warnings(rows, i, eval_ids, seen_train)
         write_json(it / "plan.json", entries)
+    warnings += _other_algorithm_warnings(cfg)
     shell = {"RUN_DIR": str(run_dir), "ITERATIONS": cfg.iterations, "LAUNCH_PROFILE": cfg.launch_profile,
              "DRY_RUN": int(cfg.dry_run)}
     for w in warnings:
@@ -234,6 +235,30 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
     for k, v in shell.items():
         print(f"{k}={shlex.quote(str(v))}")
     return run_dir
+
+
+def _other_algorithm_warnings(cfg: LoopConfig) -> list[str]:
+    """One warning naming every key set for the algorithm that does not run (``grpo`` keys under
+    ``algorithm=dpo``, ``dpo`` keys under ``algorithm=grpo``; top level and ``per_iteration``): not
+    an error, since switching algorithms is one key, but the keys change nothing."""
+    other = "grpo" if cfg.algorithm == "dpo" else "dpo"
+    keys = _flat_keys(getattr(cfg, other).model_dump(exclude_unset=True), other)
+    for i, over in sorted(cfg.per_iteration.items()):
+        if isinstance(over.get(other), dict):
+            keys += _flat_keys(over[other], f"per_iteration.{i}.{other}")
+    if not keys:
+        return []
+    return [f"algorithm={cfg.algorithm}: {', '.join(keys)} {'is' if len(keys) == 1 else 'are'} ignored (the {other} "
+            f"section applies under algorithm={other}); remove {'it' if len(keys) == 1 else 'them'} or set "
+            f"algorithm={other}."]
+
+
+def _flat_keys(d: dict, prefix: str) -> list[str]:
+    """``{"training": {"beta": 1}}`` -> ``["<prefix>.training.beta"]``."""
+    out = []
+    for k, v in d.items():
+        out += _flat_keys(v, f"{prefix}.{k}") if isinstance(v, dict) and v else [f"{prefix}.{k}"]
+    return out
 
 
 def _check_ifeval_prompts(cfg: LoopConfig) -> None:

@@ -216,6 +216,29 @@ def test_grpo_sampling_keys_follow_the_generation_section():
     assert (d2["temperature"], d2["max_completion_length"]) == (0.8, 32)
 
 
+def _plan_args(tmp_path: Path) -> list[str]:
+    prompts = tmp_path / "prompts.jsonl"
+    write_jsonl(prompts, [{"id": f"p{j}", "prompt": f"q{j}"} for j in range(6)])
+    (tmp_path / "pol").mkdir(exist_ok=True)
+    return [f"train_prompts={prompts}", f"eval_prompts={prompts}", f"output_root={tmp_path / 'runs'}", "run_name=r",
+            f"policy={tmp_path / 'pol'}", "ifeval.when=never", *SMALL]
+
+
+def test_keys_of_the_algorithm_that_does_not_run_are_named_once(tmp_path, capsys):
+    args = _plan_args(tmp_path)
+    capsys.readouterr()
+    run = loop.plan(None, args + ["grpo.beta=0.04", "per_iteration={2: {grpo: {learning_rate: 1.0e-6}}}"])
+    err = capsys.readouterr().err
+    expected = ("algorithm=dpo: grpo.beta, per_iteration.2.grpo.learning_rate are ignored (the grpo section applies "
+                "under algorithm=grpo)")
+    assert err.count(expected) == 1 and expected in read_json(run / "plan_warnings.json")[-1]
+    loop.plan(None, args + ["algorithm=grpo", "dpo.training.beta=0.2"])
+    assert "algorithm=grpo: dpo.training.beta is ignored (the dpo section applies under algorithm=dpo)" in \
+        capsys.readouterr().err
+    loop.plan(None, args + ["algorithm=grpo", "grpo.beta=0.04"])
+    assert "ignored" not in capsys.readouterr().err
+
+
 def test_one_sample_per_prompt_is_refused_in_grpo_terms():
     with pytest.raises(ConfigError) as e:
         loop.resolve(None, SMALL + ["algorithm=grpo", "generation.k=1"])
