@@ -102,6 +102,8 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
                         "a chosen/rejected pair needs at least 2 responses per train prompt")
                 raise ConfigError(f"{src}, iteration {i}: generation.k={stage_cfg.k}, but {need}; set generation.k >= 2 "
                                   f"({'4-16' if cfg.algorithm == 'grpo' else '4-8'} is usual).")
+            if stage.name == "grpo":
+                _check_grpo_length(cfg, i, d, f"{src}, iteration {i}")
             if stage.name == "dpo":  # the merged section: also the keys of the dpo_config file
                 check_dpo_training(d["training"], f"{src}, iteration {i}: dpo.training")
                 check_lora(d.get("lora"), f"{src}, iteration {i}: dpo.lora", required=False)
@@ -137,6 +139,29 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
               f"{cfg.generation_shards}..{cfg.num_machines - 1} run no generation shard (one shard per device of "
               "every machine is usual).", file=sys.stderr)
     return cfg
+
+
+def _check_grpo_length(cfg: LoopConfig, i: int, d: dict, where: str) -> None:
+    """``grpo.max_length`` (prompt + completion tokens) must leave room for a prompt beside a
+    completion of ``generation.max_tokens`` (the stage's ``max_completion_length``); the longest
+    prompt is not tokenized here (the stage counts and warns about what it cuts or drops).
+
+    Raises:
+        ConfigError: ``max_length <= generation.max_tokens``, naming both keys and where max_length was set.
+    """
+    L, T = d.get("max_length"), d["max_completion_length"]
+    if L is None or L > T:
+        return
+    if "max_length" in ((cfg.per_iteration.get(i) or {}).get("grpo") or {}):
+        origin = f"per_iteration.{i}.grpo.max_length"
+    elif "max_length" in cfg.grpo.model_dump(exclude_unset=True):
+        origin = "the grpo section"
+    else:
+        origin = f"grpo_config={iteration_config(cfg, i).grpo_config}"
+    raise ConfigError(f"{where}: grpo.max_length={L} ({origin}) is not above generation.max_tokens={T}: a completion "
+                      "of max_tokens would leave no room for its prompt, so every group is dropped or cut. Set "
+                      f"grpo.max_length above the longest prompt + generation.max_tokens (e.g. {T + 512}), lower "
+                      "generation.max_tokens, or set grpo.max_length=null (no cap).")
 
 
 def _dpo_batch(d: dict) -> tuple[int | None, int]:

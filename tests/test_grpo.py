@@ -239,6 +239,19 @@ def test_keys_of_the_algorithm_that_does_not_run_are_named_once(tmp_path, capsys
     assert "ignored" not in capsys.readouterr().err
 
 
+def test_grpo_max_length_must_leave_room_for_a_prompt():
+    with pytest.raises(ConfigError, match=r"iteration 1: grpo\.max_length=512 \(grpo_config=configs/grpo\.yaml\) is not "
+                                          r"above generation\.max_tokens=512.*grpo\.max_length=null"):
+        loop.resolve("configs/loop.yaml", ["algorithm=grpo", "generation.max_tokens=512"])
+    with pytest.raises(ConfigError, match=r"iteration 2: grpo\.max_length=100 \(per_iteration\.2\.grpo\.max_length\) is not above "
+                                          r"generation\.max_tokens=160"):
+        loop.resolve("configs/loop.yaml", ["algorithm=grpo", "per_iteration={2: {grpo: {max_length: 100}}}"])
+    with pytest.raises(ConfigError, match=r"grpo\.max_length=64 \(the grpo section\)"):
+        loop.resolve("configs/loop.yaml", ["algorithm=grpo", "grpo.max_length=64"])
+    loop.resolve("configs/loop.yaml", ["algorithm=grpo", "generation.max_tokens=512", "grpo.max_length=null"])
+    loop.resolve("configs/loop.yaml", ["generation.max_tokens=512"])  # algorithm=dpo: no grpo stage
+
+
 def test_one_sample_per_prompt_is_refused_in_grpo_terms():
     with pytest.raises(ConfigError) as e:
         loop.resolve(None, SMALL + ["algorithm=grpo", "generation.k=1"])
@@ -318,7 +331,8 @@ def test_stage_saves_the_policy_unchanged_when_no_group_has_signal(tmp_path, pol
     write_jsonl(tmp_path / "rewards.jsonl", [_record(i, ["a", "b"], [0.0, 0.0]) for i in range(3)])
     stats = run_grpo.main(_cfg(tmp_path, policy, tmp_path / "rewards.jsonl"))
     assert stats.steps == 0 and stats.groups_skipped == {"all_equal": 3}
-    assert "carries a signal" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "WARNING: grpo: none of the 3 groups" in out and "saved unchanged" in out and "generation.k" in out
     from safetensors.torch import load_file
 
     a, b = load_file(tmp_path / "model" / "model.safetensors"), load_file(Path(policy) / "model.safetensors")
@@ -353,6 +367,31 @@ def test_completions_are_the_sampled_ids_when_the_records_have_them(tmp_path):
     write_jsonl(tmp_path / "bad.jsonl", rows)
     with pytest.raises(DataError, match=r"bad\.jsonl:1: .*response_token_ids"):
         run_grpo.load_groups(str(tmp_path / "bad.jsonl"))
+
+
+def test_warnings_name_the_reason_a_group_or_tokens_were_left_out(tmp_path):
+    """Prompts that fill max_length are not a lack of signal: the advice is max_length, not K; and
+    completions cut by max_length are counted and warned about."""
+    from online_rlhf.testing import make_tiny_tokenizer
+
+    rows = [_record(i, ["yes", "no"], [1.0, 0.0]) for i in range(2)]
+    for r in rows:
+        r.update(prompt_token_ids=[5, 6, 7, 8], response_token_ids=[[9, 10, 11, 2], [12, 2]])
+    write_jsonl(tmp_path / "rewards.jsonl", rows)
+    groups, _ = run_grpo.load_groups(str(tmp_path / "rewards.jsonl"))
+    adv, usable = run_grpo.group_advantages(torch.tensor([g["rewards"] for g in groups]))
+    tok = make_tiny_tokenizer()
+    comps, info = run_grpo.build_completions(groups, adv, usable, tok, max_length=4, mask_truncated=False)
+    assert comps == [] and info["skipped"] == {"prompt_too_long": 2}
+    (w,) = run_grpo.data_warnings(info, 2, len(comps), 4, "r.jsonl")
+    assert "none of the 2 groups of r.jsonl is used" in w and "Raise grpo.max_length (now 4)" in w
+    assert "generation.k" not in w and "signal" not in w
+    comps, info = run_grpo.build_completions(groups, adv, usable, tok, max_length=6, mask_truncated=False)
+    assert len(comps) == 4 and info["cut"] == 2 and info["longest"] == 8
+    (w,) = run_grpo.data_warnings(info, 2, len(comps), 6, "r.jsonl")
+    assert "2 of 4 completions cut to max_length=6 tokens" in w and "at least 8" in w
+    comps, info = run_grpo.build_completions(groups, adv, usable, tok, max_length=None, mask_truncated=False)
+    assert run_grpo.data_warnings(info, 2, len(comps), None, "r.jsonl") == []
 
 
 def test_a_bad_rewards_record_names_file_and_line(tmp_path, policy):

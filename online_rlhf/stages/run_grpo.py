@@ -155,7 +155,7 @@ def build_completions(groups: list[dict], advantages, usable, tokenizer, max_len
         ``cut`` (completions shortened by max_length), ``reward_mean`` of the used groups).
     """
     out, skipped, examples, masked = [], Counter(), {}, Counter()
-    cut, used_rewards = 0, []
+    cut, used_rewards, longest = 0, [], 0
 
     def skip(reason: str, g: dict, why: str = "") -> None:
         skipped[reason] += 1
@@ -194,15 +194,56 @@ def build_completions(groups: list[dict], advantages, usable, tokenizer, max_len
                     text_ids = tokenizer.encode(g["responses"][k], add_special_tokens=False)
                     if ids[:len(text_ids)] == text_ids:
                         ids = text_ids  # no end-of-turn after a response that was cut off
+            longest = max(longest, len(prompt_ids) + len(ids))
             if max_length is not None and len(prompt_ids) + len(ids) > max_length:
                 ids, cut = ids[:max_length - len(prompt_ids)], cut + 1
             if ids:
                 out.append({"prompt_ids": prompt_ids, "completion_ids": ids, "advantage": float(advantages[gi, k]),
                             "group": gi})
     info = {"skipped": dict(skipped), "examples": examples, "masked": {k: v for k, v in masked.items() if v},
-            "cut": cut, "reward_mean": sum(used_rewards) / len(used_rewards) if used_rewards else None,
+            "cut": cut, "longest": longest,
+            "reward_mean": sum(used_rewards) / len(used_rewards) if used_rewards else None,
             "groups_used": len({c["group"] for c in out})}
     return out, info
+
+
+# What to change when groups are skipped, per reason (the stage's keys named as the loop's).
+_SKIP_ADVICE = {
+    "all_equal": "more samples (generation.k) or prompts, or a higher generation.temperature, give groups whose "
+                 "rewards differ",
+    "fewer_than_2_scored": "the reward source left most responses unscored (null): see rewards.jsonl.stats.json",
+    "prompt_too_long": "raise grpo.max_length (now {max_length}) above the longest prompt + generation.max_tokens, "
+                       "or shorten the prompts",
+    "special_text_not_tokenizable": "the texts hold chat-template markers that cannot be tokenized as text: save the "
+                                    "sampled token ids (generation.save_token_ids, on by default for grpo)",
+}
+
+
+def data_warnings(info: dict, groups_in: int, completions: int, max_length: int | None, rewards: str) -> list[str]:
+    """The stage's warnings about what it could not train on, each with the advice that fits its reason.
+
+    Args:
+        info: :func:`build_completions`'s info (``skipped``, ``cut``, ``longest``, ``groups_used``).
+        groups_in: groups read; completions: completions used; max_length: the stage's ``max_length``;
+        rewards: the rewards file, for the message.
+    Returns:
+        one line per problem: no group used (the policy is saved unchanged), groups dropped because
+        the prompt fills ``max_length``, completions cut by ``max_length``.
+    """
+    out = []
+    skipped = info["skipped"]
+    advice = "; ".join(_SKIP_ADVICE.get(r, r).format(max_length=max_length) for r in skipped)
+    if not completions:
+        out.append(f"grpo: none of the {groups_in} groups of {rewards} is used (skipped: {skipped or 'none'}); the "
+                   f"policy is saved unchanged. {advice[:1].upper() + advice[1:]}.")
+    elif skipped.get("prompt_too_long"):
+        out.append(f"grpo: {skipped['prompt_too_long']} of {groups_in} groups dropped: the prompt alone fills "
+                   f"max_length={max_length} tokens; {_SKIP_ADVICE['prompt_too_long'].format(max_length=max_length)}.")
+    if info.get("cut"):
+        out.append(f"grpo: {info['cut']} of {completions} completions cut to max_length={max_length} tokens (prompt + "
+                   f"completion; the longest is {info.get('longest')}): their last tokens are not trained on. Raise "
+                   f"grpo.max_length to at least {info.get('longest')}, or lower generation.max_tokens.")
+    return out
 
 
 # ------------------------------------------------------------------------------ loss
@@ -543,10 +584,9 @@ def main(cfg: GRPOStageConfig) -> GRPOStats:
     t0 = time.perf_counter()
     history = train(cfg, accelerator, model, optimizer, completions, old, ref, pad_id) if completions else []
     train_s = time.perf_counter() - t0
-    if not completions and accelerator.is_main_process:
-        print(f"WARNING: grpo: none of the {len(groups)} groups of {cfg.rewards} carries a signal "
-              f"(skipped: {info['skipped']}); the policy is saved unchanged. More samples (generation.k) or "
-              "prompts, or a higher temperature, give groups with different rewards.")
+    if accelerator.is_main_process:
+        for w in data_warnings(info, len(groups), len(completions), cfg.max_length, cfg.rewards):
+            print(f"WARNING: {w}")
 
     # 7. save
     t0 = time.perf_counter()
