@@ -90,6 +90,7 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
                            also_known=set(SFTStageConfig.model_fields))
     # Dry validation: build every stage config of every iteration without touching models.
     dpo_dicts: dict[int, dict] = {}  # iteration -> resolved DPO stage dict (batch split checked below)
+    grpo_dicts: dict[int, dict] = {}  # iteration -> resolved GRPO stage dict
     for i in range(0, cfg.iterations + 1):
         for stage in STAGES.values():
             if not stage.runs_in(cfg, i) or stage.name == "sft":
@@ -104,6 +105,7 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
                                   f"({'4-16' if cfg.algorithm == 'grpo' else '4-8'} is usual).")
             if stage.name == "grpo":
                 _check_grpo_length(cfg, i, d, f"{src}, iteration {i}")
+                grpo_dicts[i] = d
             if stage.name == "dpo":  # the merged section: also the keys of the dpo_config file
                 check_dpo_training(d["training"], f"{src}, iteration {i}: dpo.training")
                 check_lora(d.get("lora"), f"{src}, iteration {i}: dpo.lora", required=False)
@@ -131,9 +133,9 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
         if 1 in dpo_dicts and dpo_dicts[1].get("training", {}).get("max_length") is None:
             raise ConfigError(f"{src}: dry_run=true needs dpo.training.max_length (the dummy pairs are that long); "
                               "set it, e.g. dpo.training.max_length=1024.")
-    if cfg.dry_run and cfg.algorithm == "grpo":
-        raise ConfigError(f"{src}: dry_run=true measures the DPO stage; with algorithm=grpo it is not supported yet. "
-                          "Run one short iteration instead (iterations=1 prompts_per_iteration=8).")
+        if 1 in grpo_dicts and grpo_dicts[1].get("max_length") is None:
+            raise ConfigError(f"{src}: dry_run=true needs grpo.max_length (the dummy prompt + completion is that "
+                              "long); set it, e.g. grpo.max_length=1024.")
     if cfg.num_machines > 1 and cfg.generation_shards < cfg.num_machines:
         print(f"WARNING: generation_shards={cfg.generation_shards} < num_machines={cfg.num_machines}: machines "
               f"{cfg.generation_shards}..{cfg.num_machines - 1} run no generation shard (one shard per device of "
@@ -671,12 +673,12 @@ def mark(run_dir: Path, i: int, stage: str, seconds: float) -> None:
 
 # The stages the loop's dry run checks, in order: (iteration, stage). SFT runs before iteration 1;
 # the other model stages are the same in every iteration (held-out generation has k=1: lighter).
-DRY_RUN_STAGES = ((0, "sft"), (1, "generate"), (1, "rewards"), (1, "dpo"))
+DRY_RUN_STAGES = ((0, "sft"), (1, "generate"), (1, "rewards"), (1, "dpo"), (1, "grpo"))
 
 
 def dry_run(run_dir: Path) -> int:
     """The loop's dry run (``bash run_loop.sh ... dry_run=true``, after the plan): run each stage of
-    :data:`DRY_RUN_STAGES` that the plan holds once with ``dry_run=true`` (``loop exec RUN_DIR I STAGE
+    :data:`DRY_RUN_STAGES` that the plan holds (``dpo`` or ``grpo``, as ``algorithm`` says) once with ``dry_run=true`` (``loop exec RUN_DIR I STAGE
     dry_run=true``, the stage's own command; log ``iter_<i>/logs/<stage>.dry_run.log``), read what
     each measured (:class:`~online_rlhf.stats.DryRunStats`) and print the table and advice of
     :func:`online_rlhf.dry_run.report`; also written to ``<run>/dry_run.json``.
@@ -707,9 +709,9 @@ def dry_run(run_dir: Path) -> int:
             rows.append(Row(stage, i, note=f"source={d.get('source')} loads no model"))
             continue
         extra, note = ["dry_run=true"], ""
-        if sft_base is not None and stage in ("generate", "dpo"):  # the SFT model is not trained yet
+        if sft_base is not None and stage in ("generate", "dpo", "grpo"):  # the SFT model is not trained yet
             extra += [f"model={sft_base}"] if stage == "generate" else [f"policy={sft_base}"]
-            if stage == "dpo" and d.get("reference"):
+            if stage in ("dpo", "grpo") and d.get("reference"):
                 extra.append(f"reference={sft_base}")
             note = "measured on the SFT base model"
         out = dry_run_path(e["outputs"][0])

@@ -59,7 +59,7 @@ SECTIONS: dict[str, tuple[type[BaseModel], dict[str, str]]] = {
     "reward": (RewardConfig, {**_IO_OWNED, **_LAUNCH, "dry_run": _DRY}),
     "pairs": (PairsConfig, _IO_OWNED),
     "dpo": (DPOStageConfig, _DPO_OWNED),
-    "grpo": (GRPOStageConfig, {**{k: v for k, v in _DPO_OWNED.items() if k not in ("pairs", "dry_run")}, "rewards": _FILES,
+    "grpo": (GRPOStageConfig, {**{k: v for k, v in _DPO_OWNED.items() if k != "pairs"}, "rewards": _FILES,
                                **_GRPO_SAMPLED}),
 }
 _SFT_LOOP_KEYS = {"enabled", "config"}

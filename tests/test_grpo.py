@@ -394,6 +394,37 @@ def test_warnings_name_the_reason_a_group_or_tokens_were_left_out(tmp_path):
     assert run_grpo.data_warnings(info, 2, len(comps), None, "r.jsonl") == []
 
 
+def test_dry_run_is_one_optimizer_step_at_max_length_and_writes_nothing_else(tmp_path, policy):
+    from online_rlhf.dry_run import advice, dry_run_path
+    from online_rlhf.stats import DryRunStats
+
+    cfg = _cfg(tmp_path, policy, tmp_path / "no_rewards.jsonl", dry_run=True, max_length=24, max_completion_length=16,
+               per_device_train_batch_size=2, gradient_accumulation_steps=2, beta=0.04)
+    result = run_grpo.main(cfg)  # the rewards file does not exist: it is not read
+    assert isinstance(result, DryRunStats) and result.status == "ok" and result.stage == "grpo"
+    assert DryRunStats.read(dry_run_path(tmp_path / "model")) == result
+    assert result.shapes == {"completions_per_process": 4, "micro_batch_completions": 2, "sequence_tokens": 24,
+                             "prompt_tokens": 8, "completion_tokens": 16}
+    assert result.peak_memory_gib > 0 and result.seconds_per_step > 0
+    assert "1 optimizer step: 2 micro-batch(es) x 2 completions x 24 tokens" in result.step
+    assert not (tmp_path / "model").exists() and not stats_path(tmp_path / "model").exists()
+    tips = " ".join(advice("grpo", result.settings, "cpu"))
+    assert "grpo.per_device_train_batch_size (now 2)" in tips and "grpo.max_length (now 24)" in tips
+    assert "grpo.beta (now 0.04)" in tips
+    with pytest.raises(ConfigError, match="dry_run needs max_length"):
+        run_grpo.main(_cfg(tmp_path, policy, tmp_path / "no_rewards.jsonl", dry_run=True))
+
+
+def test_loop_dry_run_plans_the_grpo_stage(tmp_path):
+    args = _plan_args(tmp_path) + ["algorithm=grpo"]
+    with pytest.raises(ConfigError, match=r"dry_run=true needs grpo\.max_length"):
+        loop.resolve(None, args + ["dry_run=true", "grpo.max_length=null"])
+    run = loop.plan(None, args + ["dry_run=true", "grpo.max_length=512"])
+    assert (1, "grpo") in loop.DRY_RUN_STAGES and "grpo" in read_json(run / "iter_1" / "plan.json")
+    with pytest.raises(ConfigError, match=r"grpo\.dry_run: cannot be set here; set dry_run=true at the top level"):
+        loop.resolve(None, args + ["grpo.dry_run=true"])
+
+
 def test_a_bad_rewards_record_names_file_and_line(tmp_path, policy):
     write_jsonl(tmp_path / "rewards.jsonl", [_record(0, ["a", "b"], [1.0, 0.0]), {"id": "x", "prompt": []}])
     with pytest.raises(Exception, match=r"rewards\.jsonl:2"):

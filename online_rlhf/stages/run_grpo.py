@@ -505,8 +505,37 @@ def _accelerator(cfg: GRPOStageConfig):
     return acc
 
 
+def load_policy(cfg: GRPOStageConfig, policy_path: str, on_gpu: bool, with_reference: bool):
+    """The policy to train (in the stage's dtype, gradient checkpointing as set) and, when
+    ``with_reference`` and ``beta > 0`` and ``reference`` is another checkpoint, the reference model.
+
+    Returns:
+        ``(model, its config as loaded (a dict, for the save), ref_model | None, ref_path | None (None: the
+        policy is the reference), stored dtype, dtype)``.
+    """
+    from online_rlhf.stages.run_dpo import _load_causal_lm, stored_dtype
+
+    pol_stored = stored_dtype(policy_path)
+    dtype = cfg.torch_dtype if cfg.torch_dtype != "auto" else ("float32" if not on_gpu else pol_stored or "float32")
+    model = _load_causal_lm(policy_path, dtype, cfg.attn_implementation, False)
+    orig_config = model.config.to_dict()
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    ref_path = resolve_model(cfg.reference) if cfg.reference is not None else None
+    if ref_path is not None and Path(ref_path).exists() and Path(policy_path).exists() and \
+            Path(ref_path).resolve() == Path(policy_path).resolve():
+        ref_path = None  # the same checkpoint: its log-probs are the old log-probs
+    ref_model = None
+    if cfg.beta != 0.0 and ref_path is not None and with_reference:
+        ref_model = _load_causal_lm(ref_path, dtype, cfg.attn_implementation, False)
+    return model, orig_config, ref_model, ref_path, pol_stored, dtype
+
+
 def main(cfg: GRPOStageConfig) -> GRPOStats:
     """Run the GRPO stage; return its stats (also written to ``<output_dir>.stats.json`` by rank 0).
+
+    With ``cfg.dry_run``: one optimizer step on dummy max-length completions instead, returning
+    :class:`~online_rlhf.stats.DryRunStats` (``<output_dir>.dry_run.json``; ``online_rlhf.stages.dry_runs.grpo``).
 
     When every group is skipped (e.g. all rewards equal), the policy is saved unchanged with
     ``steps=0`` and a warning: the loop goes on to the next iteration.
@@ -521,13 +550,15 @@ def main(cfg: GRPOStageConfig) -> GRPOStats:
     import torch
     from transformers import AutoTokenizer
 
-    from online_rlhf.stages.run_dpo import _load_causal_lm, stored_dtype
-
     check_process_count(cfg.num_processes, "grpo")
     on_gpu = torch.cuda.is_available()
     if not on_gpu:  # a stage alone on the machine: every usable core, split between the ranks
         torch.set_num_threads(stage_threads(processes_here(_world_size())))
     torch.manual_seed(cfg.seed)
+    if cfg.dry_run:  # one optimizer step on dummy max-length completions (stages/dry_runs.py); nothing read or saved
+        from online_rlhf.stages import dry_runs
+
+        return dry_runs.grpo(cfg, on_gpu, t_start)
     out_dir = Path(cfg.output_dir).resolve()
     tmp_dir = Path(f"{out_dir}.tmp")
     eps_hi = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
@@ -553,19 +584,10 @@ def main(cfg: GRPOStageConfig) -> GRPOStats:
     # 4. models
     accelerator = _accelerator(cfg)
     t0 = time.perf_counter()
-    pol_stored = stored_dtype(policy_path)
-    dtype = cfg.torch_dtype if cfg.torch_dtype != "auto" else ("float32" if not on_gpu else pol_stored or "float32")
-    model = _load_causal_lm(policy_path, dtype, cfg.attn_implementation, trust)
-    orig_config = model.config.to_dict()
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    ref_path = resolve_model(cfg.reference) if cfg.reference is not None else None
-    if ref_path is not None and Path(ref_path).exists() and Path(policy_path).exists() and \
-            Path(ref_path).resolve() == Path(policy_path).resolve():
-        ref_path = None  # the same checkpoint: its log-probs are the old log-probs
-    ref_model = None
-    if cfg.beta != 0.0 and ref_path is not None and completions:
-        ref_model = _load_causal_lm(ref_path, dtype, cfg.attn_implementation, trust).to(accelerator.device)
+    model, orig_config, ref_model, ref_path, pol_stored, dtype = load_policy(cfg, policy_path, on_gpu,
+                                                                             with_reference=bool(completions))
+    if ref_model is not None:
+        ref_model = ref_model.to(accelerator.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)
     load_s = time.perf_counter() - t0
