@@ -38,7 +38,7 @@ import yaml
 
 from .config import ConfigError, apply_overrides, load_yaml
 from .jsonl import DataError, read_json, read_jsonl, write_json, write_jsonl, atomic_open
-from .paths import PROJECT_ROOT, resolve_model, setup_cache_env
+from .paths import PROJECT_ROOT, default_model_dir, resolve_model, setup_cache_env
 from .rundir import fingerprint, is_done, mark_done
 from .stage_configs import GenerateConfig, LoopConfig, SFTStageConfig
 from .stage_table import (STAGES, Stage, iteration_config, launch_command, prompt_source, stage_file, stage_machines,
@@ -215,10 +215,11 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
     eval_ids = _eval_ids(cfg, run_dir)
     seen_train: dict[str, int] = {}  # train prompt id -> first iteration that used it
     layers = _Layers(config_path, [o for o in overrides if o.split("=", 1)[0] != "dry_run"])
+    tokenizers: dict[str, Any] = {}  # policy dir -> tokenizer (None: none here), for the GRPO length check
     for i in range(0, cfg.iterations + 1):
         it = run_dir / f"iter_{i}"
         c = iteration_config(cfg, i)
-        entries = {}
+        entries, grpo_values = {}, {}
         for stage in STAGES.values():
             if not stage.runs_in(cfg, i):
                 continue
@@ -236,6 +237,8 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
             inputs, outputs = stage.io(d)
             entries[stage.name] = {"env": stage.env, "config": str(path), "command": command,
                                    "inputs": inputs, "outputs": outputs}
+            if stage.name == "grpo":
+                grpo_values = d
         if i >= 1:
             src = prompt_source(c.train_prompts, "train")
             if src not in train_sets:
@@ -244,6 +247,8 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
                 train_sets[src] = load_prompts(src, prompt_field=c.prompt_field)
             rows = _write_prompt_slice(it / "prompts.jsonl", train_sets[src], c, i)
             warnings += _overlap_warnings(rows, i, eval_ids, seen_train)
+            if grpo_values:
+                warnings += _grpo_prompt_length_warnings(c, i, rows, grpo_values, tokenizers)
         write_json(it / "plan.json", entries)
     warnings += _other_algorithm_warnings(cfg)
     shell = {"RUN_DIR": str(run_dir), "ITERATIONS": cfg.iterations, "LAUNCH_PROFILE": cfg.launch_profile,
@@ -262,6 +267,49 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
     for k, v in shell.items():
         print(f"{k}={shlex.quote(str(v))}")
     return run_dir
+
+
+def _grpo_prompt_length_warnings(c: LoopConfig, i: int, rows: list[dict], d: dict, tokenizers: dict) -> list[str]:
+    """Iteration ``i``'s GRPO length check against its train prompts: the longest prompt (the starting
+    policy's chat template, as the generation stage renders it) + ``generation.max_tokens`` against
+    ``grpo.max_length``. Only where it is cheap: the starting policy's tokenizer is in a local folder
+    (a Hub id or a model not made yet, e.g. the SFT model, is not checked here; the stage counts and
+    warns about what it drops or cuts).
+
+    Returns:
+        one warning when a prompt would be dropped (it fills max_length) or a full-length completion cut.
+    """
+    L, T = d.get("max_length"), d["max_completion_length"]
+    if L is None:
+        return []
+    path = str(default_model_dir()) if c.policy == "default" else c.policy  # the SFT model keeps its base's tokenizer
+    if path not in tokenizers:
+        tokenizers[path] = None
+        if (Path(path) / "tokenizer_config.json").is_file():
+            from transformers import AutoTokenizer
+
+            tokenizers[path] = AutoTokenizer.from_pretrained(path)
+    tok = tokenizers[path]
+    if tok is None or tok.chat_template is None:
+        return []
+    from .chat_tokens import ChatTokenError, chat_token_ids
+
+    lengths = []
+    for r in rows:
+        try:
+            lengths.append((len(chat_token_ids(tok, r["prompt"], add_generation_prompt=True)), r["id"]))
+        except ChatTokenError:
+            continue  # the generation stage skips and counts it
+    if not lengths:
+        return []
+    longest, rid = max(lengths)
+    if longest + T <= L:
+        return []
+    over = sum(n >= L for n, _ in lengths)
+    return [f"iteration {i}: the longest train prompt ({rid!r}) is {longest} tokens; with generation.max_tokens={T} "
+            f"a completion can reach {longest + T} > grpo.max_length={L} tokens, so long completions lose their tail"
+            + (f" and {over} prompt(s) that fill max_length drop their group" if over else "")
+            + f". Set grpo.max_length >= {longest + T} (or null), or lower generation.max_tokens."]
 
 
 def _other_algorithm_warnings(cfg: LoopConfig) -> list[str]:

@@ -252,6 +252,21 @@ def test_grpo_max_length_must_leave_room_for_a_prompt():
     loop.resolve("configs/loop.yaml", ["generation.max_tokens=512"])  # algorithm=dpo: no grpo stage
 
 
+def test_plan_warns_when_the_longest_prompt_and_max_tokens_exceed_max_length(tmp_path, policy, capsys):
+    prompts = tmp_path / "long.jsonl"
+    write_jsonl(prompts, [{"id": "short", "prompt": "hi"}, {"id": "long", "prompt": " ".join(["word"] * 40)}])
+    args = [f"train_prompts={prompts}", f"eval_prompts={prompts}", f"output_root={tmp_path / 'runs'}", "run_name=r",
+            f"policy={policy}", "ifeval.when=never", "iterations=1", "num_processes=1", "algorithm=grpo",
+            "generation.max_tokens=16"]
+    run = loop.plan(None, args + ["grpo.max_length=40"])
+    (w,) = [w for w in read_json(run / "plan_warnings.json") if "grpo.max_length" in w]
+    assert w.startswith("iteration 1: the longest train prompt ('long') is ") and "> grpo.max_length=40" in w
+    assert "1 prompt(s) that fill max_length drop their group" in w and "generation.max_tokens" in w
+    assert "WARNING: iteration 1: the longest train prompt" in capsys.readouterr().err
+    run = loop.plan(None, args + ["grpo.max_length=1000"])
+    assert not [w for w in read_json(run / "plan_warnings.json") if "grpo.max_length" in w]
+
+
 def test_one_sample_per_prompt_is_refused_in_grpo_terms():
     with pytest.raises(ConfigError) as e:
         loop.resolve(None, SMALL + ["algorithm=grpo", "generation.k=1"])
