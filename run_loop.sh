@@ -9,7 +9,7 @@
 #   Rerunning the same command resumes at the first stage whose .done marker is missing or stale.
 #   --fresh (or fresh=true) empties the run directory first (only one this loop made).
 #   dry_run=true plans, then runs SFT (if enabled) and iteration 1's generate / rewards (reward
-#   model) / dpo once each at their largest shapes, prints peak memory vs available and what to
+#   model) / dpo (or grpo) once each at their largest shapes, prints peak memory vs available and what to
 #   lower, and exits (1 when a stage would not fit) without training or marking anything done.
 #   Every config key, with its default: .venv-train/bin/python -m online_rlhf.loop -h
 #   Each stage runs as its resolved config runs/<name>/iter_<i>/configs/<stage>.yaml says (the

@@ -64,10 +64,22 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
-    """Return a copy of ``data`` with each ``key=value`` override set (dotted keys create nesting)."""
+    """Return a copy of ``data`` with each ``key=value`` override set (dotted keys create nesting).
+
+    Raises:
+        ConfigError: an override that is not ``key=value``; a key given twice (naming the key and
+            both values: the later one would silently win); a dotted key inside a value that is not
+            a mapping.
+    """
     out = _deepcopy(data)
+    seen: dict[str, str] = {}  # dotted key -> the override that set it
     for item in overrides:
         path, value = parse_override(item)
+        dotted = ".".join(path)
+        if dotted in seen:
+            raise ConfigError(f"{dotted} is given twice on the command line: {seen[dotted]!r} and {item!r} (the later "
+                              "would silently win); give each key once.")
+        seen[dotted] = item
         node = out
         for part in path[:-1]:
             nxt = node.get(part)
@@ -143,11 +155,20 @@ def format_validation_error(err: ValidationError, cls: type[BaseModel], source: 
                 model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else model
             known = sorted(model.model_fields)
             lines.append(f"  - unknown key {key!r}.{did_you_mean(e['loc'][-1], known)} Known keys: {', '.join(known)}.")
+        elif e["type"] == "value_error" and isinstance(e.get("input"), dict):
+            # a check across keys (a model validator): its message names the keys and values itself;
+            # the input is the whole mapping, not one offending value
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"  - {msg}." if not e["loc"] else f"  - {key}: {msg}.")
         else:
-            got = e.get("input")
-            got_s = repr(got) if not isinstance(got, (dict, list)) or len(repr(got)) < 80 else type(got).__name__
-            lines.append(f"  - {key}: {e['msg']} (got {got_s}).")
+            lines.append(f"  - {key}: {e['msg']} (got {_short_repr(e.get('input'))}).")
     return "\n".join(lines)
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters with ``...`` (a long mapping still shows its first keys)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 class StageConfig(BaseModel):

@@ -30,7 +30,7 @@ MARGIN = 0.10  # a peak within this share of the limit is "tight"
 GIB = float(1 << 30)
 
 # The loop section each stage's keys live in (the advice names loop keys).
-LOOP_SECTION = {"dpo": "dpo", "generate": "generation", "rewards": "reward", "sft": "sft"}
+LOOP_SECTION = {"dpo": "dpo", "grpo": "grpo", "generate": "generation", "rewards": "reward", "sft": "sft"}
 
 
 def dry_run_path(primary_output: str | os.PathLike) -> Path:
@@ -74,7 +74,7 @@ def advice(stage: str, settings: dict, device: str, prefix: Optional[str] = None
     """The settings to lower (or raise) when ``stage`` does not fit, most effective first.
 
     Args:
-        stage: ``dpo`` | ``generate`` | ``rewards`` | ``sft``.
+        stage: ``dpo`` | ``grpo`` | ``generate`` | ``rewards`` | ``sft``.
         settings: the stage's memory-relevant values (:attr:`DryRunStats.settings`).
         device: ``cpu`` or ``cuda``.
         prefix: how the keys are named; default: the loop's section (``dpo.``, ``generation.``, ...).
@@ -96,6 +96,18 @@ def advice(stage: str, settings: dict, device: str, prefix: Optional[str] = None
             out.append(f"{p}training.gradient_checkpointing=true: recompute activations in the backward pass")
         if not s.get("lora"):
             out.append(f"{p}lora: train LoRA adapters instead of every weight (no full-size optimizer state)")
+        if device == "cuda" and s.get("launch_profile") != "zero3":
+            out.append(f"launch_profile=zero3 (now {s.get('launch_profile')}): shard weights, gradients and optimizer "
+                       "state over the GPUs")
+        return out
+    if stage == "grpo":
+        out = [f"{v('per_device_train_batch_size')}: the completions on a device per forward pass; raise "
+               f"{p}gradient_accumulation_steps (now {s.get('gradient_accumulation_steps')}) to keep the optimizer step",
+               f"{v('max_length')}: tokens of prompt + completion (the completion is generation.max_tokens)"]
+        if not s.get("gradient_checkpointing"):
+            out.append(f"{p}gradient_checkpointing=true: recompute activations in the backward pass")
+        if s.get("beta"):
+            out.append(f"{v('beta')}: 0 drops the KL term, and the reference model with it")
         if device == "cuda" and s.get("launch_profile") != "zero3":
             out.append(f"launch_profile=zero3 (now {s.get('launch_profile')}): shard weights, gradients and optimizer "
                        "state over the GPUs")

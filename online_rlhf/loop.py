@@ -38,7 +38,7 @@ import yaml
 
 from .config import ConfigError, apply_overrides, load_yaml
 from .jsonl import DataError, read_json, read_jsonl, write_json, write_jsonl, atomic_open
-from .paths import PROJECT_ROOT, resolve_model, setup_cache_env
+from .paths import PROJECT_ROOT, default_model_dir, resolve_model, setup_cache_env
 from .rundir import fingerprint, is_done, mark_done
 from .stage_configs import GenerateConfig, LoopConfig, SFTStageConfig
 from .stage_table import (STAGES, Stage, iteration_config, launch_command, prompt_source, stage_file, stage_machines,
@@ -90,6 +90,7 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
                            also_known=set(SFTStageConfig.model_fields))
     # Dry validation: build every stage config of every iteration without touching models.
     dpo_dicts: dict[int, dict] = {}  # iteration -> resolved DPO stage dict (batch split checked below)
+    grpo_dicts: dict[int, dict] = {}  # iteration -> resolved GRPO stage dict
     for i in range(0, cfg.iterations + 1):
         for stage in STAGES.values():
             if not stage.runs_in(cfg, i) or stage.name == "sft":
@@ -97,8 +98,14 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
             d = stage_dict(cfg, Path("/dry-run"), i, stage.name)
             stage_cfg = stage.config.from_dict(d, f"{src}, iteration {i}, stage {stage.name}")
             if stage.name == "generate" and stage_cfg.k < 2:
-                raise ConfigError(f"{src}, iteration {i}: generation.k={stage_cfg.k}, but a chosen/rejected pair needs "
-                                  "at least 2 responses per train prompt; set generation.k >= 2 (4-8 is usual).")
+                need = ("GRPO needs a group of at least 2 responses per train prompt (each response's advantage is "
+                        "its reward against the group's)" if cfg.algorithm == "grpo" else
+                        "a chosen/rejected pair needs at least 2 responses per train prompt")
+                raise ConfigError(f"{src}, iteration {i}: generation.k={stage_cfg.k}, but {need}; set generation.k >= 2 "
+                                  f"({'4-16' if cfg.algorithm == 'grpo' else '4-8'} is usual).")
+            if stage.name == "grpo":
+                _check_grpo_length(cfg, i, d, f"{src}, iteration {i}")
+                grpo_dicts[i] = d
             if stage.name == "dpo":  # the merged section: also the keys of the dpo_config file
                 check_dpo_training(d["training"], f"{src}, iteration {i}: dpo.training")
                 check_lora(d.get("lora"), f"{src}, iteration {i}: dpo.lora", required=False)
@@ -126,14 +133,37 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
         if 1 in dpo_dicts and dpo_dicts[1].get("training", {}).get("max_length") is None:
             raise ConfigError(f"{src}: dry_run=true needs dpo.training.max_length (the dummy pairs are that long); "
                               "set it, e.g. dpo.training.max_length=1024.")
-    if cfg.dry_run and cfg.algorithm == "grpo":
-        raise ConfigError(f"{src}: dry_run=true measures the DPO stage; with algorithm=grpo it is not supported yet. "
-                          "Run one short iteration instead (iterations=1 prompts_per_iteration=8).")
+        if 1 in grpo_dicts and grpo_dicts[1].get("max_length") is None:
+            raise ConfigError(f"{src}: dry_run=true needs grpo.max_length (the dummy prompt + completion is that "
+                              "long); set it, e.g. grpo.max_length=1024.")
     if cfg.num_machines > 1 and cfg.generation_shards < cfg.num_machines:
         print(f"WARNING: generation_shards={cfg.generation_shards} < num_machines={cfg.num_machines}: machines "
               f"{cfg.generation_shards}..{cfg.num_machines - 1} run no generation shard (one shard per device of "
               "every machine is usual).", file=sys.stderr)
     return cfg
+
+
+def _check_grpo_length(cfg: LoopConfig, i: int, d: dict, where: str) -> None:
+    """``grpo.max_length`` (prompt + completion tokens) must leave room for a prompt beside a
+    completion of ``generation.max_tokens`` (the stage's ``max_completion_length``); the longest
+    prompt is not tokenized here (the stage counts and warns about what it cuts or drops).
+
+    Raises:
+        ConfigError: ``max_length <= generation.max_tokens``, naming both keys and where max_length was set.
+    """
+    L, T = d.get("max_length"), d["max_completion_length"]
+    if L is None or L > T:
+        return
+    if "max_length" in ((cfg.per_iteration.get(i) or {}).get("grpo") or {}):
+        origin = f"per_iteration.{i}.grpo.max_length"
+    elif "max_length" in cfg.grpo.model_dump(exclude_unset=True):
+        origin = "the grpo section"
+    else:
+        origin = f"grpo_config={iteration_config(cfg, i).grpo_config}"
+    raise ConfigError(f"{where}: grpo.max_length={L} ({origin}) is not above generation.max_tokens={T}: a completion "
+                      "of max_tokens would leave no room for its prompt, so every group is dropped or cut. Set "
+                      f"grpo.max_length above the longest prompt + generation.max_tokens (e.g. {T + 512}), lower "
+                      "generation.max_tokens, or set grpo.max_length=null (no cap).")
 
 
 def _dpo_batch(d: dict) -> tuple[int | None, int]:
@@ -177,6 +207,7 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
     """Resolve the config, write the run dir's config.yaml, stage configs, plan.json and prompt
     slices; print shell assignments (RUN_DIR, ITERATIONS, ...) for run_loop.sh to ``eval``."""
     cfg = resolve(config_path, overrides)
+    _check_ifeval_prompts(cfg)
     run_dir = Path(cfg.output_root) / cfg.run_name
     run_dir = run_dir.resolve()
     train_sets: dict[str, list[dict]] = {}  # prompt source -> rows (a source may change per iteration)
@@ -184,10 +215,11 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
     eval_ids = _eval_ids(cfg, run_dir)
     seen_train: dict[str, int] = {}  # train prompt id -> first iteration that used it
     layers = _Layers(config_path, [o for o in overrides if o.split("=", 1)[0] != "dry_run"])
+    tokenizers: dict[str, Any] = {}  # policy dir -> tokenizer (None: none here), for the GRPO length check
     for i in range(0, cfg.iterations + 1):
         it = run_dir / f"iter_{i}"
         c = iteration_config(cfg, i)
-        entries = {}
+        entries, grpo_values = {}, {}
         for stage in STAGES.values():
             if not stage.runs_in(cfg, i):
                 continue
@@ -205,6 +237,8 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
             inputs, outputs = stage.io(d)
             entries[stage.name] = {"env": stage.env, "config": str(path), "command": command,
                                    "inputs": inputs, "outputs": outputs}
+            if stage.name == "grpo":
+                grpo_values = d
         if i >= 1:
             src = prompt_source(c.train_prompts, "train")
             if src not in train_sets:
@@ -213,7 +247,10 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
                 train_sets[src] = load_prompts(src, prompt_field=c.prompt_field)
             rows = _write_prompt_slice(it / "prompts.jsonl", train_sets[src], c, i)
             warnings += _overlap_warnings(rows, i, eval_ids, seen_train)
+            if grpo_values:
+                warnings += _grpo_prompt_length_warnings(c, i, rows, grpo_values, tokenizers)
         write_json(it / "plan.json", entries)
+    warnings += _other_algorithm_warnings(cfg)
     shell = {"RUN_DIR": str(run_dir), "ITERATIONS": cfg.iterations, "LAUNCH_PROFILE": cfg.launch_profile,
              "DRY_RUN": int(cfg.dry_run)}
     for w in warnings:
@@ -230,6 +267,96 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
     for k, v in shell.items():
         print(f"{k}={shlex.quote(str(v))}")
     return run_dir
+
+
+def _grpo_prompt_length_warnings(c: LoopConfig, i: int, rows: list[dict], d: dict, tokenizers: dict) -> list[str]:
+    """Iteration ``i``'s GRPO length check against its train prompts: the longest prompt (the starting
+    policy's chat template, as the generation stage renders it) + ``generation.max_tokens`` against
+    ``grpo.max_length``. Only where it is cheap: the starting policy's tokenizer is in a local folder
+    (a Hub id or a model not made yet, e.g. the SFT model, is not checked here; the stage counts and
+    warns about what it drops or cuts).
+
+    Returns:
+        one warning when a prompt would be dropped (it fills max_length) or a full-length completion cut.
+    """
+    L, T = d.get("max_length"), d["max_completion_length"]
+    if L is None:
+        return []
+    path = str(default_model_dir()) if c.policy == "default" else c.policy  # the SFT model keeps its base's tokenizer
+    if path not in tokenizers:
+        tokenizers[path] = None
+        if (Path(path) / "tokenizer_config.json").is_file():
+            from transformers import AutoTokenizer
+
+            tokenizers[path] = AutoTokenizer.from_pretrained(path)
+    tok = tokenizers[path]
+    if tok is None or tok.chat_template is None:
+        return []
+    from .chat_tokens import ChatTokenError, chat_token_ids
+
+    lengths = []
+    for r in rows:
+        try:
+            lengths.append((len(chat_token_ids(tok, r["prompt"], add_generation_prompt=True)), r["id"]))
+        except ChatTokenError:
+            continue  # the generation stage skips and counts it
+    if not lengths:
+        return []
+    longest, rid = max(lengths)
+    if longest + T <= L:
+        return []
+    over = sum(n >= L for n, _ in lengths)
+    return [f"iteration {i}: the longest train prompt ({rid!r}) is {longest} tokens; with generation.max_tokens={T} "
+            f"a completion can reach {longest + T} > grpo.max_length={L} tokens, so long completions lose their tail"
+            + (f" and {over} prompt(s) that fill max_length drop their group" if over else "")
+            + f". Set grpo.max_length >= {longest + T} (or null), or lower generation.max_tokens."]
+
+
+def _other_algorithm_warnings(cfg: LoopConfig) -> list[str]:
+    """One warning naming every key set for the algorithm that does not run (``grpo`` keys under
+    ``algorithm=dpo``, ``dpo`` keys under ``algorithm=grpo``; top level and ``per_iteration``): not
+    an error, since switching algorithms is one key, but the keys change nothing."""
+    other = "grpo" if cfg.algorithm == "dpo" else "dpo"
+    keys = _flat_keys(getattr(cfg, other).model_dump(exclude_unset=True), other)
+    for i, over in sorted(cfg.per_iteration.items()):
+        if isinstance(over.get(other), dict):
+            keys += _flat_keys(over[other], f"per_iteration.{i}.{other}")
+    if not keys:
+        return []
+    return [f"algorithm={cfg.algorithm}: {', '.join(keys)} {'is' if len(keys) == 1 else 'are'} ignored (the {other} "
+            f"section applies under algorithm={other}); remove {'it' if len(keys) == 1 else 'them'} or set "
+            f"algorithm={other}."]
+
+
+def _flat_keys(d: dict, prefix: str) -> list[str]:
+    """``{"training": {"beta": 1}}`` -> ``["<prefix>.training.beta"]``."""
+    out = []
+    for k, v in d.items():
+        out += _flat_keys(v, f"{prefix}.{k}") if isinstance(v, dict) and v else [f"{prefix}.{k}"]
+    return out
+
+
+def _check_ifeval_prompts(cfg: LoopConfig) -> None:
+    """When the run has IFEval stages (``ifeval.when`` other than ``never``), their prompt file must
+    exist before the first stage (else ``ifeval_generate`` fails after the training of the run).
+    A Hub dataset id (``owner/name``, not a local path) is left to the stage.
+
+    Raises:
+        ConfigError: a missing local file, naming ``ifeval.prompts``, the path and the fixes.
+    """
+    if cfg.ifeval.when == "never":
+        return
+    from .paths import default_data_dir
+
+    given = cfg.ifeval.prompts
+    path = default_data_dir() / "ifeval.jsonl" if given == "default" else Path(given)
+    local = (given == "default" or path.suffix in (".jsonl", ".json", ".parquet", ".csv") or path.is_absolute()
+             or given.startswith(".") or given.count("/") != 1)
+    if local and not path.exists():
+        raise ConfigError(f"ifeval.prompts={given}: no such file ({path}); ifeval.when={cfg.ifeval.when} runs IFEval on "
+                          "it. Prepare the default with `.venv-train/bin/python scripts/prepare_default.py` (writes "
+                          f"{default_data_dir() / 'ifeval.jsonl'}), point ifeval.prompts at a JSONL file of IFEval "
+                          "prompts (prompt, instruction_id_list, kwargs), or set ifeval.when=never.")
 
 
 class _Layers:
@@ -296,6 +423,8 @@ _PLAN_SET = {
     ("kl_generate", "seed"): "loop key seed + 1000 x iteration + 500",
     ("kl", "reference"): "the starting policy (KL is measured from where the loop started)",
     ("ifeval_generate", "prompts"): "loop key ifeval.prompts",
+    ("grpo", "temperature"): "loop key generation.temperature (the rollouts' sampling temperature)",
+    ("grpo", "max_completion_length"): "loop key generation.max_tokens (the rollouts' max new tokens)",
 }
 
 
@@ -592,12 +721,12 @@ def mark(run_dir: Path, i: int, stage: str, seconds: float) -> None:
 
 # The stages the loop's dry run checks, in order: (iteration, stage). SFT runs before iteration 1;
 # the other model stages are the same in every iteration (held-out generation has k=1: lighter).
-DRY_RUN_STAGES = ((0, "sft"), (1, "generate"), (1, "rewards"), (1, "dpo"))
+DRY_RUN_STAGES = ((0, "sft"), (1, "generate"), (1, "rewards"), (1, "dpo"), (1, "grpo"))
 
 
 def dry_run(run_dir: Path) -> int:
     """The loop's dry run (``bash run_loop.sh ... dry_run=true``, after the plan): run each stage of
-    :data:`DRY_RUN_STAGES` that the plan holds once with ``dry_run=true`` (``loop exec RUN_DIR I STAGE
+    :data:`DRY_RUN_STAGES` that the plan holds (``dpo`` or ``grpo``, as ``algorithm`` says) once with ``dry_run=true`` (``loop exec RUN_DIR I STAGE
     dry_run=true``, the stage's own command; log ``iter_<i>/logs/<stage>.dry_run.log``), read what
     each measured (:class:`~online_rlhf.stats.DryRunStats`) and print the table and advice of
     :func:`online_rlhf.dry_run.report`; also written to ``<run>/dry_run.json``.
@@ -628,9 +757,9 @@ def dry_run(run_dir: Path) -> int:
             rows.append(Row(stage, i, note=f"source={d.get('source')} loads no model"))
             continue
         extra, note = ["dry_run=true"], ""
-        if sft_base is not None and stage in ("generate", "dpo"):  # the SFT model is not trained yet
+        if sft_base is not None and stage in ("generate", "dpo", "grpo"):  # the SFT model is not trained yet
             extra += [f"model={sft_base}"] if stage == "generate" else [f"policy={sft_base}"]
-            if stage == "dpo" and d.get("reference"):
+            if stage in ("dpo", "grpo") and d.get("reference"):
                 extra.append(f"reference={sft_base}")
             note = "measured on the SFT base model"
         out = dry_run_path(e["outputs"][0])
@@ -950,6 +1079,27 @@ def report(run_dir: Path) -> Path:
     return run_dir / "report.md"
 
 
+def metrics_line(row: dict) -> str:
+    """The loop's live line after an iteration's ``metrics`` (one row of ``metrics.jsonl``): held-out
+    reward, rollout reward, what the update trained on (DPO: pairs; GRPO: groups used of all, the
+    skipped ones by reason; iteration 0: nothing), then :func:`_quality_summary`."""
+    lo, hi = row["eval_reward_ci95"]
+    parts = [f"iteration {row['iteration']}: held-out reward {row['eval_reward_mean']:.4f} "
+             f"(95% CI {lo:.4f}-{hi:.4f}, n={row['eval_prompts']})"]
+    if row.get("rollout_reward_mean") is not None:
+        parts.append(f"rollout reward {row['rollout_reward_mean']:.4f}")
+    g = row.get("grpo")
+    if g:
+        skipped = g.get("groups_skipped") or {}
+        total = g["groups_used"] + sum(skipped.values())
+        parts.append(f"grpo groups used {g['groups_used']}/{total}"
+                     + (f" (skipped: {', '.join(f'{k} {v}' for k, v in skipped.items())})" if skipped else "")
+                     + f", {g['steps']} steps")
+    elif "pairs" in row:
+        parts.append(f"pairs {row['pairs']}")
+    return ", ".join(parts) + _quality_summary(row)
+
+
 def _quality_summary(row: dict) -> str:
     """The evaluation part of the loop's live ``metrics`` line (empty parts left out)."""
     parts = []
@@ -1135,12 +1285,7 @@ def main(argv: list[str]) -> int:
             mark(Path(args[0]), int(args[1]), args[2], float(args[3]))
         elif cmd == "metrics":
             row = metrics(Path(args[0]), int(args[1]))
-            lo, hi = row["eval_reward_ci95"]
-            rollout = row.get("rollout_reward_mean")
-            print(f"iteration {row['iteration']}: held-out reward {row['eval_reward_mean']:.4f} "
-                  f"(95% CI {lo:.4f}-{hi:.4f}, n={row['eval_prompts']}), "
-                  + ("" if rollout is None else f"rollout reward {rollout:.4f}, ") + f"pairs {row.get('pairs', '-')}"
-                  + _quality_summary(row))
+            print(metrics_line(row))
             for w in row["warnings"]:
                 print(f"WARNING: {w}")
         elif cmd == "report":

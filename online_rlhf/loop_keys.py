@@ -43,6 +43,14 @@ _LAUNCH = {"num_processes": "set num_processes at the top level (the loop writes
 _DPO_OWNED = {"policy": "set policy= at the top level (later iterations train the previous model)",
               "reference": "set ref_model: initial | previous at the top level",
               "pairs": _FILES, "output_dir": _FILES, **_LAUNCH, "dry_run": _DRY}
+# GRPO keys that describe how the rollouts were sampled: the loop copies them from the generation
+# section, so that the log-probs are those of the distribution the tokens were drawn from.
+_GRPO_SAMPLED = {
+    "temperature": "the loop sets it from generation.temperature (the rollouts' sampling temperature): "
+                   "set generation.temperature instead",
+    "max_completion_length": "the loop sets it from generation.max_tokens (the rollouts' max new tokens): "
+                             "set generation.max_tokens instead",
+}
 # loop section -> (stage config class it feeds, keys the loop sets itself -> what to set instead);
 # the keys are those of online_rlhf.stage_configs.LOOP_OWNED (checked by tests/test_loop.py)
 SECTIONS: dict[str, tuple[type[BaseModel], dict[str, str]]] = {
@@ -51,8 +59,8 @@ SECTIONS: dict[str, tuple[type[BaseModel], dict[str, str]]] = {
     "reward": (RewardConfig, {**_IO_OWNED, **_LAUNCH, "dry_run": _DRY}),
     "pairs": (PairsConfig, _IO_OWNED),
     "dpo": (DPOStageConfig, _DPO_OWNED),
-    "grpo": (GRPOStageConfig, {**{k: v for k, v in _DPO_OWNED.items() if k not in ("pairs", "dry_run")},
-                               "rewards": _FILES}),
+    "grpo": (GRPOStageConfig, {**{k: v for k, v in _DPO_OWNED.items() if k != "pairs"}, "rewards": _FILES,
+                               **_GRPO_SAMPLED}),
 }
 _SFT_LOOP_KEYS = {"enabled", "config"}
 _SFT_OWNED = {"base_model": "set policy= at the top level", "output_dir": "the loop writes it to <run>/sft/model",

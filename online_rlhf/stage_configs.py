@@ -226,6 +226,7 @@ class GRPOStageConfig(StageConfig):
     num_machines: int = Field(1, ge=1, description=_MACHINES_DOC)
     main_process_ip: Optional[str] = Field(None, description=_IP_DOC)
     main_process_port: Optional[int] = Field(None, ge=1, le=65535, description=_PORT_DOC)
+    dry_run: bool = Field(False, description="memory check instead of training: load policy (and reference when beta > 0) as usual, compute the old log-probs and run one optimizer step (forward + backward of every micro-batch + AdamW step) on per_device_train_batch_size x gradient_accumulation_steps x processes dummy completions whose prompt + completion is exactly max_length tokens (completion: max_completion_length), and write only <output_dir>.dry_run.json (peak memory, seconds per step); the rewards file is not read, output_dir is not touched")
 
     @model_validator(mode="after")
     def _check_grpo(self):
@@ -292,7 +293,8 @@ LOOP_OWNED: dict[str, tuple[str, ...]] = {
     "reward": ("input", "output", "num_processes", "launch_profile", *_MACHINES, "dry_run"),
     "pairs": ("input", "output"),
     "dpo": ("policy", "reference", "pairs", "output_dir", "num_processes", "launch_profile", *_MACHINES, "dry_run"),
-    "grpo": ("policy", "reference", "rewards", "output_dir", "num_processes", "launch_profile", *_MACHINES),
+    "grpo": ("policy", "reference", "rewards", "output_dir", "num_processes", "launch_profile", *_MACHINES,
+             "temperature", "max_completion_length", "dry_run"),
 }
 
 
@@ -364,7 +366,7 @@ class LoopConfig(StageConfig):
     kl_samples: int = Field(1, ge=0, description="responses SAMPLED (temperature 1, as `evaluation` otherwise) per held-out prompt for the KL(policy || starting policy) estimate of iterations >= 1 (stages kl_generate, kl); 0: no KL estimate")
     kl_warn: Optional[float] = Field(5.0, ge=0, description="warn (loop metrics line, report.md) when an iteration's estimated KL(policy || starting policy) exceeds this many nats; null: never")
     wandb: bool = Field(False, description="log the loop's metrics to wandb (offline unless WANDB_MODE is set)")
-    dry_run: bool = Field(False, description="memory check instead of the run: plan as usual, then run SFT (when enabled) and iteration 1's generate, rewards (source=reward_model) and dpo stages once each in dry mode (one step at the largest shapes), print peak memory vs available per stage and what to lower; writes no checkpoint and marks no stage done. Exit 1 when a stage would not fit")
+    dry_run: bool = Field(False, description="memory check instead of the run: plan as usual, then run SFT (when enabled) and iteration 1's generate, rewards (source=reward_model) and dpo (or grpo) stages once each in dry mode (one step at the largest shapes), print peak memory vs available per stage and what to lower; writes no checkpoint and marks no stage done. Exit 1 when a stage would not fit")
 
     @field_validator("num_processes")
     @classmethod

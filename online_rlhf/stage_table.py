@@ -78,6 +78,27 @@ def stage_file(path: str | None, key: str = "dpo_config") -> dict:
     return load_yaml(p)
 
 
+def section_file(path: str | None, key: str, section: str) -> dict:
+    """The stage YAML a loop section is layered on (``dpo_config``, ``grpo_config``), refusing the
+    keys the loop sets itself for that section (``online_rlhf.loop_keys.SECTIONS``): the loop would
+    silently replace them (or, for the GRPO keys it copies from the generation section, the file
+    would silently replace the loop's).
+
+    Raises:
+        ConfigError: no such file; or a loop-owned key in it, naming the file, the key and what to
+            set instead.
+    """
+    from .loop_keys import SECTIONS
+
+    data = stage_file(path, key)
+    owned = SECTIONS[section][1]
+    bad = [k for k in data if k in owned]
+    if bad:
+        raise ConfigError(f"{key}={path}: " + " ".join(f"{k}: cannot be set in this file; {owned[k]} (and remove "
+                                                       f"{k} from {path})." for k in bad))
+    return data
+
+
 def prompt_source(name: str, split: str) -> str:
     """``default`` -> the prepared IFBench split file; anything else as given."""
     if name == "default":
@@ -205,7 +226,7 @@ def _pairs(c: LoopConfig, run_dir: Path, i: int) -> dict:
 
 def _dpo(c: LoopConfig, run_dir: Path, i: int) -> dict:
     own = section(c, "dpo")
-    dpo = deep_merge(stage_file(c.dpo_config), own)
+    dpo = deep_merge(section_file(c.dpo_config, "dpo_config", "dpo"), own)
     # the loop's seed beats the stage file's; the loop's own dpo.training beats both
     training = {**dpo.pop("training", {}), "seed": c.seed, **own.get("training", {})}
     ref = starting_policy(c, run_dir) if c.ref_model == "initial" else None
@@ -219,9 +240,10 @@ def _grpo(c: LoopConfig, run_dir: Path, i: int) -> dict:
     gen = GenerateConfig.model_fields
     sampled = {k: section(c, "generation").get(k, gen[k].default) for k in ("max_tokens", "temperature")}
     ref = starting_policy(c, run_dir) if c.ref_model == "initial" else None
-    # the rollouts' max_tokens and temperature, then the stage file, the loop's seed, the loop's own grpo keys
-    return {"max_completion_length": sampled["max_tokens"], "temperature": sampled["temperature"] or 1.0,
-            **stage_file(c.grpo_config, "grpo_config"), "seed": c.seed, **own,
+    # the stage file, the loop's seed, the loop's own grpo keys; then the rollouts' max_tokens and
+    # temperature, which only the generation section sets (the file and the section refuse them)
+    return {**section_file(c.grpo_config, "grpo_config", "grpo"), "seed": c.seed, **own,
+            "max_completion_length": sampled["max_tokens"], "temperature": sampled["temperature"] or 1.0,
             "policy": policy_of(c, run_dir, i), "reference": ref, "rewards": str(run_dir / f"iter_{i}" / "rewards.jsonl"),
             "output_dir": str(run_dir / f"iter_{i}" / "model"), "num_processes": _processes(c),
             "launch_profile": c.launch_profile, **_machines(c)}

@@ -498,7 +498,7 @@ class DryRunStats(StageStats):
     """
 
     WRITTEN_BY: ClassVar[str] = "a stage run with dry_run=true (online_rlhf.stages.dry_runs)"
-    stage: Literal["dpo", "sft", "generate", "rewards"]
+    stage: Literal["dpo", "grpo", "sft", "generate", "rewards"]
     status: Literal["ok", "out_of_memory"]
     error: Optional[str]  # the out-of-memory message, when status says so
     device: Literal["cpu", "cuda"]

@@ -85,3 +85,31 @@ def test_exponent_floats_without_a_dot_are_floats(tmp_path):
     p.write_text("training:\n  learning_rate: 2e-5\n")
     from online_rlhf.config import load_yaml
     assert load_yaml(p) == {"training": {"learning_rate": 2e-5}}
+
+
+def test_a_key_given_twice_on_the_command_line_is_refused():
+    with pytest.raises(ConfigError, match=r"k is given twice on the command line: 'k=2' and 'k=3'"):
+        GenerateConfig.from_cli(["prompts=p", "output=o", "k=2", "k=3"])
+    with pytest.raises(ConfigError, match=r"dpo\.training\.beta is given twice.*'dpo\.training\.beta=0\.1' and "
+                                          r"'dpo\.training\.beta=0\.2'"):
+        apply_overrides({}, ["dpo.training.beta=0.1", "dpo.training.beta=0.2"])
+    # a file value and one override of it, or two different keys of one section, are fine
+    assert apply_overrides({"k": 1}, ["k=2", "kk=3"]) == {"k": 2, "kk": 3}
+    assert apply_overrides({}, ["a.b=1", "a.c=2"]) == {"a": {"b": 1, "c": 2}}
+
+
+def test_a_check_across_keys_names_the_keys_not_the_whole_mapping():
+    with pytest.raises(ConfigError) as e:
+        LoopConfig.from_dict({"num_machines": 2, "machine_rank": 2, "main_process_ip": "host0"}, "loop.yaml")
+    msg = str(e.value)
+    assert "machine_rank=2 must be < num_machines=2" in msg
+    assert "got dict" not in msg and "<root>" not in msg and "Value error" not in msg
+
+
+def test_a_long_wrong_value_is_shown_not_just_its_type():
+    big = "{" + ", ".join(f"key{j}: {j}" for j in range(20)) + "}"
+    with pytest.raises(ConfigError) as e:
+        GenerateConfig.from_cli(["prompts=p", "output=o", f"k={big}"])
+    msg = str(e.value)
+    assert "k: Input should be a valid integer (got {'key0': 0, 'key1': 1" in msg and "got dict" not in msg
+    assert "...)" in msg  # cut, not the whole mapping

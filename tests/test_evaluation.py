@@ -218,6 +218,25 @@ def test_kl_log_probs_batched_longest_first_equal_one_sequence_at_a_time(tmp_pat
     assert got[4] == 0.0  # an empty response scores nothing
 
 
+def test_kl_counts_length_mismatches_only_for_re_tokenized_responses(tmp_path):
+    """``retokenized_length_differs`` is about text re-tokenized here; a record with the sampled ids
+    is scored on those ids, whatever its ``response_tokens`` says."""
+    from online_rlhf.stage_configs import KLConfig
+    from online_rlhf.stages import kl_estimate
+    from online_rlhf.testing import make_tiny_policy
+
+    policy = make_tiny_policy(tmp_path / "tiny", seed=1)
+    with_ids = {"id": "s", "prompt": [{"role": "user", "content": "question"}], "responses": ["x", "y"],
+                "finish_reasons": ["stop", "length"], "response_tokens": [7, 9],  # not the id counts (3, 2)
+                "prompt_token_ids": [5, 6, 7, 8], "response_token_ids": [[9, 10, 11], [12, 13]]}
+    from_text = {"id": "t", "prompt": [{"role": "user", "content": "question"}], "responses": ["some words here"],
+                 "finish_reasons": ["stop"], "response_tokens": [1000]}  # cannot be its re-tokenized length
+    write_jsonl(tmp_path / "in.jsonl", [with_ids, from_text])
+    st = kl_estimate.main(KLConfig(input=str(tmp_path / "in.jsonl"), policy=str(policy), reference=str(policy),
+                                   output=str(tmp_path / "kl.jsonl")))
+    assert (st.samples, st.retokenized, st.retokenized_length_differs) == (3, 1, 1)
+
+
 def test_kl_response_ids_end_at_the_end_of_turn_only_when_the_response_finished():
     from online_rlhf.stages.kl_estimate import response_token_ids
     from online_rlhf.testing import make_tiny_tokenizer

@@ -184,10 +184,112 @@ def test_grpo_keys_are_checked_by_the_plan():
         loop.resolve(None, SMALL + ["per_iteration={2: {algorithm: grpo}}"])
 
 
+@pytest.mark.parametrize("override,where,fix", [
+    ("grpo.temperature=0.7", r"grpo\.temperature", "generation.temperature"),
+    ("grpo.max_completion_length=64", r"grpo\.max_completion_length", "generation.max_tokens"),
+    ("per_iteration={2: {grpo: {temperature: 0.7}}}", r"per_iteration\.2\.grpo\.temperature", "generation.temperature"),
+    ("per_iteration={2: {grpo: {max_completion_length: 64}}}", r"per_iteration\.2\.grpo\.max_completion_length",
+     "generation.max_tokens"),
+])
+def test_grpo_sampling_keys_are_set_only_by_the_loop(override, where, fix):
+    """grpo.temperature / max_completion_length come from the generation section; set anywhere
+    else they would silently disagree with how the rollouts were sampled."""
+    with pytest.raises(ConfigError, match=rf"{where}: cannot be set here; the loop sets it from {fix}.*set {fix} instead"):
+        loop.resolve(None, SMALL + ["algorithm=grpo", override])
+
+
+@pytest.mark.parametrize("key,fix", [("temperature", "generation.temperature"),
+                                     ("max_completion_length", "generation.max_tokens")])
+def test_grpo_sampling_keys_in_the_stage_file_are_refused(tmp_path, key, fix):
+    recipe = tmp_path / "grpo.yaml"
+    recipe.write_text(f"beta: 0.0\n{key}: 7\n")
+    with pytest.raises(ConfigError, match=rf"grpo_config={recipe}: {key}: cannot be set in this file; .*set {fix} "
+                                          rf"instead \(and remove {key} from {recipe}\)"):
+        loop.resolve(None, SMALL + ["algorithm=grpo", f"grpo_config={recipe}"])
+
+
+def test_grpo_sampling_keys_follow_the_generation_section():
+    cfg = loop.resolve(None, SMALL + ["algorithm=grpo", "generation.temperature=0.8", "generation.max_tokens=48",
+                                      "per_iteration={2: {generation: {max_tokens: 32}}}"])
+    d1, d2 = (loop.stage_dict(cfg, Path("/r"), i, "grpo") for i in (1, 2))
+    assert (d1["temperature"], d1["max_completion_length"]) == (0.8, 48)
+    assert (d2["temperature"], d2["max_completion_length"]) == (0.8, 32)
+
+
+def _plan_args(tmp_path: Path) -> list[str]:
+    prompts = tmp_path / "prompts.jsonl"
+    write_jsonl(prompts, [{"id": f"p{j}", "prompt": f"q{j}"} for j in range(6)])
+    (tmp_path / "pol").mkdir(exist_ok=True)
+    return [f"train_prompts={prompts}", f"eval_prompts={prompts}", f"output_root={tmp_path / 'runs'}", "run_name=r",
+            f"policy={tmp_path / 'pol'}", "ifeval.when=never", *SMALL]
+
+
+def test_keys_of_the_algorithm_that_does_not_run_are_named_once(tmp_path, capsys):
+    args = _plan_args(tmp_path)
+    capsys.readouterr()
+    run = loop.plan(None, args + ["grpo.beta=0.04", "per_iteration={2: {grpo: {learning_rate: 1.0e-6}}}"])
+    err = capsys.readouterr().err
+    expected = ("algorithm=dpo: grpo.beta, per_iteration.2.grpo.learning_rate are ignored (the grpo section applies "
+                "under algorithm=grpo)")
+    assert err.count(expected) == 1 and expected in read_json(run / "plan_warnings.json")[-1]
+    loop.plan(None, args + ["algorithm=grpo", "dpo.training.beta=0.2"])
+    assert "algorithm=grpo: dpo.training.beta is ignored (the dpo section applies under algorithm=dpo)" in \
+        capsys.readouterr().err
+    loop.plan(None, args + ["algorithm=grpo", "grpo.beta=0.04"])
+    assert "ignored" not in capsys.readouterr().err
+
+
+def test_grpo_max_length_must_leave_room_for_a_prompt():
+    with pytest.raises(ConfigError, match=r"iteration 1: grpo\.max_length=512 \(grpo_config=configs/grpo\.yaml\) is not "
+                                          r"above generation\.max_tokens=512.*grpo\.max_length=null"):
+        loop.resolve("configs/loop.yaml", ["algorithm=grpo", "generation.max_tokens=512"])
+    with pytest.raises(ConfigError, match=r"iteration 2: grpo\.max_length=100 \(per_iteration\.2\.grpo\.max_length\) is not above "
+                                          r"generation\.max_tokens=160"):
+        loop.resolve("configs/loop.yaml", ["algorithm=grpo", "per_iteration={2: {grpo: {max_length: 100}}}"])
+    with pytest.raises(ConfigError, match=r"grpo\.max_length=64 \(the grpo section\)"):
+        loop.resolve("configs/loop.yaml", ["algorithm=grpo", "grpo.max_length=64"])
+    loop.resolve("configs/loop.yaml", ["algorithm=grpo", "generation.max_tokens=512", "grpo.max_length=null"])
+    loop.resolve("configs/loop.yaml", ["generation.max_tokens=512"])  # algorithm=dpo: no grpo stage
+
+
+def test_plan_warns_when_the_longest_prompt_and_max_tokens_exceed_max_length(tmp_path, policy, capsys):
+    prompts = tmp_path / "long.jsonl"
+    write_jsonl(prompts, [{"id": "short", "prompt": "hi"}, {"id": "long", "prompt": " ".join(["word"] * 40)}])
+    args = [f"train_prompts={prompts}", f"eval_prompts={prompts}", f"output_root={tmp_path / 'runs'}", "run_name=r",
+            f"policy={policy}", "ifeval.when=never", "iterations=1", "num_processes=1", "algorithm=grpo",
+            "generation.max_tokens=16"]
+    run = loop.plan(None, args + ["grpo.max_length=40"])
+    (w,) = [w for w in read_json(run / "plan_warnings.json") if "grpo.max_length" in w]
+    assert w.startswith("iteration 1: the longest train prompt ('long') is ") and "> grpo.max_length=40" in w
+    assert "1 prompt(s) that fill max_length drop their group" in w and "generation.max_tokens" in w
+    assert "WARNING: iteration 1: the longest train prompt" in capsys.readouterr().err
+    run = loop.plan(None, args + ["grpo.max_length=1000"])
+    assert not [w for w in read_json(run / "plan_warnings.json") if "grpo.max_length" in w]
+
+
+def test_one_sample_per_prompt_is_refused_in_grpo_terms():
+    with pytest.raises(ConfigError) as e:
+        loop.resolve(None, SMALL + ["algorithm=grpo", "generation.k=1"])
+    assert "generation.k=1, but GRPO needs a group of at least 2 responses per train prompt" in str(e.value)
+    assert "pair" not in str(e.value)
+
+
+def test_metrics_line_of_a_grpo_iteration_shows_the_groups_not_pairs():
+    row = {"iteration": 1, "eval_reward_mean": 0.5, "eval_reward_ci95": [0.4, 0.6], "eval_prompts": 4,
+           "rollout_reward_mean": 0.25, "grpo": {"groups_used": 9, "groups_skipped": {"all_equal": 23}, "steps": 6}}
+    line = loop.metrics_line(row)
+    assert "grpo groups used 9/32 (skipped: all_equal 23), 6 steps" in line and "pairs" not in line
+    dpo = {**{k: v for k, v in row.items() if k != "grpo"}, "pairs": 12}
+    assert "rollout reward 0.2500, pairs 12" in loop.metrics_line(dpo)
+    first = {k: v for k, v in dpo.items() if k not in ("pairs", "rollout_reward_mean")}  # iteration 0
+    assert loop.metrics_line(first) == "iteration 1: held-out reward 0.5000 (95% CI 0.4000-0.6000, n=4)"
+
+
 def test_help_lists_the_grpo_section(capsys):
     assert loop.main(["-h"]) == 0
     out = capsys.readouterr().out
     assert "algorithm (default 'dpo'" in out and "grpo.loss_type" in out and "grpo.policy" not in out
+    assert "grpo.temperature" not in out and "grpo.max_completion_length" not in out  # set by the loop
 
 
 # --- the stage, in one process, on a tiny random policy -----------------------------------------
@@ -244,7 +346,8 @@ def test_stage_saves_the_policy_unchanged_when_no_group_has_signal(tmp_path, pol
     write_jsonl(tmp_path / "rewards.jsonl", [_record(i, ["a", "b"], [0.0, 0.0]) for i in range(3)])
     stats = run_grpo.main(_cfg(tmp_path, policy, tmp_path / "rewards.jsonl"))
     assert stats.steps == 0 and stats.groups_skipped == {"all_equal": 3}
-    assert "carries a signal" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "WARNING: grpo: none of the 3 groups" in out and "saved unchanged" in out and "generation.k" in out
     from safetensors.torch import load_file
 
     a, b = load_file(tmp_path / "model" / "model.safetensors"), load_file(Path(policy) / "model.safetensors")
@@ -279,6 +382,62 @@ def test_completions_are_the_sampled_ids_when_the_records_have_them(tmp_path):
     write_jsonl(tmp_path / "bad.jsonl", rows)
     with pytest.raises(DataError, match=r"bad\.jsonl:1: .*response_token_ids"):
         run_grpo.load_groups(str(tmp_path / "bad.jsonl"))
+
+
+def test_warnings_name_the_reason_a_group_or_tokens_were_left_out(tmp_path):
+    """Prompts that fill max_length are not a lack of signal: the advice is max_length, not K; and
+    completions cut by max_length are counted and warned about."""
+    from online_rlhf.testing import make_tiny_tokenizer
+
+    rows = [_record(i, ["yes", "no"], [1.0, 0.0]) for i in range(2)]
+    for r in rows:
+        r.update(prompt_token_ids=[5, 6, 7, 8], response_token_ids=[[9, 10, 11, 2], [12, 2]])
+    write_jsonl(tmp_path / "rewards.jsonl", rows)
+    groups, _ = run_grpo.load_groups(str(tmp_path / "rewards.jsonl"))
+    adv, usable = run_grpo.group_advantages(torch.tensor([g["rewards"] for g in groups]))
+    tok = make_tiny_tokenizer()
+    comps, info = run_grpo.build_completions(groups, adv, usable, tok, max_length=4, mask_truncated=False)
+    assert comps == [] and info["skipped"] == {"prompt_too_long": 2}
+    (w,) = run_grpo.data_warnings(info, 2, len(comps), 4, "r.jsonl")
+    assert "none of the 2 groups of r.jsonl is used" in w and "Raise grpo.max_length (now 4)" in w
+    assert "generation.k" not in w and "signal" not in w
+    comps, info = run_grpo.build_completions(groups, adv, usable, tok, max_length=6, mask_truncated=False)
+    assert len(comps) == 4 and info["cut"] == 2 and info["longest"] == 8
+    (w,) = run_grpo.data_warnings(info, 2, len(comps), 6, "r.jsonl")
+    assert "2 of 4 completions cut to max_length=6 tokens" in w and "at least 8" in w
+    comps, info = run_grpo.build_completions(groups, adv, usable, tok, max_length=None, mask_truncated=False)
+    assert run_grpo.data_warnings(info, 2, len(comps), None, "r.jsonl") == []
+
+
+def test_dry_run_is_one_optimizer_step_at_max_length_and_writes_nothing_else(tmp_path, policy):
+    from online_rlhf.dry_run import advice, dry_run_path
+    from online_rlhf.stats import DryRunStats
+
+    cfg = _cfg(tmp_path, policy, tmp_path / "no_rewards.jsonl", dry_run=True, max_length=24, max_completion_length=16,
+               per_device_train_batch_size=2, gradient_accumulation_steps=2, beta=0.04)
+    result = run_grpo.main(cfg)  # the rewards file does not exist: it is not read
+    assert isinstance(result, DryRunStats) and result.status == "ok" and result.stage == "grpo"
+    assert DryRunStats.read(dry_run_path(tmp_path / "model")) == result
+    assert result.shapes == {"completions_per_process": 4, "micro_batch_completions": 2, "sequence_tokens": 24,
+                             "prompt_tokens": 8, "completion_tokens": 16}
+    assert result.peak_memory_gib > 0 and result.seconds_per_step > 0
+    assert "1 optimizer step: 2 micro-batch(es) x 2 completions x 24 tokens" in result.step
+    assert not (tmp_path / "model").exists() and not stats_path(tmp_path / "model").exists()
+    tips = " ".join(advice("grpo", result.settings, "cpu"))
+    assert "grpo.per_device_train_batch_size (now 2)" in tips and "grpo.max_length (now 24)" in tips
+    assert "grpo.beta (now 0.04)" in tips
+    with pytest.raises(ConfigError, match="dry_run needs max_length"):
+        run_grpo.main(_cfg(tmp_path, policy, tmp_path / "no_rewards.jsonl", dry_run=True))
+
+
+def test_loop_dry_run_plans_the_grpo_stage(tmp_path):
+    args = _plan_args(tmp_path) + ["algorithm=grpo"]
+    with pytest.raises(ConfigError, match=r"dry_run=true needs grpo\.max_length"):
+        loop.resolve(None, args + ["dry_run=true", "grpo.max_length=null"])
+    run = loop.plan(None, args + ["dry_run=true", "grpo.max_length=512"])
+    assert (1, "grpo") in loop.DRY_RUN_STAGES and "grpo" in read_json(run / "iter_1" / "plan.json")
+    with pytest.raises(ConfigError, match=r"grpo\.dry_run: cannot be set here; set dry_run=true at the top level"):
+        loop.resolve(None, args + ["grpo.dry_run=true"])
 
 
 def test_a_bad_rewards_record_names_file_and_line(tmp_path, policy):

@@ -30,13 +30,20 @@ def small_cfg(tmp_path):
             "run_name=t", f"policy={policy}", "iterations=2"]
 
 
+def _with(cfg_args: list[str], *overrides: str) -> list[str]:
+    """``cfg_args`` with ``overrides`` replacing the overrides of the same keys (a key may be given
+    once per command line)."""
+    keys = {o.split("=", 1)[0] for o in overrides}
+    return [a for a in cfg_args if a.split("=", 1)[0] not in keys] + list(overrides)
+
+
 def _policy(cfg_args: list[str]) -> str:
     return next(a.split("=", 1)[1] for a in cfg_args if a.startswith("policy="))
 
 
 def test_missing_local_policy_is_refused_at_start(small_cfg, tmp_path):
     with pytest.raises(ConfigError, match=r"policy=.*no_such_ckpt: no such directory"):
-        loop.resolve(None, small_cfg + [f"policy={tmp_path / 'no_such_ckpt'}"])
+        loop.resolve(None, _with(small_cfg, f"policy={tmp_path / 'no_such_ckpt'}"))
 
 
 def test_default_config_resolves():
@@ -168,6 +175,15 @@ def test_plan_writes_configs_and_fresh_prompt_slices(small_cfg, capsys):
     assert list(read_json(run_dir / "iter_0" / "plan.json")) == ["eval_generate", "eval_rewards", *ifeval]
 
 
+def test_a_missing_ifeval_prompt_file_is_refused_by_the_plan(small_cfg, tmp_path):
+    missing = tmp_path / "no_ifeval.jsonl"
+    with pytest.raises(ConfigError, match=rf"ifeval\.prompts={missing}: no such file .*scripts/prepare_default\.py"
+                                          r".*point ifeval\.prompts at a JSONL file.*ifeval\.when=never"):
+        loop.plan(None, small_cfg + [f"ifeval.prompts={missing}"])
+    assert not (tmp_path / "runs" / "t" / "config.yaml").exists()  # refused before anything is written
+    loop.plan(None, small_cfg + [f"ifeval.prompts={missing}", "ifeval.when=never"])  # no IFEval: not needed
+
+
 def test_done_marker_goes_stale_when_config_or_input_changes(small_cfg):
     run_dir = loop.plan(None, small_cfg)
     it = run_dir / "iter_1"
@@ -258,6 +274,14 @@ def test_owned_keys_agree_between_the_typed_sections_and_the_key_checks():
 
     for name, (cls, owned) in SECTIONS.items():
         assert set(owned) == {k for k in LOOP_OWNED[name] if k in cls.model_fields}, name
+
+
+def test_loop_owned_keys_in_the_dpo_stage_file_are_refused(small_cfg, tmp_path):
+    recipe = tmp_path / "dpo.yaml"
+    recipe.write_text("training: {beta: 0.1}\npolicy: /some/model\n")
+    with pytest.raises(ConfigError, match=rf"dpo_config={recipe}: policy: cannot be set in this file; set policy= at "
+                                          rf"the top level.*remove policy from {recipe}"):
+        loop.resolve(None, small_cfg + [f"dpo_config={recipe}"])
 
 
 def test_launch_keys_in_a_stage_section_point_to_the_top_level(small_cfg):
@@ -457,7 +481,7 @@ def test_dpo_training_typo_fails_at_start(small_cfg):
 @pytest.mark.parametrize("name", ["..", ".", "", "a/b", "/etc"])
 def test_run_name_must_be_one_folder_inside_output_root(small_cfg, name):
     with pytest.raises(ConfigError, match="run_name must be one folder name inside output_root"):
-        loop.resolve(None, small_cfg + [f"run_name={name}"])
+        loop.resolve(None, _with(small_cfg, f"run_name={name}"))
 
 
 def test_one_sample_per_prompt_is_refused_at_start(small_cfg):

@@ -341,6 +341,13 @@ def test_slurm_batch_script_runs_the_loop_on_the_first_node(tmp_path, gpus):
                 "launcher=slurm", "num_machines=2", "machine_rank=0", "main_process_ip=gpu-node-07",
                 "main_process_port=32345"]
     assert args == expected
+    # a key given as an argument replaces the script's default (not given twice: the loop refuses that)
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "slurm_loop.sbatch"), "configs/loop.yaml", "num_processes=4"],
+                       env=env, capture_output=True, text=True, cwd=tmp_path)
+    args = r.stdout.splitlines()[1:]
+    head = [*(["generation_shards=16"] if gpus else []), "configs/loop.yaml", "num_processes=4"]
+    assert args[:len(head)] == head
+    assert sum(a.startswith("num_processes=") for a in args) == 1
 
 
 def test_other_machine_script_skips_done_and_machine_0_stages(tmp_path):

@@ -12,6 +12,12 @@ or writes its output, stats or checkpoint. Memory: ``online_rlhf.memory.PeakMemo
   prompt + response fills ``training.max_length`` for chosen and rejected alike: one optimizer step
   (forward + backward of every micro-batch, then the optimizer step). The trainer works in
   ``<output_dir>.dry_run.work``, removed at the end.
+- :func:`grpo`: the stage's own path: its model loading (dtype, gradient checkpointing, the
+  reference when ``beta > 0``), ``accelerate`` set-up (DDP / DeepSpeed profile), old (and reference)
+  log-prob passes and :func:`online_rlhf.stages.run_grpo.train` for one optimizer step on
+  ``per_device_train_batch_size x gradient_accumulation_steps x processes`` dummy completions whose
+  prompt + completion is exactly ``max_length`` tokens (``max_completion_length`` of completion):
+  forward + backward of every micro-batch, then the AdamW step. Nothing is saved.
 - :func:`sft`: not through Axolotl: the base model loaded with transformers in Axolotl's dtype
   (bf16 when ``bf16`` is on, fp16 with ``fp16``, else fp32) and attention, ``micro_batch_size``
   dummy rows of ``sequence_len`` tokens, forward + backward + one ``torch.optim.AdamW`` step, in one
@@ -207,6 +213,77 @@ def dpo(cfg, args, lora_config, policy_path: str, ref_path: Optional[str], pol_d
         rmtree(work)
     if status != "ok":
         print(f"error: dry run dpo: out of memory: {error}", file=sys.stderr)
+        raise SystemExit(1)
+    return result
+
+
+# -------------------------------------------------------------------------------------------- GRPO
+
+def grpo(cfg, on_gpu: bool, t_start: float) -> Optional[DryRunStats]:
+    """The GRPO stage's dry run (module docstring), after the stage's config and process-count checks.
+
+    Raises:
+        ConfigError: ``max_length`` is null (no largest shape to try), or the tokenizer has no chat template.
+        SystemExit(1): the step ran out of (GPU) memory, after the result was written.
+    """
+    import torch
+    from transformers import AutoTokenizer
+
+    from online_rlhf.paths import resolve_model
+    from online_rlhf.stages import run_grpo as G
+
+    if cfg.max_length is None:
+        raise ConfigError("dry_run needs max_length (prompt + completion tokens to try); it is null. Set it, e.g. "
+                          "max_length=1024 (in the loop: grpo.max_length).")
+    L = int(cfg.max_length)
+    C = min(int(cfg.max_completion_length), L - 1)  # at least one prompt token
+    P = L - C
+    B, ga = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
+    status, error, step_s, world, dtype = "ok", None, None, G._world_size(), cfg.torch_dtype
+    with PeakMemory("cuda" if on_gpu else "cpu") as mem:
+        try:
+            policy_path = resolve_model(cfg.policy)
+            tokenizer = AutoTokenizer.from_pretrained(policy_path)
+            if tokenizer.chat_template is None:
+                raise ConfigError(f"{policy_path}: the tokenizer has no chat template; conversational prompts need one.")
+            pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+            accelerator = G._accelerator(cfg)
+            world = accelerator.num_processes
+            n = B * ga * world  # one optimizer step
+            ids = dummy_ids(tokenizer, 2 * n, max(P, C), seed=5)
+            completions = [{"prompt_ids": ids[2 * j][:P], "completion_ids": ids[2 * j + 1][:C],
+                            "advantage": 1.0 if j % 2 == 0 else -1.0, "group": j // 2} for j in range(n)]
+            model, _, ref_model, _, _, dtype = G.load_policy(cfg, policy_path, on_gpu, with_reference=True)
+            if ref_model is not None:
+                ref_model = ref_model.to(accelerator.device)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+            model, optimizer = accelerator.prepare(model, optimizer)
+            old = G._all_log_probs(accelerator, model, completions, B, pad_id, cfg.temperature)
+            ref = None
+            if cfg.beta != 0.0:
+                ref = old if ref_model is None else G._all_log_probs(accelerator, ref_model, completions, B, pad_id,
+                                                                     cfg.temperature)
+                ref_model = None
+            t0 = time.perf_counter()
+            G.train(cfg.model_copy(update={"num_iterations": 1}), accelerator, model, optimizer, completions, old, ref,
+                    pad_id)
+            if on_gpu:
+                torch.cuda.synchronize()
+            step_s = time.perf_counter() - t0
+        except _oom_errors() as e:
+            status, error = "out_of_memory", str(e)[:1000]
+    settings = {"per_device_train_batch_size": B, "gradient_accumulation_steps": ga, "max_length": L,
+                "gradient_checkpointing": cfg.gradient_checkpointing, "beta": cfg.beta, "torch_dtype": dtype,
+                "launch_profile": cfg.launch_profile, "num_processes": world}
+    step = (f"1 optimizer step: {ga} micro-batch(es) x {B} completions x {L} tokens ({P} prompt + {C} completion) "
+            "per process, forward + backward + AdamW step, old log-probs" + (" and reference log-probs"
+                                                                           if cfg.beta != 0.0 else "") + " first")
+    shapes = {"completions_per_process": B * ga, "micro_batch_completions": B, "sequence_tokens": L,
+              "prompt_tokens": P, "completion_tokens": C}
+    result = finish("grpo", mem, cfg.output_dir, status=status, error=error, step_s=step_s, step=step, shapes=shapes,
+                    settings=settings, t_start=t_start)
+    if status != "ok":
+        print(f"error: dry run grpo: out of memory: {error}", file=sys.stderr)
         raise SystemExit(1)
     return result
 

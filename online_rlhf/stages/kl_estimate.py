@@ -148,7 +148,7 @@ def main(cfg: KLConfig) -> KLStats:
     tokenizer = AutoTokenizer.from_pretrained(policy)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     seqs, where, skipped = [], [], Counter()  # where: (record index, response index) of each sequence
-    retokenized = 0  # sequences built from the text (records without the sampled ids)
+    from_text: list[bool] = []  # per sequence: built from the text (the record had no sampled ids)
     for n, rec in enumerate(records):
         for j, (resp, finish) in enumerate(zip(rec["responses"], rec["finish_reasons"])):
             sampled = sampled_token_ids(rec, j, f"{cfg.input}: record {n + 1} (id {rec.get('id')!r})")
@@ -159,11 +159,12 @@ def main(cfg: KLConfig) -> KLStats:
                                     "by another model than `policy`.")
                 seqs.append(sampled)
                 where.append((n, j))
+                from_text.append(False)
                 continue
             try:
                 seqs.append(response_token_ids(tokenizer, rec["prompt"], resp, finish))
                 where.append((n, j))
-                retokenized += 1
+                from_text.append(True)
             except ChatTokenError:
                 skipped["special_text_not_tokenizable"] += 1
     if not seqs:
@@ -180,12 +181,14 @@ def main(cfg: KLConfig) -> KLStats:
         row["response_tokens"].append(len(r))
     write_jsonl(cfg.output, [rows[n] for n in sorted(rows)])
     summary = kl_summary([a - b for a, b in zip(lp_pol, lp_ref)])
-    # The generated records hold the text, not the sampled ids: count the responses whose ids
-    # here are not as many as were sampled (a tokenizer that does not round-trip its own output).
+    # Responses re-tokenized from the text (no sampled ids): count those whose ids here are not as
+    # many as were sampled (a tokenizer that does not round-trip its own output). The sampled ids,
+    # where the records have them, are what the policy drew: nothing to compare.
+    retokenized = sum(from_text)
     counts = [(records[n].get("response_tokens") or [None] * (j + 1))[j] for n, j in where]
-    differs = sum(c is not None and c != len(r) for c, (_, r) in zip(counts, seqs))
-    if retokenized and differs > 0.1 * len(seqs):
-        print(f"WARNING: {differs} of {len(seqs)} sampled responses re-tokenize to another token count than was "
+    differs = sum(t and c is not None and c != len(r) for t, c, (_, r) in zip(from_text, counts, seqs))
+    if retokenized and differs > 0.1 * retokenized:
+        print(f"WARNING: {differs} of {retokenized} re-tokenized responses have another token count than was "
               "sampled; the KL estimate then scores other sequences than the policy drew.", file=sys.stderr)
     stats = KLStats(stage="kl", input=cfg.input, output=cfg.output, policy=cfg.policy, reference=cfg.reference,
                     records_in=len(records), skipped=dict(skipped), dtype=cfg.dtype, **summary,

@@ -155,7 +155,7 @@ def build_completions(groups: list[dict], advantages, usable, tokenizer, max_len
         ``cut`` (completions shortened by max_length), ``reward_mean`` of the used groups).
     """
     out, skipped, examples, masked = [], Counter(), {}, Counter()
-    cut, used_rewards = 0, []
+    cut, used_rewards, longest = 0, [], 0
 
     def skip(reason: str, g: dict, why: str = "") -> None:
         skipped[reason] += 1
@@ -194,15 +194,56 @@ def build_completions(groups: list[dict], advantages, usable, tokenizer, max_len
                     text_ids = tokenizer.encode(g["responses"][k], add_special_tokens=False)
                     if ids[:len(text_ids)] == text_ids:
                         ids = text_ids  # no end-of-turn after a response that was cut off
+            longest = max(longest, len(prompt_ids) + len(ids))
             if max_length is not None and len(prompt_ids) + len(ids) > max_length:
                 ids, cut = ids[:max_length - len(prompt_ids)], cut + 1
             if ids:
                 out.append({"prompt_ids": prompt_ids, "completion_ids": ids, "advantage": float(advantages[gi, k]),
                             "group": gi})
     info = {"skipped": dict(skipped), "examples": examples, "masked": {k: v for k, v in masked.items() if v},
-            "cut": cut, "reward_mean": sum(used_rewards) / len(used_rewards) if used_rewards else None,
+            "cut": cut, "longest": longest,
+            "reward_mean": sum(used_rewards) / len(used_rewards) if used_rewards else None,
             "groups_used": len({c["group"] for c in out})}
     return out, info
+
+
+# What to change when groups are skipped, per reason (the stage's keys named as the loop's).
+_SKIP_ADVICE = {
+    "all_equal": "more samples (generation.k) or prompts, or a higher generation.temperature, give groups whose "
+                 "rewards differ",
+    "fewer_than_2_scored": "the reward source left most responses unscored (null): see rewards.jsonl.stats.json",
+    "prompt_too_long": "raise grpo.max_length (now {max_length}) above the longest prompt + generation.max_tokens, "
+                       "or shorten the prompts",
+    "special_text_not_tokenizable": "the texts hold chat-template markers that cannot be tokenized as text: save the "
+                                    "sampled token ids (generation.save_token_ids, on by default for grpo)",
+}
+
+
+def data_warnings(info: dict, groups_in: int, completions: int, max_length: int | None, rewards: str) -> list[str]:
+    """The stage's warnings about what it could not train on, each with the advice that fits its reason.
+
+    Args:
+        info: :func:`build_completions`'s info (``skipped``, ``cut``, ``longest``, ``groups_used``).
+        groups_in: groups read; completions: completions used; max_length: the stage's ``max_length``;
+        rewards: the rewards file, for the message.
+    Returns:
+        one line per problem: no group used (the policy is saved unchanged), groups dropped because
+        the prompt fills ``max_length``, completions cut by ``max_length``.
+    """
+    out = []
+    skipped = info["skipped"]
+    advice = "; ".join(_SKIP_ADVICE.get(r, r).format(max_length=max_length) for r in skipped)
+    if not completions:
+        out.append(f"grpo: none of the {groups_in} groups of {rewards} is used (skipped: {skipped or 'none'}); the "
+                   f"policy is saved unchanged. {advice[:1].upper() + advice[1:]}.")
+    elif skipped.get("prompt_too_long"):
+        out.append(f"grpo: {skipped['prompt_too_long']} of {groups_in} groups dropped: the prompt alone fills "
+                   f"max_length={max_length} tokens; {_SKIP_ADVICE['prompt_too_long'].format(max_length=max_length)}.")
+    if info.get("cut"):
+        out.append(f"grpo: {info['cut']} of {completions} completions cut to max_length={max_length} tokens (prompt + "
+                   f"completion; the longest is {info.get('longest')}): their last tokens are not trained on. Raise "
+                   f"grpo.max_length to at least {info.get('longest')}, or lower generation.max_tokens.")
+    return out
 
 
 # ------------------------------------------------------------------------------ loss
@@ -464,8 +505,37 @@ def _accelerator(cfg: GRPOStageConfig):
     return acc
 
 
+def load_policy(cfg: GRPOStageConfig, policy_path: str, on_gpu: bool, with_reference: bool):
+    """The policy to train (in the stage's dtype, gradient checkpointing as set) and, when
+    ``with_reference`` and ``beta > 0`` and ``reference`` is another checkpoint, the reference model.
+
+    Returns:
+        ``(model, its config as loaded (a dict, for the save), ref_model | None, ref_path | None (None: the
+        policy is the reference), stored dtype, dtype)``.
+    """
+    from online_rlhf.stages.run_dpo import _load_causal_lm, stored_dtype
+
+    pol_stored = stored_dtype(policy_path)
+    dtype = cfg.torch_dtype if cfg.torch_dtype != "auto" else ("float32" if not on_gpu else pol_stored or "float32")
+    model = _load_causal_lm(policy_path, dtype, cfg.attn_implementation, False)
+    orig_config = model.config.to_dict()
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    ref_path = resolve_model(cfg.reference) if cfg.reference is not None else None
+    if ref_path is not None and Path(ref_path).exists() and Path(policy_path).exists() and \
+            Path(ref_path).resolve() == Path(policy_path).resolve():
+        ref_path = None  # the same checkpoint: its log-probs are the old log-probs
+    ref_model = None
+    if cfg.beta != 0.0 and ref_path is not None and with_reference:
+        ref_model = _load_causal_lm(ref_path, dtype, cfg.attn_implementation, False)
+    return model, orig_config, ref_model, ref_path, pol_stored, dtype
+
+
 def main(cfg: GRPOStageConfig) -> GRPOStats:
     """Run the GRPO stage; return its stats (also written to ``<output_dir>.stats.json`` by rank 0).
+
+    With ``cfg.dry_run``: one optimizer step on dummy max-length completions instead, returning
+    :class:`~online_rlhf.stats.DryRunStats` (``<output_dir>.dry_run.json``; ``online_rlhf.stages.dry_runs.grpo``).
 
     When every group is skipped (e.g. all rewards equal), the policy is saved unchanged with
     ``steps=0`` and a warning: the loop goes on to the next iteration.
@@ -480,13 +550,15 @@ def main(cfg: GRPOStageConfig) -> GRPOStats:
     import torch
     from transformers import AutoTokenizer
 
-    from online_rlhf.stages.run_dpo import _load_causal_lm, stored_dtype
-
     check_process_count(cfg.num_processes, "grpo")
     on_gpu = torch.cuda.is_available()
     if not on_gpu:  # a stage alone on the machine: every usable core, split between the ranks
         torch.set_num_threads(stage_threads(processes_here(_world_size())))
     torch.manual_seed(cfg.seed)
+    if cfg.dry_run:  # one optimizer step on dummy max-length completions (stages/dry_runs.py); nothing read or saved
+        from online_rlhf.stages import dry_runs
+
+        return dry_runs.grpo(cfg, on_gpu, t_start)
     out_dir = Path(cfg.output_dir).resolve()
     tmp_dir = Path(f"{out_dir}.tmp")
     eps_hi = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
@@ -512,19 +584,10 @@ def main(cfg: GRPOStageConfig) -> GRPOStats:
     # 4. models
     accelerator = _accelerator(cfg)
     t0 = time.perf_counter()
-    pol_stored = stored_dtype(policy_path)
-    dtype = cfg.torch_dtype if cfg.torch_dtype != "auto" else ("float32" if not on_gpu else pol_stored or "float32")
-    model = _load_causal_lm(policy_path, dtype, cfg.attn_implementation, trust)
-    orig_config = model.config.to_dict()
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    ref_path = resolve_model(cfg.reference) if cfg.reference is not None else None
-    if ref_path is not None and Path(ref_path).exists() and Path(policy_path).exists() and \
-            Path(ref_path).resolve() == Path(policy_path).resolve():
-        ref_path = None  # the same checkpoint: its log-probs are the old log-probs
-    ref_model = None
-    if cfg.beta != 0.0 and ref_path is not None and completions:
-        ref_model = _load_causal_lm(ref_path, dtype, cfg.attn_implementation, trust).to(accelerator.device)
+    model, orig_config, ref_model, ref_path, pol_stored, dtype = load_policy(cfg, policy_path, on_gpu,
+                                                                             with_reference=bool(completions))
+    if ref_model is not None:
+        ref_model = ref_model.to(accelerator.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)
     load_s = time.perf_counter() - t0
@@ -543,10 +606,9 @@ def main(cfg: GRPOStageConfig) -> GRPOStats:
     t0 = time.perf_counter()
     history = train(cfg, accelerator, model, optimizer, completions, old, ref, pad_id) if completions else []
     train_s = time.perf_counter() - t0
-    if not completions and accelerator.is_main_process:
-        print(f"WARNING: grpo: none of the {len(groups)} groups of {cfg.rewards} carries a signal "
-              f"(skipped: {info['skipped']}); the policy is saved unchanged. More samples (generation.k) or "
-              "prompts, or a higher temperature, give groups with different rewards.")
+    if accelerator.is_main_process:
+        for w in data_warnings(info, len(groups), len(completions), cfg.max_length, cfg.rewards):
+            print(f"WARNING: {w}")
 
     # 7. save
     t0 = time.perf_counter()
