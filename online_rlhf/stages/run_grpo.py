@@ -418,6 +418,10 @@ def train(cfg: GRPOStageConfig, accelerator, model, optimizer, completions: list
     per, eps_hi = cfg.per_device_train_batch_size, cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
     step_size = per * ga * world
     history = []
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=cfg.num_iterations * -(-len(completions) // step_size), desc="grpo optimizer steps",
+               disable=not accelerator.is_main_process)
     for p in range(cfg.num_iterations):
         order = list(range(len(completions)))
         if cfg.shuffle_dataset:
@@ -464,6 +468,9 @@ def train(cfg: GRPOStageConfig, accelerator, model, optimizer, completions: list
             history.append({"step": len(history) + 1, "pass": p + 1, "loss": loss_v,
                             "kl": float(sums[1]) / tok if cfg.beta != 0.0 else None,
                             "clip_fraction": float(sums[2]) / tok, "ratio_max_dev": float(dev), "completions": len(chunk)})
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_v:.4f}", clip=f"{history[-1]['clip_fraction']:.3f}")
+    bar.close()
     return history
 
 
