@@ -120,6 +120,16 @@ def test_lora_typo_fails_at_plan_time(small_cfg):
     loop.resolve(None, small_cfg + ["dpo.lora={r: 4, lora_alpha: 8, target_modules: all-linear}"])
 
 
+def test_lora_values_fail_at_plan_time(small_cfg):
+    """A LoRA value of the wrong type or range (which peft.LoraConfig accepts) is refused by the plan."""
+    for item, pat in [("dpo.lora.r=abc", r"dpo\.lora\.r='abc': expected a positive integer.*dpo\.lora\.r=16"),
+                      ("dpo.lora.r=-4", r"dpo\.lora\.r=-4: expected a positive integer"),
+                      ("dpo.lora={r: 4, lora_dropout: 1.5}", r"dpo\.lora\.lora_dropout=1\.5: expected a number in"),
+                      ("dpo.lora={r: 4, bias: some}", r"dpo\.lora\.bias='some': expected one of")]:
+        with pytest.raises(ConfigError, match=pat):
+            loop.resolve(None, small_cfg + [item])
+
+
 def test_sft_axolotl_key_typo_fails_at_plan_time(small_cfg, tmp_path):
     pytest.importorskip("axolotl")
     with pytest.raises(ConfigError, match=r"'sft\.learning_rat' \(Did you mean 'learning_rate'\?\)"):
