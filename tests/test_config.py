@@ -113,3 +113,34 @@ def test_a_long_wrong_value_is_shown_not_just_its_type():
     msg = str(e.value)
     assert "k: Input should be a valid integer (got {'key0': 0, 'key1': 1" in msg and "got dict" not in msg
     assert "...)" in msg  # cut, not the whole mapping
+
+
+def test_a_key_written_twice_in_a_config_file_is_refused_with_file_line_and_key(tmp_path):
+    from online_rlhf import loop
+    from online_rlhf.stage_table import stage_file
+
+    p = tmp_path / "gen.yaml"
+    p.write_text("prompts: p.jsonl\noutput: o.jsonl\nk: 2\nk: 4\n")
+    with pytest.raises(ConfigError, match=rf"{p}, line 4: key 'k' is given twice \(first on line 3\)"):
+        GenerateConfig.from_cli(["--config", str(p)])
+    nested = tmp_path / "dpo.yaml"
+    nested.write_text("training:\n  beta: 0.1\n  learning_rate: 1.0e-6\n  beta: 0.2\n")
+    with pytest.raises(ConfigError, match=rf"{nested}, line 4: key 'beta' is given twice"):
+        stage_file(str(nested))
+    looped = tmp_path / "loop.yaml"
+    looped.write_text("iterations: 1\niterations: 2\n")
+    with pytest.raises(ConfigError, match=rf"{looped}, line 2: key 'iterations' is given twice"):
+        loop.resolve(str(looped), [])
+    merged = tmp_path / "merge.yaml"  # a << merge key may repeat keys on purpose
+    merged.write_text("base: &b {k: 2}\nover:\n  <<: *b\n  k: 4\n")
+    from online_rlhf.config import load_yaml
+    assert load_yaml(merged)["over"] == {"k": 4}
+
+
+def test_config_given_twice_is_refused(tmp_path):
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    for p in (a, b):
+        p.write_text("prompts: p.jsonl\noutput: o.jsonl\n")
+    for argv in (["--config", str(a), "--config", str(b)], [f"--config={a}", "--config", str(b)]):
+        with pytest.raises(ConfigError, match="--config is given twice .*give --config once"):
+            GenerateConfig.from_cli(argv)
