@@ -97,20 +97,29 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
     """Return a copy of ``data`` with each ``key=value`` override set (dotted keys create nesting).
 
+    A mapping value given for a key whose current value is a mapping is deep-merged into it
+    (``'generation={k: 2}'`` sets ``generation.k`` and keeps the section's other keys, like
+    ``generation.k=2``); any other value replaces the current one.
+
     Raises:
         ConfigError: an override that is not ``key=value``; a key given twice (naming the key and
-            both values: the later one would silently win); a dotted key inside a value that is not
-            a mapping.
+            both overrides: the later one would silently win), also when one override sets it inside
+            a mapping value and another by its dotted path (``'dpo={training: {beta: 0.2}}'`` and
+            ``dpo.training.beta=0.3``); a dotted key inside a value that is not a mapping.
     """
     out = _deepcopy(data)
-    seen: dict[str, str] = {}  # dotted key -> the override that set it
+    seen: dict[str, str] = {}  # dotted leaf key -> the override that set it
     for item in overrides:
         path, value = parse_override(item)
         dotted = ".".join(path)
-        if dotted in seen:
-            raise ConfigError(f"{dotted} is given twice on the command line: {seen[dotted]!r} and {item!r} (the later "
-                              "would silently win); give each key once.")
-        seen[dotted] = item
+        for leaf in _leaf_keys(dotted, value):
+            for other, by in seen.items():
+                if leaf == other or leaf.startswith(other + ".") or other.startswith(leaf + "."):
+                    key = min(leaf, other, key=len)
+                    raise ConfigError(f"{key} is given twice on the command line: {by!r} and {item!r} (the later "
+                                      "would silently win); give each key once.")
+        for leaf in _leaf_keys(dotted, value):
+            seen[leaf] = item
         node = out
         for part in path[:-1]:
             nxt = node.get(part)
@@ -119,8 +128,20 @@ def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
             elif not isinstance(nxt, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is not a mapping, cannot set a key inside it.")
             node = nxt
-        node[path[-1]] = value
+        current = node.get(path[-1])
+        if isinstance(value, dict) and isinstance(current, dict):
+            node[path[-1]] = deep_merge(current, value)
+        else:
+            node[path[-1]] = value
     return out
+
+
+def _leaf_keys(dotted: str, value: Any) -> list[str]:
+    """The dotted keys an override sets: ``("a", {"b": {"c": 1}, "d": 2})`` -> ``["a.b.c", "a.d"]``;
+    a non-mapping or empty mapping value sets ``dotted`` itself."""
+    if not isinstance(value, dict) or not value:
+        return [dotted]
+    return [leaf for k, v in value.items() for leaf in _leaf_keys(f"{dotted}.{k}", v)]
 
 
 def deep_merge(base: dict, update: dict) -> dict:

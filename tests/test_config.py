@@ -144,3 +144,23 @@ def test_config_given_twice_is_refused(tmp_path):
     for argv in (["--config", str(a), "--config", str(b)], [f"--config={a}", "--config", str(b)]):
         with pytest.raises(ConfigError, match="--config is given twice .*give --config once"):
             GenerateConfig.from_cli(argv)
+
+
+def test_a_mapping_override_merges_into_a_mapping_section():
+    data = {"generation": {"k": 4, "temperature": 0.7}, "dpo": {"training": {"beta": 0.1, "lr": 1}}}
+    out = apply_overrides(data, ["generation={k: 2}", "dpo={training: {beta: 0.2}}"])
+    assert out == {"generation": {"k": 2, "temperature": 0.7}, "dpo": {"training": {"beta": 0.2, "lr": 1}}}
+    assert data["generation"] == {"k": 4, "temperature": 0.7}  # the input is not changed
+    # a mapping replaces a non-mapping value; a non-mapping replaces a mapping
+    assert apply_overrides({"a": None, "b": {"c": 1}}, ["a={x: 1}", "b=3"]) == {"a": {"x": 1}, "b": 3}
+    # different keys of one section, one as a mapping and one dotted, are fine
+    assert apply_overrides(data, ["dpo={training: {beta: 0.2}}", "dpo.training.lr=2"])["dpo"] == \
+        {"training": {"beta": 0.2, "lr": 2}}
+
+
+def test_a_key_given_as_a_mapping_and_as_a_dotted_path_is_refused():
+    for items in (["dpo={training: {beta: 0.2}}", "dpo.training.beta=0.3"],
+                  ["dpo.training.beta=0.3", "dpo={training: {beta: 0.2}}"],
+                  ["dpo.training={beta: 0.2}", "dpo.training.beta=0.3"]):
+        with pytest.raises(ConfigError, match=r"dpo\.training\.beta is given twice on the command line"):
+            apply_overrides({"dpo": {"training": {"beta": 0.1}}}, items)
