@@ -164,3 +164,24 @@ def test_a_key_given_as_a_mapping_and_as_a_dotted_path_is_refused():
                   ["dpo.training={beta: 0.2}", "dpo.training.beta=0.3"]):
         with pytest.raises(ConfigError, match=r"dpo\.training\.beta is given twice on the command line"):
             apply_overrides({"dpo": {"training": {"beta": 0.1}}}, items)
+
+
+def test_run_loop_takes_relative_stage_config_paths_from_where_it_runs(tmp_path):
+    """run_loop.sh's argument loop (run alone, nothing else of the script): a relative dpo_config=,
+    grpo_config= or sft.config= that exists where the user runs it becomes that absolute path; one
+    that does not stays as given (the project root's)."""
+    import subprocess
+    from pathlib import Path
+
+    script = (Path(__file__).resolve().parents[1] / "run_loop.sh").read_text()
+    block = script[script.index('CONFIG="configs/loop.yaml"'):]
+    block = block[:block.index("\ndone\n") + 6]
+    for name in ("my_dpo.yaml", "my_grpo.yaml", "my_sft.yaml"):
+        (tmp_path / name).write_text("{}\n")
+    args = ["dpo_config=my_dpo.yaml", "grpo_config=my_grpo.yaml", "sft.config=my_sft.yaml", "grpo_config=configs/g.yaml",
+            "grpo.beta=0.1"]
+    out = subprocess.run(["bash", "-c", f'CALLER_PWD="$1"; shift\n{block}\nprintf "%s\\n" "${{OVERRIDES[@]}}"', "_",
+                          str(tmp_path), *args],
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == [f"dpo_config={tmp_path}/my_dpo.yaml", f"grpo_config={tmp_path}/my_grpo.yaml",
+                   f"sft.config={tmp_path}/my_sft.yaml", "grpo_config=configs/g.yaml", "grpo.beta=0.1"]
