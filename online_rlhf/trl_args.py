@@ -202,7 +202,8 @@ def check_lora(lora: dict | None, where: str = "lora", required: bool = True):
     try:
         return LoraConfig(**{"task_type": "CAUSAL_LM", **lora})
     except (ValueError, TypeError) as e:
-        raise ConfigError(f"{where}: peft.LoraConfig refused the values: {e}") from None
+        raise ConfigError(f"{where}={lora!r:.160}: peft.LoraConfig refused the values: {e}. Change or drop the key "
+                          "it names (fields: python -c 'import peft; help(peft.LoraConfig)').") from None
 
 
 def check_axolotl_keys(keys: dict, prefix: str = "", also_known: set[str] = frozenset()) -> None:
