@@ -15,8 +15,9 @@
 #   Each stage runs as its resolved config runs/<name>/iter_<i>/configs/<stage>.yaml says (the
 #   command is written on top of that file; the stage table is online_rlhf/stage_table.py).
 #   Relative paths you pass (CONFIG, train_prompts=, eval_prompts=, ifeval.prompts=, policy=, sft.dataset=,
-#   reward.reward_model=, output_root=) are taken from where you run the command; without
-#   output_root=, runs go to this project's runs/.
+#   reward.reward_model=, dpo_config=, grpo_config=, sft.config=) are taken from where you run the
+#   command when the file is there, else from the project root; output_root= always from where you
+#   run it (without output_root=, runs go to this project's runs/).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 CALLER_PWD="$PWD"
@@ -33,7 +34,7 @@ for arg in "$@"; do
     *=*)
       key="${arg%%=*}" val="${arg#*=}"
       case "$key" in
-        train_prompts|eval_prompts|ifeval.prompts|policy|sft.dataset|reward.reward_model|dpo_config|sft.config)
+        train_prompts|eval_prompts|ifeval.prompts|policy|sft.dataset|reward.reward_model|dpo_config|grpo_config|sft.config)
           [[ "$val" != /* && -e "$CALLER_PWD/$val" ]] && arg="$key=$CALLER_PWD/$val" ;;
         output_root) [[ "$val" != /* ]] && arg="$key=$CALLER_PWD/$val" ;;
       esac

@@ -28,8 +28,38 @@ class ConfigError(ValueError):
     """A config file or override is invalid. The message names the file/key and the fix."""
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping gives the same key twice (YAML would silently keep the last value).
+
+    Attributes: ``key``; ``line`` and ``first_line`` (1-based) of the repeat and of the first one.
+    """
+
+    def __init__(self, key: Any, line: int, first_line: int):
+        self.key, self.line, self.first_line = key, line, first_line
+        super().__init__(f"line {line}: key {key!r} is given twice (first on line {first_line}); the later value "
+                         "would silently win. Keep one of them.")
+
+
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads ``1e-5`` as a float (YAML 1.1 wants a dot: ``1.0e-5``)."""
+    """SafeLoader that also reads ``1e-5`` as a float (YAML 1.1 wants a dot: ``1.0e-5``) and refuses a
+    key given twice in one mapping (:class:`DuplicateKeyError`; ``<<`` merge keys may repeat keys)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first: dict = {}  # key -> its 1-based line
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    hash(key)
+                except TypeError:
+                    continue  # the base class reports an unhashable key
+                line = key_node.start_mark.line + 1
+                if key in first:
+                    raise DuplicateKeyError(key, line, first[key])
+                first[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(
@@ -44,7 +74,8 @@ _Loader.add_implicit_resolver(
 
 
 def yaml_load(text: str):
-    """``yaml.safe_load`` with ``1e-5``-style floats."""
+    """``yaml.safe_load`` with ``1e-5``-style floats; a key repeated in a mapping raises
+    :class:`DuplicateKeyError` (a ``yaml.YAMLError``)."""
     return yaml.load(text, Loader=_Loader)
 
 
@@ -66,20 +97,29 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
     """Return a copy of ``data`` with each ``key=value`` override set (dotted keys create nesting).
 
+    A mapping value given for a key whose current value is a mapping is deep-merged into it
+    (``'generation={k: 2}'`` sets ``generation.k`` and keeps the section's other keys, like
+    ``generation.k=2``); any other value replaces the current one.
+
     Raises:
         ConfigError: an override that is not ``key=value``; a key given twice (naming the key and
-            both values: the later one would silently win); a dotted key inside a value that is not
-            a mapping.
+            both overrides: the later one would silently win), also when one override sets it inside
+            a mapping value and another by its dotted path (``'dpo={training: {beta: 0.2}}'`` and
+            ``dpo.training.beta=0.3``); a dotted key inside a value that is not a mapping.
     """
     out = _deepcopy(data)
-    seen: dict[str, str] = {}  # dotted key -> the override that set it
+    seen: dict[str, str] = {}  # dotted leaf key -> the override that set it
     for item in overrides:
         path, value = parse_override(item)
         dotted = ".".join(path)
-        if dotted in seen:
-            raise ConfigError(f"{dotted} is given twice on the command line: {seen[dotted]!r} and {item!r} (the later "
-                              "would silently win); give each key once.")
-        seen[dotted] = item
+        for leaf in _leaf_keys(dotted, value):
+            for other, by in seen.items():
+                if leaf == other or leaf.startswith(other + ".") or other.startswith(leaf + "."):
+                    key = min(leaf, other, key=len)
+                    raise ConfigError(f"{key} is given twice on the command line: {by!r} and {item!r} (the later "
+                                      "would silently win); give each key once.")
+        for leaf in _leaf_keys(dotted, value):
+            seen[leaf] = item
         node = out
         for part in path[:-1]:
             nxt = node.get(part)
@@ -88,8 +128,20 @@ def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
             elif not isinstance(nxt, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is not a mapping, cannot set a key inside it.")
             node = nxt
-        node[path[-1]] = value
+        current = node.get(path[-1])
+        if isinstance(value, dict) and isinstance(current, dict):
+            node[path[-1]] = deep_merge(current, value)
+        else:
+            node[path[-1]] = value
     return out
+
+
+def _leaf_keys(dotted: str, value: Any) -> list[str]:
+    """The dotted keys an override sets: ``("a", {"b": {"c": 1}, "d": 2})`` -> ``["a.b.c", "a.d"]``;
+    a non-mapping or empty mapping value sets ``dotted`` itself."""
+    if not isinstance(value, dict) or not value:
+        return [dotted]
+    return [leaf for k, v in value.items() for leaf in _leaf_keys(f"{dotted}.{k}", v)]
 
 
 def deep_merge(base: dict, update: dict) -> dict:
@@ -112,12 +164,22 @@ def _deepcopy(x: Any) -> Any:
 
 
 def load_yaml(path: str | os.PathLike) -> dict:
-    """Load a YAML mapping; errors name the file (and line for syntax errors)."""
+    """Load a YAML mapping; errors name the file (and line for syntax errors).
+
+    Every config file (the loop config, ``dpo_config``, ``grpo_config``, a stage's ``--config``) is
+    read here.
+
+    Raises:
+        ConfigError: no such file; invalid YAML; a key given twice in one mapping (naming the line
+            and the key); a top level that is not a mapping.
+    """
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} not found. Pass an existing file with --config PATH.")
     try:
         data = yaml_load(path.read_text(encoding="utf-8"))
+    except DuplicateKeyError as e:
+        raise ConfigError(f"{path}, {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {e}") from None
     if data is None:
@@ -196,7 +258,12 @@ class StageConfig(BaseModel):
 
     @classmethod
     def from_cli(cls, argv: Sequence[str] | None = None):
-        """Parse ``[--config FILE] [key=value ...]`` (also ``--config=FILE``); ``-h`` prints the fields."""
+        """Parse ``[--config FILE] [key=value ...]`` (also ``--config=FILE``); ``-h`` prints the fields.
+
+        Raises:
+            ConfigError: ``--config`` without a path or given twice, an unknown option, or any error
+                of :meth:`load`.
+        """
         argv = list(sys.argv[1:] if argv is None else argv)
         if any(a in ("-h", "--help") for a in argv):
             print(cls.help_text())
@@ -206,14 +273,17 @@ class StageConfig(BaseModel):
         i = 0
         while i < len(argv):
             a = argv[i]
-            if a == "--config":
-                if i + 1 >= len(argv):
+            if a == "--config" or a.startswith("--config="):
+                if a == "--config" and i + 1 >= len(argv):
                     raise ConfigError("--config needs a file path.")
-                path = argv[i + 1]
-                i += 2
-                continue
-            if a.startswith("--config="):
-                path = a.split("=", 1)[1]
+                given = argv[i + 1] if a == "--config" else a.split("=", 1)[1]
+                if path is not None:
+                    raise ConfigError(f"--config is given twice ({path} and {given}): only one file is read; give "
+                                      "--config once (put the keys in one file, or override single keys with key=value).")
+                path = given
+                if a == "--config":
+                    i += 2
+                    continue
             elif a.startswith("--"):
                 raise ConfigError(f"unknown option {a!r}. Use --config FILE and key=value overrides.")
             else:

@@ -1108,9 +1108,9 @@ def _quality_summary(row: dict) -> str:
         parts.append(f"vs iteration 0 {t['diff']:+.4f} (95% CI {t['ci95'][0]:+.4f}..{t['ci95'][1]:+.4f}, {_p(t)})")
     if row.get("eval_median_response_tokens") is not None:
         parts.append(f"median tokens {row['eval_median_response_tokens']}")
-    kl = (row.get("kl") or {}).get("kl_mean")
-    if kl is not None and row["iteration"] >= 1:
-        parts.append(f"KL {kl:.3f} nats")
+    kl, kl_se = (row.get("kl") or {}).get("kl_mean"), (row.get("kl") or {}).get("kl_se")
+    if kl is not None and row["iteration"] >= 1:  # k1 estimate: unbiased, can be negative on few samples
+        parts.append(f"KL {kl:.3f} nats" + (f" (se {kl_se:.3f})" if kl_se is not None else ""))
     f = row.get("ifeval")
     if f and f.get("prompt_strict") is not None:
         parts.append(f"IFEval prompt/instruction strict {100 * f['prompt_strict']:.1f}/{100 * f['instruction_strict']:.1f}")

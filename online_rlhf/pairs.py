@@ -189,6 +189,33 @@ def _check_unique(seen: dict, rec: dict, where: str) -> None:
         seen[rid] = where
 
 
+# skip reason / response count -> what to change when it explains an empty pair set
+_NO_PAIRS_FIXES = {
+    "truncated_excluded": "truncated=exclude dropped {n} truncated responses: use truncated=penalize (or keep), or "
+                          "raise generation.max_tokens",
+    "unscored": "{n} records or responses have no reward: check the reward stage's stats (responses_unscored)",
+    "tie": "{n} prompts had all rewards equal: a reward with more resolution, or more responses per prompt "
+           "(generation.k)",
+    "margin_below_min": "{n} prompts had a best-worst margin under min_margin={min_margin}: lower min_margin",
+    "identical_responses": "{n} prompts had one text K times: raise generation.temperature",
+    "fewer_than_2_valid": "{n} prompts had fewer than 2 usable responses: raise generation.k or max_tokens",
+    "empty": "{n} responses were empty: check the stop strings and the chat template",
+}
+
+
+def no_pairs_warning(n_in: int, n_pairs: int, skipped: Counter, resp_counts: Counter, truncated: str,
+                     min_margin: float) -> str | None:
+    """The warning for 0 pairs from a non-empty input: the skip reasons and what to change for each
+    (e.g. ``truncated=exclude`` that dropped every response); None when there are pairs or no input."""
+    if not n_in or n_pairs:
+        return None
+    counts = {**{k: v for k, v in resp_counts.items() if k != "total"}, **skipped}
+    fixes = [_NO_PAIRS_FIXES[k].format(n=v, min_margin=min_margin) for k, v in counts.items()
+             if v and k in _NO_PAIRS_FIXES and (k != "truncated_excluded" or truncated == "exclude")]
+    return (f"make_pairs: 0 pairs from {n_in} prompts (skipped: {dict(skipped)}; responses: {dict(resp_counts)}); "
+            f"the update has nothing to learn from. Fix: {'; '.join(fixes) or 'see skipped_examples in the stats'}.")
+
+
 def build_pairs(records: Iterable[tuple[str, dict]], strategy: str = "max_min", min_margin: float = 0.0,
                 truncated: str = "exclude", truncated_penalty: float = 1.0, seed: int = 42) -> tuple[list[dict], dict]:
     """Pairs from ``(where, rewards record)`` items, and the stats of the selection.
@@ -199,7 +226,8 @@ def build_pairs(records: Iterable[tuple[str, dict]], strategy: str = "max_min", 
     Returns:
         ``(pairs, stats)``; stats hold records in, pairs out, skipped by reason with up to
         ``MAX_EXAMPLES`` ``"<where> (id=...)"`` per reason (``skipped_examples``), per-response
-        counts, prompts with fewer than 2 distinct responses, ``warnings`` (low diversity), the
+        counts, prompts with fewer than 2 distinct responses, ``warnings`` (low diversity; no pair
+        from a non-empty input, with the skip reasons and their fixes), the
         truncation policy, the input reward mean/std/min/max, and the chosen/rejected reward and
         margin means.
     Raises:
@@ -227,10 +255,11 @@ def build_pairs(records: Iterable[tuple[str, dict]], strategy: str = "max_min", 
                 examples[out].append(f"{where} (id={rec.get('id')!r})")
         else:
             pairs.append(out)
-    warning = low_diversity_warning(sampled, low, "make_pairs")
+    warnings = [w for w in (low_diversity_warning(sampled, low, "make_pairs"),
+                            no_pairs_warning(n_in, len(pairs), skipped, resp_counts, truncated, min_margin)) if w]
     stats = {"records_in": n_in, "pairs_out": len(pairs), "skipped": dict(skipped), "skipped_examples": examples,
              "responses": dict(resp_counts), "prompts_fewer_than_2_distinct": low,
-             "warnings": [warning] if warning else [], **_selection_stats(pairs, all_rewards),
+             "warnings": warnings, **_selection_stats(pairs, all_rewards),
              "strategy": strategy, "min_margin": min_margin,
              "truncation": {"policy": truncated, "penalty": truncated_penalty if truncated == "penalize" else None},
              "seed": seed}

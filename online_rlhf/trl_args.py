@@ -136,6 +136,38 @@ def _checked_value(where: str, ftype: str, value):
     return value
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# LoraConfig fields whose values peft accepts unchecked and only fail (or silently misbehave) once the
+# adapter is built: key -> (test, what is expected, an example fix).
+_LORA_VALUE_CHECKS = {
+    "r": (lambda v: _is_int(v) and v > 0, "a positive integer (the adapter rank)", "r=16"),
+    "lora_alpha": (lambda v: _is_number(v) and v > 0, "a positive number (the scaling numerator)", "lora_alpha=32"),
+    "lora_dropout": (lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)", "lora_dropout=0.05"),
+    "bias": (lambda v: v in ("none", "all", "lora_only"), "one of none, all, lora_only", "bias=none"),
+    "target_modules": (lambda v: v is None or isinstance(v, str) or (isinstance(v, list) and all(
+        isinstance(m, str) for m in v)), "a module name, a list of names, 'all-linear' or null",
+        "target_modules=[q_proj, v_proj]"),
+    **{k: (lambda v: isinstance(v, bool), "true or false", f"{k}=false")
+       for k in ("use_rslora", "use_dora", "fan_in_fan_out", "inference_mode")},
+}
+
+
+def _check_lora_values(lora: dict, where: str) -> None:
+    """Raise ConfigError for a value of :data:`_LORA_VALUE_CHECKS` of the wrong type or range (peft's
+    LoraConfig takes e.g. ``r='abc'`` or ``r=-4`` and fails only when the model is wrapped)."""
+    for key, (ok, expected, example) in _LORA_VALUE_CHECKS.items():
+        if key in lora and not ok(lora[key]):
+            raise ConfigError(f"{where}.{key}={lora[key]!r}: expected {expected}; set e.g. {where.rsplit(': ', 1)[-1]}."
+                              f"{example}.")
+
+
 def check_lora(lora: dict | None, where: str = "lora", required: bool = True):
     """``peft.LoraConfig`` built from ``lora`` (``task_type`` CAUSAL_LM unless given), or None for None.
 
@@ -146,11 +178,14 @@ def check_lora(lora: dict | None, where: str = "lora", required: bool = True):
     Returns:
         the LoraConfig; None when ``lora`` is None (or peft is missing and not required).
     Raises:
-        ConfigError: a key that is not a LoraConfig field (with the closest one), values peft
-            refuses, or peft missing when required.
+        ConfigError: a key that is not a LoraConfig field (with the closest one), a value of the
+            wrong type or range (``r`` must be a positive int; checked even without peft), values
+            peft refuses, or peft missing when required.
     """
     if lora is None:
         return None
+    if isinstance(lora, dict):
+        _check_lora_values(lora, where)
     try:
         from peft import LoraConfig
     except ImportError:
@@ -167,7 +202,8 @@ def check_lora(lora: dict | None, where: str = "lora", required: bool = True):
     try:
         return LoraConfig(**{"task_type": "CAUSAL_LM", **lora})
     except (ValueError, TypeError) as e:
-        raise ConfigError(f"{where}: peft.LoraConfig refused the values: {e}") from None
+        raise ConfigError(f"{where}={lora!r:.160}: peft.LoraConfig refused the values: {e}. Change or drop the key "
+                          "it names (fields: python -c 'import peft; help(peft.LoraConfig)').") from None
 
 
 def check_axolotl_keys(keys: dict, prefix: str = "", also_known: set[str] = frozenset()) -> None:

@@ -113,3 +113,75 @@ def test_a_long_wrong_value_is_shown_not_just_its_type():
     msg = str(e.value)
     assert "k: Input should be a valid integer (got {'key0': 0, 'key1': 1" in msg and "got dict" not in msg
     assert "...)" in msg  # cut, not the whole mapping
+
+
+def test_a_key_written_twice_in_a_config_file_is_refused_with_file_line_and_key(tmp_path):
+    from online_rlhf import loop
+    from online_rlhf.stage_table import stage_file
+
+    p = tmp_path / "gen.yaml"
+    p.write_text("prompts: p.jsonl\noutput: o.jsonl\nk: 2\nk: 4\n")
+    with pytest.raises(ConfigError, match=rf"{p}, line 4: key 'k' is given twice \(first on line 3\)"):
+        GenerateConfig.from_cli(["--config", str(p)])
+    nested = tmp_path / "dpo.yaml"
+    nested.write_text("training:\n  beta: 0.1\n  learning_rate: 1.0e-6\n  beta: 0.2\n")
+    with pytest.raises(ConfigError, match=rf"{nested}, line 4: key 'beta' is given twice"):
+        stage_file(str(nested))
+    looped = tmp_path / "loop.yaml"
+    looped.write_text("iterations: 1\niterations: 2\n")
+    with pytest.raises(ConfigError, match=rf"{looped}, line 2: key 'iterations' is given twice"):
+        loop.resolve(str(looped), [])
+    merged = tmp_path / "merge.yaml"  # a << merge key may repeat keys on purpose
+    merged.write_text("base: &b {k: 2}\nover:\n  <<: *b\n  k: 4\n")
+    from online_rlhf.config import load_yaml
+    assert load_yaml(merged)["over"] == {"k": 4}
+
+
+def test_config_given_twice_is_refused(tmp_path):
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    for p in (a, b):
+        p.write_text("prompts: p.jsonl\noutput: o.jsonl\n")
+    for argv in (["--config", str(a), "--config", str(b)], [f"--config={a}", "--config", str(b)]):
+        with pytest.raises(ConfigError, match="--config is given twice .*give --config once"):
+            GenerateConfig.from_cli(argv)
+
+
+def test_a_mapping_override_merges_into_a_mapping_section():
+    data = {"generation": {"k": 4, "temperature": 0.7}, "dpo": {"training": {"beta": 0.1, "lr": 1}}}
+    out = apply_overrides(data, ["generation={k: 2}", "dpo={training: {beta: 0.2}}"])
+    assert out == {"generation": {"k": 2, "temperature": 0.7}, "dpo": {"training": {"beta": 0.2, "lr": 1}}}
+    assert data["generation"] == {"k": 4, "temperature": 0.7}  # the input is not changed
+    # a mapping replaces a non-mapping value; a non-mapping replaces a mapping
+    assert apply_overrides({"a": None, "b": {"c": 1}}, ["a={x: 1}", "b=3"]) == {"a": {"x": 1}, "b": 3}
+    # different keys of one section, one as a mapping and one dotted, are fine
+    assert apply_overrides(data, ["dpo={training: {beta: 0.2}}", "dpo.training.lr=2"])["dpo"] == \
+        {"training": {"beta": 0.2, "lr": 2}}
+
+
+def test_a_key_given_as_a_mapping_and_as_a_dotted_path_is_refused():
+    for items in (["dpo={training: {beta: 0.2}}", "dpo.training.beta=0.3"],
+                  ["dpo.training.beta=0.3", "dpo={training: {beta: 0.2}}"],
+                  ["dpo.training={beta: 0.2}", "dpo.training.beta=0.3"]):
+        with pytest.raises(ConfigError, match=r"dpo\.training\.beta is given twice on the command line"):
+            apply_overrides({"dpo": {"training": {"beta": 0.1}}}, items)
+
+
+def test_run_loop_takes_relative_stage_config_paths_from_where_it_runs(tmp_path):
+    """run_loop.sh's argument loop (run alone, nothing else of the script): a relative dpo_config=,
+    grpo_config= or sft.config= that exists where the user runs it becomes that absolute path; one
+    that does not stays as given (the project root's)."""
+    import subprocess
+    from pathlib import Path
+
+    script = (Path(__file__).resolve().parents[1] / "run_loop.sh").read_text()
+    block = script[script.index('CONFIG="configs/loop.yaml"'):]
+    block = block[:block.index("\ndone\n") + 6]
+    for name in ("my_dpo.yaml", "my_grpo.yaml", "my_sft.yaml"):
+        (tmp_path / name).write_text("{}\n")
+    args = ["dpo_config=my_dpo.yaml", "grpo_config=my_grpo.yaml", "sft.config=my_sft.yaml", "grpo_config=configs/g.yaml",
+            "grpo.beta=0.1"]
+    out = subprocess.run(["bash", "-c", f'CALLER_PWD="$1"; shift\n{block}\nprintf "%s\\n" "${{OVERRIDES[@]}}"', "_",
+                          str(tmp_path), *args],
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == [f"dpo_config={tmp_path}/my_dpo.yaml", f"grpo_config={tmp_path}/my_grpo.yaml",
+                   f"sft.config={tmp_path}/my_sft.yaml", "grpo_config=configs/g.yaml", "grpo.beta=0.1"]

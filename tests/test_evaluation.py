@@ -386,3 +386,13 @@ def test_metrics_compare_with_iteration_0_and_warn_on_kl(cfg_args, capsys):
     assert (run_dir / "report.png").read_bytes()[:4] == b"\x89PNG"
     assert "+0.2500 (+0.2500–+0.2500), p<1e-04" in text
     assert not math.isnan(rows[1]["eval_distinct_1"])
+
+
+def test_metrics_line_shows_the_kl_with_its_standard_error():
+    from online_rlhf import loop
+
+    row = {"iteration": 1, "eval_reward_mean": 0.5, "eval_reward_ci95": [0.4, 0.6], "eval_prompts": 4,
+           "kl": {"kl_mean": -0.167, "kl_se": 0.21, "samples": 8}}
+    assert loop.metrics_line(row).endswith(", KL -0.167 nats (se 0.210)")
+    row["kl"] = {"kl_mean": 0.5}  # a row without the se (older metrics) still shows the mean
+    assert loop.metrics_line(row).endswith(", KL 0.500 nats")

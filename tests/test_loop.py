@@ -115,9 +115,19 @@ def test_lora_typo_fails_at_plan_time(small_cfg):
         loop.resolve(None, small_cfg + ["dpo.lora={r: 4, lora_alph: 8}"])
     with pytest.raises(ConfigError, match=r"per_iteration\.2\.dpo\.lora\.rank: unknown peft\.LoraConfig key"):
         loop.resolve(None, small_cfg + ["per_iteration={2: {dpo: {lora: {rank: 4}}}}"])
-    with pytest.raises(ConfigError, match=r"dpo\.lora: peft\.LoraConfig refused the values"):
+    with pytest.raises(ConfigError, match=r"dpo\.lora=\{'r': 4, 'use_dora': True, 'lora_bias': True\}: peft\.LoraConfig refused the values: .*Change or drop the key"):
         loop.resolve(None, small_cfg + ["dpo.lora={r: 4, use_dora: true, lora_bias: true}"])
     loop.resolve(None, small_cfg + ["dpo.lora={r: 4, lora_alpha: 8, target_modules: all-linear}"])
+
+
+def test_lora_values_fail_at_plan_time(small_cfg):
+    """A LoRA value of the wrong type or range (which peft.LoraConfig accepts) is refused by the plan."""
+    for item, pat in [("dpo.lora.r=abc", r"dpo\.lora\.r='abc': expected a positive integer.*dpo\.lora\.r=16"),
+                      ("dpo.lora.r=-4", r"dpo\.lora\.r=-4: expected a positive integer"),
+                      ("dpo.lora={r: 4, lora_dropout: 1.5}", r"dpo\.lora\.lora_dropout=1\.5: expected a number in"),
+                      ("dpo.lora={r: 4, bias: some}", r"dpo\.lora\.bias='some': expected one of")]:
+        with pytest.raises(ConfigError, match=pat):
+            loop.resolve(None, small_cfg + [item])
 
 
 def test_sft_axolotl_key_typo_fails_at_plan_time(small_cfg, tmp_path):

@@ -253,3 +253,23 @@ def test_pairs_are_trl_conversational_preference_examples():
     text = trl_data.apply_chat_template(pair, make_tiny_tokenizer())
     assert text["prompt"].endswith("<|im_start|>assistant\n")
     assert text["chosen"].startswith("response 1") and text["rejected"].startswith("response 0")
+
+
+def test_no_pairs_from_a_non_empty_input_warns_with_the_reasons_and_the_fix(tmp_path, capsys):
+    from online_rlhf.stage_configs import PairsConfig
+    from online_rlhf.stages import make_pairs
+
+    cut = [rec([0.0, 1.0, 2.0], finish=["length"] * 3, rid=f"t{i}") for i in range(2)]
+    _, stats = pairs_of(cut)
+    assert stats["pairs_out"] == 0 and len(stats["warnings"]) == 1
+    w = stats["warnings"][0]
+    assert "0 pairs from 2 prompts" in w and "fewer_than_2_valid" in w
+    assert "truncated=exclude dropped 6 truncated responses: use truncated=penalize" in w and "max_tokens" in w
+    _, ok = pairs_of(cut, truncated="penalize")
+    assert ok["pairs_out"] == 2 and ok["warnings"] == []
+    _, empty = pairs_of([])
+    assert empty["warnings"] == []
+    src = tmp_path / "rewards.jsonl"
+    write_jsonl(src, cut)
+    make_pairs.main(PairsConfig(input=str(src), output=str(tmp_path / "pairs.jsonl")))
+    assert "WARNING: make_pairs: 0 pairs from 2 prompts" in capsys.readouterr().err

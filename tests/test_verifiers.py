@@ -217,3 +217,32 @@ def test_nltk_never_downloads():
     verifiers._registry()
     assert nltk.download is verifiers._refuse_download
     assert nltk.download("punkt") is False
+
+
+def test_get_rewards_warns_when_over_a_tenth_of_the_responses_are_unscored(tmp_path, monkeypatch, capsys):
+    from collections import Counter
+
+    from online_rlhf.jsonl import write_jsonl
+    from online_rlhf.stages import get_rewards
+    from online_rlhf.stats import ScoreResult
+
+    prompt = [{"role": "user", "content": "Say hi."}]
+    recs = [{"id": f"p{i}", "prompt": prompt, "responses": ["a", "b", "c", "d", "e"], "finish_reasons": ["stop"] * 5}
+            for i in range(2)]
+    write_jsonl(tmp_path / "generated.jsonl", recs)
+    cfg = RewardConfig(input=str(tmp_path / "generated.jsonl"), output=str(tmp_path / "rewards.jsonl"))
+
+    def fake(n_none):  # the first n_none responses of p0 unscored
+        rewards = [[None] * n_none + [1.0, 2.0, 3.0, 4.0, 5.0][n_none:], [1.0, 2.0, 3.0, 4.0, 5.0]]
+        res = ScoreResult(rewards=rewards, responses_unscored=Counter({"no_instruction_ids": n_none} if n_none else {}))
+        return lambda cfg, scorable: (res, True, 1)
+
+    monkeypatch.setattr(get_rewards, "_score", fake(1))  # 1 of 10: at the threshold, no warning
+    assert get_rewards.main(cfg).warnings == []
+    monkeypatch.setattr(get_rewards, "_score", fake(2))  # 2 of 10
+    stats = get_rewards.main(cfg)
+    assert len(stats.warnings) == 1
+    w = stats.warnings[0]
+    assert "2 of 10 responses (20%) have no reward from source=verifier" in w
+    assert "{'no_instruction_ids': 2}" in w and "instruction_id_list" in w and "rewards.jsonl.stats.json" in w
+    assert f"WARNING: {w}" in capsys.readouterr().err

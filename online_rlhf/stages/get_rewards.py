@@ -82,6 +82,33 @@ def constant_reward_warning(records: list[dict], rewards: list[list[float | None
     return None
 
 
+UNSCORED_WARN_FRACTION = 0.10  # more unscored responses than this fraction of all of them: warn
+
+
+def unscored_warning(n_responses: int, n_unscored: int, causes: dict, skipped: dict, source: str,
+                     stats_file: str) -> str | None:
+    """A warning when more than :data:`UNSCORED_WARN_FRACTION` of the responses got no reward.
+
+    Args:
+        n_responses: responses in the input; n_unscored: those without a reward (a null in a kept
+            record, or in a record left out).
+        causes: responses unscored by cause; skipped: records left out by reason.
+        source, stats_file: named in the message (where the examples per cause are).
+    Returns:
+        the message, or None at or under the threshold (or with no responses).
+    """
+    if not n_responses or n_unscored <= UNSCORED_WARN_FRACTION * n_responses:
+        return None
+    checks = {"verifier": "that the prompts carry the verifier's task fields (instruction_id_list + kwargs, or answer)",
+              "reward_model": "the reward model's max_length and the truncated/too-long counts",
+              "remote": "the service's log and the values it returns (NaN, null, errors)",
+              "judge": "the judge's replies (parse failures) and its max_tokens"}
+    return (f"{n_unscored} of {n_responses} responses ({100 * n_unscored / n_responses:.0f}%) have no reward from "
+            f"source={source} (unscored by cause: {dict(causes) or 'none'}; records left out: {dict(skipped) or 'none'}). "
+            f"They are left out of pairs and GRPO groups, so the update learns from fewer prompts. Check "
+            f"{checks.get(source, 'the reward source')}, and the example ids per cause in {stats_file}.")
+
+
 def _add_example(examples: dict, reason: str, text: str) -> None:
     bucket = examples.setdefault(reason, [])
     if len(bucket) < MAX_EXAMPLES:
@@ -195,7 +222,9 @@ def _score(cfg: RewardConfig, scorable: list[dict]) -> tuple[ScoreResult, bool, 
 
 def main(cfg: RewardConfig) -> RewardStats | None:
     """Score ``cfg.input`` into ``cfg.output`` and write the stats (:class:`~online_rlhf.stats.RewardStats`)
-    to ``<output>.stats.json``; returns them (None on processes other than the main one).
+    to ``<output>.stats.json``; returns them (None on processes other than the main one). Warnings
+    (constant rewards; more than 10% of the responses unscored, with the causes and what to check)
+    go to stderr and the stats' ``warnings``.
 
     Raises:
         DataError: a malformed input record, a bad reward value, or no record could be scored.
@@ -236,7 +265,10 @@ def main(cfg: RewardConfig) -> RewardStats | None:
 
     kept = [r["rewards"] for r in out]
     values = [x for rw in kept for x in rw if x is not None]
-    warnings = [w for w in [constant_reward_warning(out, kept)] if w]
+    n_responses = sum(len(r["responses"]) for r in records)
+    warnings = [w for w in [constant_reward_warning(out, kept),
+                            unscored_warning(n_responses, n_responses - len(values), unscored, skipped, cfg.source,
+                                             str(stats_path(cfg.output)))] if w]
     for w in warnings:
         print(f"WARNING: {w}", file=sys.stderr)
     stats = RewardStats(

@@ -10,7 +10,8 @@ chosen_reward, rejected_reward}``, TRL's conversational preference format (DPOTr
 as is). Every skipped prompt and dropped response is counted in the stats by reason, with example
 records per reason (see ``online_rlhf/pairs.py``); a ``null`` reward (unscored response) is left
 out and counted. A NaN/inf reward stops the stage with the record named. When most prompts have
-fewer than 2 distinct responses the stage warns (stderr and ``warnings`` in the stats).
+fewer than 2 distinct responses, or no pair comes out of a non-empty input, the stage warns
+(stderr and ``warnings`` in the stats; the latter names the skip reasons and what to change).
 """
 
 from __future__ import annotations
