@@ -183,6 +183,21 @@ def test_axolotl_sft_tiny_model(tmp_path):
     assert model.generation_config.eos_token_id == [tok.eos_token_id]
 
 
+def test_axolotl_sft_bf16_autocast_on_a_cpu_with_native_bf16(tmp_path, monkeypatch):
+    """``bf16: auto`` on a CPU with native bf16 picks bf16 autocast; transformers refuses bf16
+    without CUDA unless ``use_cpu`` is set, which Axolotl has no key for (the stage's plugin sets it)."""
+    monkeypatch.setenv("ONLINE_RLHF_CPU_BF16", "1")  # as on an AVX512-BF16 / AMX CPU (emulated elsewhere: tiny model)
+    base = make_tiny_policy(tmp_path / "base")
+    data = _write(tmp_path / "sft.jsonl", [_conv(i) for i in range(8)])
+    out = tmp_path / "sft" / "model"
+    cfg = SFTStageConfig.load(ROOT / "configs/sft.yaml", [
+        f"base_model={base}", f"dataset={data}", f"output_dir={out}", "max_steps=2", "sequence_len=128",
+        "warmup_ratio=0.0"])
+    stats = run_sft.main(cfg)
+    assert stats.steps == 2 and "bf16" in stats.hardware["dtype"]
+    assert (out / "model.safetensors").exists()
+
+
 def test_sft_dry_run_measures_one_step_and_writes_no_checkpoint(tmp_path):
     """dry_run=true: one forward + backward + AdamW step at micro_batch_size x sequence_len with
     transformers (Axolotl does not run); only <output_dir>.dry_run.json is written."""

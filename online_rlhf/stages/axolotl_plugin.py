@@ -42,6 +42,16 @@ class _WriteLogHistory(TrainerCallback):
 class TrainLogPlugin(BasePlugin):
     """Adds a callback that writes ``sft_train_log.json`` into Axolotl's output_dir."""
 
+    def get_training_args(self, cfg):
+        """On a machine without CUDA, bf16 (autocast on a CPU with native bf16, chosen by
+        ``run_sft`` for ``bf16: auto``) needs ``use_cpu=True`` in the TrainingArguments: without it
+        transformers refuses bf16 ("Your setup doesn't support bf16/gpu"), and Axolotl has no key for it."""
+        import torch
+
+        if cfg.bf16 is True and not torch.cuda.is_available():
+            return {"use_cpu": True}
+        return None
+
     def add_callbacks_post_trainer(self, cfg, trainer):
         dataset = getattr(trainer, "train_dataset", None)
         rows = len(dataset) if hasattr(dataset, "__len__") else None
