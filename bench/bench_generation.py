@@ -129,6 +129,18 @@ def bench_vllm(cfg: BenchConfig, model_path: str, prompt_ids: list[list[int]], e
                           enforce_eager=cfg.vllm_enforce_eager)
     if cfg.vllm_threads_bind:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.vllm_threads_bind
+    import torch
+
+    if not torch.cuda.is_available():
+        # as the generation stage runs one CPU shard (generation/launch.py): the engine inside this
+        # process, one OpenMP thread per free core; nothing changes when the user set these variables
+        from online_rlhf.stages.launch import shard_envs
+
+        env = shard_envs(1, 1)[0]
+        os.environ.update(env)
+        if "OMP_NUM_THREADS" in env:
+            torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+        print(f"[bench] vLLM engine environment as the generation stage's: {env or 'set by you'}", flush=True)
     t0 = time.perf_counter()
     llm = build_engine(gcfg, model_path, cfg.seed)
     startup = time.perf_counter() - t0

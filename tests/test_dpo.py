@@ -137,7 +137,8 @@ def test_yaml_exponent_strings_become_floats(tmp_path):
 def test_default_config_file_is_valid(tmp_path):
     cfg = DPOStageConfig.load(ROOT / "configs" / "dpo.yaml", ["policy=x", "pairs=p", f"output_dir={tmp_path}/m"])
     args = run_dpo.build_dpo_args(cfg, tmp_path / "w", on_gpu=False)
-    assert args.loss_type == ["sigmoid"] and args.precompute_ref_log_probs and not args.bf16
+    assert args.loss_type == ["sigmoid", "sft"] and args.loss_weights == [1.0, 1.0]  # DPO + NLL of the chosen (RPO)
+    assert args.precompute_ref_log_probs and not args.bf16
     assert isinstance(args.learning_rate, float) and args.max_length == cfg.training["max_length"]
 
 

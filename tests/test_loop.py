@@ -71,7 +71,7 @@ def test_default_dpo_training_keys_are_trl_fields():
     trl = pytest.importorskip("trl")
     cfg = loop.resolve(str(ROOT / "configs/loop.yaml"), [])
     training = loop.stage_dict(cfg, Path("/r"), 1, "dpo")["training"]  # configs/dpo.yaml + the loop's seed
-    assert training["learning_rate"] == 5.0e-5 and training["seed"] == cfg.seed
+    assert training["learning_rate"] == 2.0e-5 and training["seed"] == cfg.seed
     assert set(training) <= {f.name for f in dataclasses.fields(trl.DPOConfig)}
 
 
@@ -266,7 +266,7 @@ def test_stage_yaml_says_how_to_run_it_and_where_each_value_came_from(small_cfg)
     assert (f"#   ACCELERATE_USE_CPU=true .venv-train/bin/accelerate launch --multi_gpu --num_processes 2 "
             f"dpo_iteration/run_dpo.py --config {cfg_path}\n") in text
     assert "#   training.beta: 0.05  <- command line: dpo.training.beta=0.05" in text
-    assert "#   training.learning_rate: 5e-05  <- configs/dpo.yaml" in text
+    assert "#   training.learning_rate: 2e-05  <- configs/dpo.yaml" in text
     assert "#   num_processes: 2  <- loop key num_processes (command line: num_processes=2)" in text
     assert "#   training.seed: 42  <- loop key seed (configs/loop.yaml: seed)" in text
     assert "#   training.beta: 0.2  <- command line: per_iteration=" in _stage_yaml(run_dir, 2, "dpo")[1]
