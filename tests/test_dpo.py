@@ -119,7 +119,15 @@ def test_empty_pairs_file_is_a_clear_error(tmp_path, models):
 def test_all_pairs_invalid_is_a_clear_error(tmp_path, models):
     rows = [_pair(0, chosen="same", rejected="same"), {"id": "1", "prompt": [{"role": "user", "content": "hi"}]}]
     pairs = _write_pairs(tmp_path / "pairs.jsonl", rows)
-    with pytest.raises(DataError, match=r"none of the 2 pairs.*chosen_equals_rejected.*malformed"):
+    with pytest.raises(DataError, match=r"none of the 2 pairs.*chosen_equals_rejected.*malformed") as e:
+        run_dpo.main(_cfg(tmp_path, models["p0"], pairs))
+    # each example says what is wrong, and the advice is about the pairs, not about lengths
+    assert "pairs.jsonl:2 (missing chosen, rejected)" in str(e.value) and "Fix the pairs" in str(e.value)
+    assert "max_length" not in str(e.value)
+    user_turn = _pair(2, chosen="a", rejected="b")
+    user_turn["chosen"] = [{"role": "user", "content": "a"}]
+    pairs = _write_pairs(tmp_path / "pairs2.jsonl", [user_turn])
+    with pytest.raises(DataError, match=r"chosen must be assistant messages only, got roles \['user'\]"):
         run_dpo.main(_cfg(tmp_path, models["p0"], pairs))
 
 
@@ -241,7 +249,7 @@ def test_long_prompts_are_dropped_and_truncation_counted(tmp_path, models):
     assert stats.pairs_in == 8 and stats.pairs_used == 5
     assert stats.pairs_dropped == {"prompt_too_long": 2, "chosen_equals_rejected": 1}
     assert stats.truncation["chosen_truncated"] == 1 and stats.truncation["pairs_truncated"] == 1
-    assert stats.dropped_examples["chosen_equals_rejected"] == [f"{pairs}:8"]
+    assert stats.dropped_examples["chosen_equals_rejected"] == [f"{pairs}:8 (chosen and rejected are the same)"]
     stats = run_dpo.main(_cfg(tmp_path, models["p0"], pairs, max_prompt_length=100,
                                 training={"max_steps": 1, "max_length": 1024}))
     assert stats.pairs_dropped["prompt_too_long"] == 2 and stats.truncation["pairs_truncated"] == 0
@@ -455,3 +463,18 @@ def test_dry_run_needs_a_max_length(tmp_path, models):
     with pytest.raises(ConfigError, match="max_length"):
         run_dpo.main(cfg)
     assert not (tmp_path / "model").exists()
+
+
+def test_check_vllm_load_help_and_bad_arguments_do_not_start_vllm(tmp_path):
+    """``-h`` prints the usage and exits 0; an option or a missing folder is refused before vLLM starts."""
+    import subprocess
+    import sys
+
+    script = str(ROOT / "dpo_iteration" / "check_vllm_load.py")
+    run = lambda *a: subprocess.run([sys.executable, script, *a], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    r = run("-h")
+    assert r.returncode == 0 and "loads in vLLM" in r.stdout
+    r = run("--model")
+    assert r.returncode == 2 and "usage: check_vllm_load.py CHECKPOINT_DIR" in r.stderr
+    r = run(str(tmp_path / "nodir"))
+    assert r.returncode == 2 and "is not a directory" in r.stderr

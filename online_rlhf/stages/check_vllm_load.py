@@ -47,8 +47,15 @@ def main(ckpt: str) -> int:
 
 def cli() -> None:
     """Command-line entry point (the script in the design card's folder calls this)."""
-    if len(sys.argv) != 2:
+    if len(sys.argv) == 2 and sys.argv[1] in ("-h", "--help"):
         print(__doc__)
+        raise SystemExit(0)
+    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):
+        print(f"usage: check_vllm_load.py CHECKPOINT_DIR (got {sys.argv[1:]})\n{__doc__}", file=sys.stderr)
+        raise SystemExit(2)
+    if not Path(sys.argv[1]).is_dir():
+        print(f"error: {sys.argv[1]} is not a directory; give the checkpoint folder a DPO/GRPO stage saved "
+              "(e.g. runs/default/iter_1/model).", file=sys.stderr)
         raise SystemExit(2)
     raise SystemExit(main(sys.argv[1]))
 

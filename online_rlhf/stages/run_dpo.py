@@ -182,20 +182,24 @@ def resolve_load_dtypes(torch_dtype: str, policy_stored: str | None, ref_stored:
     return pol, ref
 
 
-def _pair_problem(rec: dict, where: str) -> str | None:
-    """Why a pair cannot be trained on (a drop reason), or None when it is fine."""
-    if not all(k in rec for k in ("prompt", "chosen", "rejected")):
-        return "malformed"
+def _pair_problem(rec: dict, where: str) -> tuple[str, str] | None:
+    """Why a pair cannot be trained on: ``(drop reason, what exactly is wrong)``, or None when it is fine."""
+    missing = [k for k in ("prompt", "chosen", "rejected") if k not in rec]
+    if missing:
+        return "malformed", f"missing {', '.join(missing)}"
     try:
         validate_pair(rec, where)
-    except DataError:
-        return "chosen_equals_rejected" if rec.get("chosen") == rec.get("rejected") else "malformed"
+    except DataError as e:
+        if rec.get("chosen") == rec.get("rejected"):
+            return "chosen_equals_rejected", "chosen and rejected are the same"
+        return "malformed", str(e).removeprefix(f"{where}: ")
     for side in ("chosen", "rejected"):
         msgs = rec[side]
-        if any(m["role"] != "assistant" for m in msgs):
-            return "malformed"
+        roles = [m["role"] for m in msgs]
+        if any(r != "assistant" for r in roles):
+            return "malformed", f"{side} must be assistant messages only, got roles {roles}"
         if not "".join(m["content"] for m in msgs).strip():
-            return "empty_response"
+            return "empty_response", f"{side} is empty"
     return None
 
 
@@ -205,7 +209,7 @@ def load_pairs(path: str) -> tuple[list[dict], dict]:
     Returns:
         (pairs, info) with info = ``{"in": n, "dropped": {reason: n}, "examples": {reason: ["file:line"]}}``.
         Reasons: ``malformed`` (missing key, bad message list, non-assistant response),
-        ``chosen_equals_rejected``, ``empty_response``.
+        ``chosen_equals_rejected``, ``empty_response``; each example is ``"file:line (what is wrong)"``.
     Raises:
         FileNotFoundError: no such file.  DataError: a line is not JSON (names file:line).
     """
@@ -214,12 +218,13 @@ def load_pairs(path: str) -> tuple[list[dict], dict]:
     for lineno, rec in iter_jsonl(path):
         n += 1
         where = f"{path}:{lineno}"
-        reason = _pair_problem(rec, where)
-        if reason:
+        problem = _pair_problem(rec, where)
+        if problem:
+            reason, why = problem
             dropped[reason] += 1
             examples.setdefault(reason, [])
             if len(examples[reason]) < _MAX_EXAMPLES:
-                examples[reason].append(where)
+                examples[reason].append(f"{where} ({why})")
             continue
         pairs.append({**{k: [{"role": m["role"], "content": m["content"]} for m in rec[k]]
                          for k in ("prompt", "chosen", "rejected")}, "_where": where})
@@ -466,8 +471,12 @@ def main(cfg: DPOStageConfig) -> DPOStats:
     special = special_text_counts(kept, tokenizer)
     if not kept:
         raise DataError(f"{cfg.pairs}: none of the {read_info['in']} pairs can be trained on "
-                        f"(dropped: {dict(dropped)}; e.g. {examples}). Fix the pairs, or raise "
-                        "training.max_length / max_prompt_length if prompts are too long.")
+                        f"(dropped: {dict(dropped)}; e.g. {examples}). " + (
+                            "Raise training.max_length / max_prompt_length: the prompts are too long."
+                            if set(len_info["dropped"]) == set(dropped) else
+                            "Fix the pairs (schema: README 'Run directory and records'; annotate_data/make_pairs.py "
+                            "writes it)" + (", and raise training.max_length / max_prompt_length for the prompts "
+                                            "that are too long." if len_info["dropped"] else ".")))
 
     # The kept pairs as a file-backed dataset in <output_dir>.work: TRL's reference precompute
     # names its cache file after the dataset's cache directory, which must be the same for every
