@@ -93,24 +93,20 @@ def advice(stage: str, settings: dict, device: str, prefix: Optional[str] = None
                f"{p}train_batch_size (now {s.get('train_batch_size')}), or lower {p}train_batch_size",
                f"{v('training.max_length')}: tokens of prompt + response"]
         if not s.get("training.gradient_checkpointing"):
-            out.append(f"{p}training.gradient_checkpointing=true: recompute activations in the backward pass")
+            out.append(_checkpointing_advice(f"{p}training.gradient_checkpointing"))
         if not s.get("lora"):
             out.append(f"{p}lora: train LoRA adapters instead of every weight (no full-size optimizer state)")
-        if device == "cuda" and s.get("launch_profile") != "zero3":
-            out.append(f"launch_profile=zero3 (now {s.get('launch_profile')}): shard weights, gradients and optimizer "
-                       "state over the GPUs")
+        out += _zero3_advice(s, device)
         return out
     if stage == "grpo":
         out = [f"{v('per_device_train_batch_size')}: the completions on a device per forward pass; raise "
                f"{p}gradient_accumulation_steps (now {s.get('gradient_accumulation_steps')}) to keep the optimizer step",
                f"{v('max_length')}: tokens of prompt + completion (the completion is generation.max_tokens)"]
         if not s.get("gradient_checkpointing"):
-            out.append(f"{p}gradient_checkpointing=true: recompute activations in the backward pass")
+            out.append(_checkpointing_advice(f"{p}gradient_checkpointing"))
         if s.get("beta"):
             out.append(f"{v('beta')}: 0 drops the KL term, and the reference model with it")
-        if device == "cuda" and s.get("launch_profile") != "zero3":
-            out.append(f"launch_profile=zero3 (now {s.get('launch_profile')}): shard weights, gradients and optimizer "
-                       "state over the GPUs")
+        out += _zero3_advice(s, device)
         return out
     if stage == "generate":
         out = [f"{v('max_model_len')}: the longest prompt + response the engine must hold",
@@ -129,9 +125,22 @@ def advice(stage: str, settings: dict, device: str, prefix: Optional[str] = None
                f"{s.get('gradient_accumulation_steps')}, to keep the batch)",
                f"{v('sequence_len')}: tokens per row"]
         if not s.get("gradient_checkpointing"):
-            out.append(f"{p}gradient_checkpointing=true: recompute activations in the backward pass")
+            out.append(_checkpointing_advice(f"{p}gradient_checkpointing"))
         return out
     raise ValueError(f"no advice for stage {stage!r}")
+
+
+def _checkpointing_advice(key: str) -> str:
+    """The advice line for a stage whose gradient checkpointing is off (``key``: its full name)."""
+    return f"{key}=true: recompute activations in the backward pass"
+
+
+def _zero3_advice(settings: dict, device: str) -> list[str]:
+    """ZeRO-3 for a training stage on GPUs that does not use it yet; nothing on CPU."""
+    if device != "cuda" or settings.get("launch_profile") == "zero3":
+        return []
+    return [f"launch_profile=zero3 (now {settings.get('launch_profile')}): shard weights, gradients and optimizer "
+            "state over the GPUs"]
 
 
 @dataclass
