@@ -112,13 +112,14 @@ def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
     for item in overrides:
         path, value = parse_override(item)
         dotted = ".".join(path)
-        for leaf in _leaf_keys(dotted, value):
+        leaves = _leaf_keys(dotted, value)
+        for leaf in leaves:
             for other, by in seen.items():
                 if leaf == other or leaf.startswith(other + ".") or other.startswith(leaf + "."):
                     key = min(leaf, other, key=len)
                     raise ConfigError(f"{key} is given twice on the command line: {by!r} and {item!r} (the later "
                                       "would silently win); give each key once.")
-        for leaf in _leaf_keys(dotted, value):
+        for leaf in leaves:
             seen[leaf] = item
         node = out
         for part in path[:-1]:

@@ -253,17 +253,10 @@ def grpo(cfg, on_gpu: bool, t_start: float) -> Optional[DryRunStats]:
             ids = dummy_ids(tokenizer, 2 * n, max(P, C), seed=5)
             completions = [{"prompt_ids": ids[2 * j][:P], "completion_ids": ids[2 * j + 1][:C],
                             "advantage": 1.0 if j % 2 == 0 else -1.0, "group": j // 2} for j in range(n)]
-            model, _, ref_model, _, _, dtype = G.load_policy(cfg, policy_path, on_gpu, with_reference=True)
-            if ref_model is not None:
-                ref_model = ref_model.to(accelerator.device)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-            model, optimizer = accelerator.prepare(model, optimizer)
-            old = G._all_log_probs(accelerator, model, completions, B, pad_id, cfg.temperature)
-            ref = None
-            if cfg.beta != 0.0:
-                ref = old if ref_model is None else G._all_log_probs(accelerator, ref_model, completions, B, pad_id,
-                                                                     cfg.temperature)
-                ref_model = None
+            model, optimizer, ref_model, _, _, _, dtype = G.prepare_models(cfg, accelerator, policy_path, on_gpu,
+                                                                            with_reference=True)
+            old, ref = G.old_and_reference_log_probs(cfg, accelerator, model, ref_model, completions, pad_id)
+            ref_model = None
             t0 = time.perf_counter()
             G.train(cfg.model_copy(update={"num_iterations": 1}), accelerator, model, optimizer, completions, old, ref,
                     pad_id)

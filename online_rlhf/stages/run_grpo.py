@@ -538,6 +538,36 @@ def load_policy(cfg: GRPOStageConfig, policy_path: str, on_gpu: bool, with_refer
     return model, orig_config, ref_model, ref_path, pol_stored, dtype
 
 
+def prepare_models(cfg: GRPOStageConfig, accelerator, policy_path: str, on_gpu: bool, with_reference: bool):
+    """:func:`load_policy`, the reference on the accelerator's device, AdamW over the policy, and
+    ``accelerator.prepare`` of both (the stage and its dry run).
+
+    Returns:
+        ``(model, optimizer, ref_model or None, orig_config, ref_path, pol_stored, dtype)``.
+    """
+    import torch
+
+    model, orig_config, ref_model, ref_path, pol_stored, dtype = load_policy(cfg, policy_path, on_gpu, with_reference)
+    if ref_model is not None:
+        ref_model = ref_model.to(accelerator.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    return model, optimizer, ref_model, orig_config, ref_path, pol_stored, dtype
+
+
+def old_and_reference_log_probs(cfg: GRPOStageConfig, accelerator, model, ref_model, completions: list[dict],
+                                pad_id: int) -> tuple[list[list[float]], list[list[float]] | None]:
+    """Every completion's per-token log-probs under the policy before any update (``old``) and, when
+    ``beta != 0``, under the reference (the policy's own when ``ref_model`` is None: the reference is
+    the policy); ``ref`` is None at ``beta == 0``."""
+    old = _all_log_probs(accelerator, model, completions, cfg.per_device_train_batch_size, pad_id, cfg.temperature)
+    if cfg.beta == 0.0:
+        return old, None
+    ref = old if ref_model is None else _all_log_probs(accelerator, ref_model, completions,
+                                                      cfg.per_device_train_batch_size, pad_id, cfg.temperature)
+    return old, ref
+
+
 def main(cfg: GRPOStageConfig) -> GRPOStats:
     """Run the GRPO stage; return its stats (also written to ``<output_dir>.stats.json`` by rank 0).
 
@@ -591,22 +621,14 @@ def main(cfg: GRPOStageConfig) -> GRPOStats:
     # 4. models
     accelerator = _accelerator(cfg)
     t0 = time.perf_counter()
-    model, orig_config, ref_model, ref_path, pol_stored, dtype = load_policy(cfg, policy_path, on_gpu,
-                                                                             with_reference=bool(completions))
-    if ref_model is not None:
-        ref_model = ref_model.to(accelerator.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model, optimizer, ref_model, orig_config, ref_path, pol_stored, dtype = prepare_models(
+        cfg, accelerator, policy_path, on_gpu, with_reference=bool(completions))
     load_s = time.perf_counter() - t0
 
     # 5. old (and reference) log-probs, before any update
     t0 = time.perf_counter()
-    old = _all_log_probs(accelerator, model, completions, cfg.per_device_train_batch_size, pad_id, cfg.temperature)
-    ref = None
-    if cfg.beta != 0.0:
-        ref = old if ref_model is None else _all_log_probs(accelerator, ref_model, completions,
-                                                          cfg.per_device_train_batch_size, pad_id, cfg.temperature)
-        ref_model = None
+    old, ref = old_and_reference_log_probs(cfg, accelerator, model, ref_model, completions, pad_id)
+    ref_model = None
     old_s = time.perf_counter() - t0
 
     # 6. passes
