@@ -11,6 +11,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -85,30 +86,69 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
         f.write("\n")
 
 
-def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
-    """Yield ``(line_number, record)`` for each non-blank line of a JSONL file.
+class JsonlLines:
+    """The records of a JSONL file, ``(line_number, record)`` per non-blank line; see :func:`iter_jsonl`.
 
-    Raises:
+    Blank (empty or whitespace-only) lines are skipped and counted: ``blank_lines`` holds the count
+    so far and ``blank_line_numbers`` the first ``MAX_LISTED`` of their line numbers. When the file
+    has been read to its end and some lines were blank, one line goes to stderr:
+    ``note: skipped N blank line(s) in FILE (line 3, 7)``. This is the one place that counts them;
+    stages copy ``blank_lines`` into their stats.
+    """
+
+    MAX_LISTED = 5
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.blank_lines = 0
+        self.blank_line_numbers: list[int] = []
+
+    def __iter__(self) -> Iterator[tuple[int, dict]]:
+        path = self.path
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such file. Check the path (relative paths are taken from {Path.cwd()}).")
+        self.blank_lines, self.blank_line_numbers = 0, []
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    self.blank_lines += 1
+                    if len(self.blank_line_numbers) < self.MAX_LISTED:
+                        self.blank_line_numbers.append(lineno)
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(
+                        f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}). "
+                        "Each line must be one complete JSON object; fix or remove that line."
+                    ) from None
+                if not isinstance(rec, dict):
+                    raise DataError(f"{path}:{lineno}: expected a JSON object per line, got {type(rec).__name__}.")
+                yield lineno, rec
+        if self.blank_lines:
+            print(f"note: {self.note()}", file=sys.stderr)
+
+    def note(self) -> str:
+        """``skipped N blank line(s) in FILE (line a, b, ...)`` (what goes to stderr at the end of the file)."""
+        listed = ", ".join(map(str, self.blank_line_numbers)) + (", ..." if self.blank_lines > self.MAX_LISTED else "")
+        return f"skipped {self.blank_lines} blank line(s) in {self.path} (line {listed})"
+
+
+def iter_jsonl(path: str | os.PathLike) -> JsonlLines:
+    """``(line_number, record)`` for each non-blank line of a JSONL file, in file order.
+
+    Returns an iterable (:class:`JsonlLines`) whose ``blank_lines`` counts the blank lines skipped
+    (read it after the loop; a note naming the file goes to stderr when it is not 0)::
+
+        lines = iter_jsonl(path)
+        for lineno, rec in lines: ...
+        lines.blank_lines
+
+    Raises (when iterated):
         FileNotFoundError: the file does not exist (message names it).
         DataError: a line is not valid JSON, or not a JSON object; names file and line.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file. Check the path (relative paths are taken from {Path.cwd()}).")
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(
-                    f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}). "
-                    "Each line must be one complete JSON object; fix or remove that line."
-                ) from None
-            if not isinstance(rec, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object per line, got {type(rec).__name__}.")
-            yield lineno, rec
+    return JsonlLines(path)
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

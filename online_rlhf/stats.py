@@ -245,6 +245,7 @@ class RewardStats(StageStats):
     num_processes: int
     hardware: Optional[dict[str, Any]]  # None for sources that run no model here (verifier, remote, judge)
     seconds: float
+    input_blank_lines: int = 0  # blank lines skipped in the input file (0 in stats written before this key existed)
 
 
 # ------------------------------------------------------------------------------------------- pairs
@@ -277,6 +278,7 @@ class PairsStats(StageStats):
     truncation: TruncationPolicy
     seed: int
     seconds: float
+    input_blank_lines: int = 0  # blank lines skipped in the input file (0 in stats written before this key existed)
 
 
 # ------------------------------------------------------------------------------------------- DPO
@@ -386,6 +388,7 @@ class GRPOStats(StageStats):
     deepspeed_zero_stage: Optional[int]
     output_dir: str
     seconds: GRPOSeconds
+    input_blank_lines: int = 0  # blank lines skipped in the input file (0 in stats written before this key existed)
 
 
 # ------------------------------------------------------------------------------------------- SFT
@@ -436,6 +439,7 @@ class SFTDataStats(StageStats):
     dropped_examples: dict[str, list[str]]
     responses_excluded: dict[str, int]
     kept_reward_mean: Optional[float]
+    input_blank_lines: int = 0  # blank lines skipped in the rewards file (0 in stats written before this key existed)
 
 
 # ------------------------------------------------------------------------------------ evaluation

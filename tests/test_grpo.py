@@ -369,7 +369,10 @@ def test_completions_are_the_sampled_ids_when_the_records_have_them(tmp_path):
     rows = [_record(0, ["yes", "no"], [1.0, 0.0], finish=["stop", "length"]), _record(1, ["a", "b"], [1.0, 0.0])]
     rows[0].update(prompt_token_ids=[5, 6, 7], response_token_ids=[[8, 9, 2], [10, 11, 12, 13]])
     write_jsonl(tmp_path / "rewards.jsonl", rows)
-    groups, _ = run_grpo.load_groups(str(tmp_path / "rewards.jsonl"))
+    with open(tmp_path / "rewards.jsonl", "a") as f:
+        f.write("\n")  # a blank line: counted for the stats (input_blank_lines)
+    groups, read_info = run_grpo.load_groups(str(tmp_path / "rewards.jsonl"))
+    assert read_info["in"] == 2 and read_info["blank_lines"] == 1
     adv, usable = run_grpo.group_advantages(torch.tensor([g["rewards"] for g in groups]))
     comps, info = run_grpo.build_completions(groups, adv, usable, make_tiny_tokenizer(), max_length=6,
                                              mask_truncated=False)

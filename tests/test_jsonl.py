@@ -75,3 +75,18 @@ def test_written_files_get_the_usual_mode(tmp_path):
     finally:
         os.umask(old)
     assert (tmp_path / "a.jsonl").stat().st_mode & 0o777 == 0o644
+
+
+def test_blank_lines_are_counted_and_noted_once_naming_the_file(tmp_path, capsys):
+    from online_rlhf.jsonl import iter_jsonl
+
+    p = tmp_path / "a.jsonl"
+    p.write_text('{"id": 1}\n\n   \n{"id": 2}\n\n')
+    lines = iter_jsonl(p)
+    assert [ln for ln, _ in lines] == [1, 4]
+    assert lines.blank_lines == 3 and lines.blank_line_numbers == [2, 3, 5]
+    assert capsys.readouterr().err == f"note: skipped 3 blank line(s) in {p} (line 2, 3, 5)\n"
+    p.write_text('{"id": 1}\n{"id": 2}\n')
+    lines = iter_jsonl(p)
+    assert read_jsonl(p) == [{"id": 1}, {"id": 2}] and list(lines) and lines.blank_lines == 0
+    assert capsys.readouterr().err == ""  # nothing skipped, nothing said

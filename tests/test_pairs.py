@@ -273,3 +273,15 @@ def test_no_pairs_from_a_non_empty_input_warns_with_the_reasons_and_the_fix(tmp_
     write_jsonl(src, cut)
     make_pairs.main(PairsConfig(input=str(src), output=str(tmp_path / "pairs.jsonl")))
     assert "WARNING: make_pairs: 0 pairs from 2 prompts" in capsys.readouterr().err
+
+
+def test_make_pairs_counts_the_blank_lines_of_its_input(tmp_path, capsys):
+    from online_rlhf.stage_configs import PairsConfig
+    from online_rlhf.stages import make_pairs
+
+    src = tmp_path / "rewards.jsonl"
+    write_jsonl(src, [rec([0.0, 1.0], rid="a"), rec([1.0, 0.0], rid="b")])
+    src.write_text(src.read_text().replace("\n", "\n\n", 1))
+    stats = make_pairs.main(PairsConfig(input=str(src), output=str(tmp_path / "pairs.jsonl")))
+    assert stats.pairs_out == 2 and stats.input_blank_lines == 1
+    assert f"note: skipped 1 blank line(s) in {src} (line 2)" in capsys.readouterr().err

@@ -249,8 +249,9 @@ def test_build_sft_data_keeps_best_and_counts_drops(tmp_path):
 def test_build_sft_data_keeps_truncated_when_asked(tmp_path):
     rewards = _write(tmp_path / "rewards.jsonl", [_rewards_row("b", ["cut off", "fine"], [1.0, 0.7], ["length", "stop"])])
     out = tmp_path / "sft.jsonl"
-    build_sft_data.main(SFTDataConfig.from_dict({"rewards": str(rewards), "output": str(out), "truncated": "keep"}))
-    assert read_jsonl(out)[0]["messages"][-1]["content"] == "cut off"
+    rewards.write_text(rewards.read_text() + "\n")  # a blank line at the end: counted
+    stats = build_sft_data.main(SFTDataConfig.from_dict({"rewards": str(rewards), "output": str(out), "truncated": "keep"}))
+    assert read_jsonl(out)[0]["messages"][-1]["content"] == "cut off" and stats.input_blank_lines == 1
 
 
 def test_build_sft_data_refuses_nan_reward(tmp_path):

@@ -246,3 +246,17 @@ def test_get_rewards_warns_when_over_a_tenth_of_the_responses_are_unscored(tmp_p
     assert "2 of 10 responses (20%) have no reward from source=verifier" in w
     assert "{'no_instruction_ids': 2}" in w and "instruction_id_list" in w and "rewards.jsonl.stats.json" in w
     assert f"WARNING: {w}" in capsys.readouterr().err
+
+
+def test_get_rewards_counts_the_blank_lines_of_its_input(tmp_path, capsys):
+    from online_rlhf.jsonl import write_jsonl
+    from online_rlhf.stages import get_rewards
+
+    prompt = [{"role": "user", "content": "What is 2+2?"}]
+    src = tmp_path / "generated.jsonl"
+    write_jsonl(src, [{"id": "p0", "prompt": prompt, "responses": ["4", "5"], "finish_reasons": ["stop"] * 2,
+                       "answer": "4"}])
+    src.write_text("\n" + src.read_text() + "  \n")
+    stats = get_rewards.main(RewardConfig(input=str(src), output=str(tmp_path / "rewards.jsonl"), verifier="math"))
+    assert stats.records_scored == 1 and stats.input_blank_lines == 2
+    assert f"note: skipped 2 blank line(s) in {src} (line 1, 3)" in capsys.readouterr().err

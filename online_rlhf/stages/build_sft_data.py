@@ -70,7 +70,8 @@ def main(cfg: SFTDataConfig) -> SFTDataStats:
     out_rows, dropped, excluded, examples = [], Counter(), Counter(), {}
     prompts_in = 0
     seen: dict = {}
-    for lineno, rec in iter_jsonl(cfg.rewards):
+    lines = iter_jsonl(cfg.rewards)
+    for lineno, rec in lines:
         where = f"{cfg.rewards}:{lineno}"
         rewards = validate_rewards(rec, where)
         if rec["id"] in seen:
@@ -96,7 +97,8 @@ def main(cfg: SFTDataConfig) -> SFTDataStats:
                          min_reward=cfg.min_reward, truncated=cfg.truncated, prompts_in=prompts_in,
                          kept=len(out_rows), dropped=dict(dropped), dropped_examples=examples,
                          responses_excluded=dict(excluded),
-                         kept_reward_mean=statistics.fmean(kept_rewards) if kept_rewards else None)
+                         kept_reward_mean=statistics.fmean(kept_rewards) if kept_rewards else None,
+                         input_blank_lines=lines.blank_lines)
     stats.write(stats_path(cfg.output))
     print(f"[build_sft_data] {len(out_rows)}/{prompts_in} prompts kept -> {cfg.output}; dropped {dict(dropped)}; "
           f"responses excluded {dict(excluded)}")

@@ -50,15 +50,21 @@ SOURCES = {
 
 def load_generated(path: str) -> list[dict]:
     """Read and check generated records; errors name file:line. Duplicate ids are an error."""
+    return read_generated(path)[0]
+
+
+def read_generated(path: str) -> tuple[list[dict], int]:
+    """:func:`load_generated` and the number of blank lines skipped in the file (also noted on stderr)."""
     records, seen = [], {}
-    for ln, rec in iter_jsonl(path):
+    lines = iter_jsonl(path)
+    for ln, rec in lines:
         where = f"{path}:{ln}"
         validate_generated(rec, where)
         if rec["id"] in seen:
             raise DataError(f"{where}: duplicate id {rec['id']!r} (first at line {seen[rec['id']]}). Re-run the merge of shards.")
         seen[rec["id"]] = ln
         records.append(rec)
-    return records
+    return records, lines.blank_lines
 
 
 MAX_EXAMPLES = 5  # example ids kept per reason in the stats
@@ -236,7 +242,7 @@ def main(cfg: RewardConfig) -> RewardStats | None:
 
         return dry_runs.rewards(cfg)
     t0 = time.time()
-    records = load_generated(cfg.input)
+    records, blank_lines = read_generated(cfg.input)
     scorable = [r for r in records if r["responses"]]
     examples: dict[str, list[str]] = {}
     skipped: Counter = Counter()
@@ -279,7 +285,7 @@ def main(cfg: RewardConfig) -> RewardStats | None:
         examples=examples, truncated_inputs=result.truncated_inputs, reward=_reward_summary(values),
         records_all_tied=sum(1 for rw in kept if _all_tied([x for x in rw if x is not None])),
         source_stats=result.source_stats, warnings=warnings, num_processes=num_processes,
-        hardware=result.hardware, seconds=round(time.time() - t0, 2),
+        hardware=result.hardware, seconds=round(time.time() - t0, 2), input_blank_lines=blank_lines,
     )
     assert stats.records_scored + stats.records_skipped == stats.records_in
     stats_file = stats.write(stats_path(cfg.output))

@@ -38,7 +38,8 @@ def main(cfg: PairsConfig) -> PairsStats:
     """
     setup_cache_env()
     t0 = time.time()
-    records = ((f"{cfg.input}:{ln}", rec) for ln, rec in iter_jsonl(cfg.input))
+    lines = iter_jsonl(cfg.input)
+    records = ((f"{cfg.input}:{ln}", rec) for ln, rec in lines)
     pairs, stats = build_pairs(records, strategy=cfg.strategy, min_margin=cfg.min_margin, truncated=cfg.truncated,
                                truncated_penalty=cfg.truncated_penalty, seed=cfg.seed)
     if "truncated_penalty" in cfg.model_fields_set and cfg.truncated != "penalize":
@@ -46,7 +47,7 @@ def main(cfg: PairsConfig) -> PairsStats:
                                  "(only truncated=penalize subtracts it)")
     write_jsonl(cfg.output, pairs)
     stats = PairsStats(stage="make_pairs", input=cfg.input, output=cfg.output, **stats,
-                       seconds=round(time.time() - t0, 3))
+                       seconds=round(time.time() - t0, 3), input_blank_lines=lines.blank_lines)
     stats.write(stats_path(cfg.output))
     skipped = ", ".join(f"{k} {v}" for k, v in sorted(stats.skipped.items())) or "none"
     print(f"make_pairs: {stats.records_in} prompts -> {stats.pairs_out} pairs (skipped: {skipped}) -> {cfg.output}")

@@ -84,13 +84,15 @@ def load_groups(path: str, truncated_penalty: float = 0.0) -> tuple[list[dict], 
         "rewards": [K float | None], "truncated": [K bool], "sampled_ids": [K (prompt ids, response ids)] |
         None}`` (the ids the engine sampled, when the generation stage saved them) with ``truncated_penalty`` already
         subtracted from the reward of each response whose finish_reason is ``length``;
-        info = ``{"in": n, "reward_mean_all": mean of the scored rewards (after the penalty) | None}``.
+        info = ``{"in": n, "reward_mean_all": mean of the scored rewards (after the penalty) | None,
+        "blank_lines": blank lines skipped in the file}``.
     Raises:
         FileNotFoundError: no such file.  DataError: a record that is not a valid rewards record
         (names file:line and the fix).
     """
     groups, scored = [], []
-    for lineno, rec in iter_jsonl(path):
+    lines = iter_jsonl(path)
+    for lineno, rec in lines:
         where = f"{path}:{lineno}"
         rewards = validate_rewards(rec, where)
         prompt = check_messages(rec["prompt"], where)
@@ -100,7 +102,8 @@ def load_groups(path: str, truncated_penalty: float = 0.0) -> tuple[list[dict], 
         ids = [sampled_token_ids(rec, k, where) for k in range(len(rec["responses"]))]
         groups.append({"where": where, "prompt": prompt, "responses": rec["responses"], "rewards": rewards,
                        "truncated": truncated, "sampled_ids": None if ids and ids[0] is None else ids})
-    return groups, {"in": len(groups), "reward_mean_all": sum(scored) / len(scored) if scored else None}
+    return groups, {"in": len(groups), "reward_mean_all": sum(scored) / len(scored) if scored else None,
+                    "blank_lines": lines.blank_lines}
 
 
 def group_advantages(rewards, scale_rewards: str = "group"):
@@ -675,6 +678,7 @@ def main(cfg: GRPOStageConfig) -> GRPOStats:
         output_dir=str(out_dir),
         seconds={"total": time.perf_counter() - t_start, "model_loading": load_s, "old_log_probs": old_s,
                  "train_steps": train_s, "save": save_s},
+        input_blank_lines=read_info["blank_lines"],
     )
     if accelerator.is_main_process:
         stats.write(stats_path(out_dir))
