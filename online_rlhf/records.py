@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -74,13 +76,18 @@ def normalize_prompt_record(rec: dict, index: int, where: str, prompt_field: str
     ``prompt_field`` names the prompt column when it is neither ``messages`` nor ``prompt``: a text
     column (e.g. ``question`` for GSM8K, ``instruction`` for AlpacaEval) or a message-list column
     (e.g. ``context_messages`` in RLHFlow's prompt sets). Trailing assistant turns are removed (the
-    policy writes that turn).
+    policy writes that turn; :func:`load_prompt_set` counts the prompts that had them).
     The id comes from :func:`prompt_id`: ``rec["id"]`` (else ``rec["key"]``) as a string, else
     ``row-<index>``.
 
     Raises:
         DataError: no prompt column, a bad message list, an empty prompt, or a bad id; names ``where``.
     """
+    return _normalize(rec, index, where, prompt_field)[0]
+
+
+def _normalize(rec: dict, index: int, where: str, prompt_field: str | None) -> tuple[dict, int]:
+    """:func:`normalize_prompt_record` and the number of trailing assistant turns it removed."""
     if prompt_field and prompt_field not in ("messages", "prompt") and (
             prompt_field in rec or not ("messages" in rec or "prompt" in rec)):
         if prompt_field not in rec:
@@ -106,8 +113,9 @@ def normalize_prompt_record(rec: dict, index: int, where: str, prompt_field: str
             f"{where}: no prompt. A prompt record needs 'messages' (list of {{role, content}}) or 'prompt' "
             f"(string); or set prompt_field to the text column. Columns: {', '.join(rec) or 'none'}."
         )
+    removed = 0
     while messages and messages[-1]["role"] == "assistant":
-        messages = messages[:-1]
+        messages, removed = messages[:-1], removed + 1
     if not messages or messages[-1]["role"] != "user":
         raise DataError(f"{where}: the prompt must end with a user turn.")
     if not messages[-1]["content"].strip():
@@ -116,19 +124,45 @@ def normalize_prompt_record(rec: dict, index: int, where: str, prompt_field: str
     for k, v in rec.items():
         if k not in _PROMPT_KEYS and k not in skip:
             out[k] = v
-    return out
+    return out, removed
+
+
+@dataclass
+class PromptSetCounts:
+    """What :func:`load_prompt_set` skipped or changed while loading a prompt set (never silently:
+    each also makes one ``note:`` line on stderr naming the file).
+
+    Attributes:
+        blank_lines: blank lines skipped in a local JSONL file (in the rows read, up to ``limit``).
+        assistant_turns_removed: prompts that ended with assistant turn(s), removed so that the
+            policy answers the last user turn.
+        first_assistant_removed: ``"<file:line> (id=...)"`` of the first such prompt, or None.
+    """
+
+    blank_lines: int = 0
+    assistant_turns_removed: int = 0
+    first_assistant_removed: str | None = None
 
 
 def load_prompts(source: str | os.PathLike, split: str = "train", prompt_field: str | None = None,
                  limit: int | None = None) -> list[dict]:
+    """The rows of :func:`load_prompt_set` (same arguments, errors and stderr notes), without the counts."""
+    return load_prompt_set(source, split, prompt_field, limit)[0]
+
+
+def load_prompt_set(source: str | os.PathLike, split: str = "train", prompt_field: str | None = None,
+                    limit: int | None = None) -> tuple[list[dict], PromptSetCounts]:
     """Load a prompt set and normalize every row (see :func:`normalize_prompt_record`).
 
     ``source`` is a local ``.jsonl``/``.json``/``.parquet`` file or an HF Hub dataset id
     (``split`` chooses the split). Local JSONL is read line by line so that errors name the line.
 
     Returns:
-        list of ``{id: str, prompt: [messages], ...}`` in file order (the first ``limit`` rows); a
-        row without an id gets ``row-<0-based row number>``.
+        ``(rows, counts)``: rows are ``{id: str, prompt: [messages], ...}`` in file order (the first
+        ``limit`` rows); a row without an id gets ``row-<0-based row number>``. ``counts``
+        (:class:`PromptSetCounts`) holds the blank lines skipped and the prompts whose trailing
+        assistant turns were removed; each non-zero count also prints one ``note:`` line on stderr
+        naming the file (and the first such record).
     Raises:
         FileNotFoundError / DataError: missing file, bad row (names file and line), duplicate id
         (names both rows, and says when an id was generated), or an empty prompt set.
@@ -136,8 +170,10 @@ def load_prompts(source: str | os.PathLike, split: str = "train", prompt_field: 
     source = str(source)
     rows: Iterable[tuple[str, int, dict]]
     path = Path(source)
+    lines = None  # the JSONL reader, for its blank-line count
     if path.suffix == ".jsonl" or (path.exists() and path.suffix == ".json" and _looks_jsonl(path)):
-        rows = ((f"{path}:{ln}", i, rec) for i, (ln, rec) in enumerate(iter_jsonl(path)))
+        lines = iter_jsonl(path)
+        rows = ((f"{path}:{ln}", i, rec) for i, (ln, rec) in enumerate(lines))
     else:
         import datasets
 
@@ -153,20 +189,35 @@ def load_prompts(source: str | os.PathLike, split: str = "train", prompt_field: 
         rows = ((f"{source} row {i}", i, dict(r)) for i, r in enumerate(ds))
     out: list[dict] = []
     seen: dict[str, str] = {}
+    counts = PromptSetCounts()
+    stopped_early = False
     for where, i, rec in rows:
         if limit is not None and len(out) >= limit:
+            stopped_early = True
             break
-        r = normalize_prompt_record(rec, i, where, prompt_field)
+        r, removed = _normalize(rec, i, where, prompt_field)
         here = where + (" (no id: generated)" if prompt_id(rec, i, where)[1] else "")
         if r["id"] in seen:
             raise DataError(f"{here}: duplicate id {r['id']!r}, also the id of {seen[r['id']]}. Ids must be unique "
                             f"(a row without an id gets '{GENERATED_ID_PREFIX}<0-based row number>'): rename one, "
                             "or give every row an id.")
         seen[r["id"]] = here
+        if removed:
+            counts.assistant_turns_removed += 1
+            if counts.first_assistant_removed is None:
+                counts.first_assistant_removed = f"{where} (id={r['id']!r})"
         out.append(r)
     if not out:
         raise DataError(f"{source}: the prompt set is empty.")
-    return out
+    if lines is not None:
+        counts.blank_lines = lines.blank_lines
+        if stopped_early and lines.blank_lines:  # the reader notes them itself only at the end of the file
+            print(f"note: {lines.note()}, in the rows read up to limit={limit}", file=sys.stderr)
+    if counts.assistant_turns_removed:
+        print(f"note: {source}: removed the trailing assistant turn(s) of {counts.assistant_turns_removed} "
+              f"prompt(s) (first: {counts.first_assistant_removed}); the policy answers the last user turn. "
+              "End each prompt with its user turn to silence this note.", file=sys.stderr)
+    return out, counts
 
 
 def _looks_jsonl(path: Path) -> bool:

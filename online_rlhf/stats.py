@@ -152,6 +152,9 @@ class _GenerationCommon(StageStats):
     engine_startup_s: Optional[float]  # None: no engine started (no prompt to generate for)
     generation_s: Optional[float]
     generated_tokens_per_s: Optional[float]
+    # Loading the prompt set (online_rlhf.records.load_prompt_set); 0 in stats written before these keys existed.
+    prompts_blank_lines: int = 0  # blank lines skipped in the prompt file
+    prompts_assistant_turns_removed: int = 0  # prompts that ended with assistant turn(s), removed
 
 
 class GenerateShardStats(_GenerationCommon):

@@ -336,6 +336,21 @@ def test_merge_keeps_prompt_order_and_counts_skipped(tmp_path, w):
     assert stats.response_ids_differ_from_text == w
 
 
+def test_merge_stats_count_blank_lines_and_removed_assistant_turns_of_the_prompt_file(tmp_path, capsys):
+    import json
+
+    prompts = write_prompts(tmp_path / "p.jsonl", 3)
+    cfg = fake_shards(tmp_path, prompts, 1)
+    rows = read_jsonl(prompts)
+    rows[1]["prompt"] = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "an old answer"}]
+    prompts.write_text("\n\n".join(json.dumps(r) for r in rows) + "\n")  # a blank line between rows
+    stats = merge_data.merge_shards(cfg)
+    assert (stats.prompts_blank_lines, stats.prompts_assistant_turns_removed) == (2, 1)
+    assert GenerateStats.read(stats_path(cfg.output)) == stats
+    err = capsys.readouterr().err
+    assert f"skipped 2 blank line(s) in {prompts}" in err and f"(first: {prompts}:3 (id='p1'))" in err
+
+
 def test_merge_fails_on_a_missing_shard_file(tmp_path):
     cfg = fake_shards(tmp_path, write_prompts(tmp_path / "p.jsonl", 7), 3)
     merge_data.shard_path(tmp_path / "generated", 1).unlink()

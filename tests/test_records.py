@@ -153,3 +153,33 @@ def test_resolve_model_expands_home(tmp_path, monkeypatch):
     assert resolve_model("~/ckpt") == str(tmp_path / "ckpt")
     with pytest.raises(FileNotFoundError, match="~/gone"):
         resolve_model("~/gone")
+
+
+def test_trailing_assistant_turns_are_removed_counted_and_noted(tmp_path, capsys):
+    from online_rlhf.records import load_prompt_set
+
+    user = {"role": "user", "content": "q"}
+    p = _write(tmp_path / "p.jsonl", [
+        {"id": "a", "prompt": "plain"},
+        {"id": "b", "messages": [user, {"role": "assistant", "content": "old"}]},
+        {"id": "c", "messages": [user, {"role": "assistant", "content": "x"}, {"role": "assistant", "content": "y"}]},
+    ])
+    rows, counts = load_prompt_set(p)
+    assert [r["prompt"][-1] for r in rows[1:]] == [user, user]  # removed, as before: the policy answers the user turn
+    assert counts.assistant_turns_removed == 2 and counts.first_assistant_removed == f"{p}:2 (id='b')"
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"note: {p}: removed the trailing assistant turn(s) of 2 prompt(s) (first: {p}:2 (id='b'))" in err
+    assert load_prompt_set(p, limit=1)[1].assistant_turns_removed == 0 and capsys.readouterr().err == ""
+
+
+def test_blank_lines_of_a_prompt_file_are_counted(tmp_path, capsys):
+    from online_rlhf.records import load_prompt_set
+
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"prompt": "a"}\n\n{"prompt": "b"}\n\n{"prompt": "c"}\n')
+    rows, counts = load_prompt_set(p)
+    assert [r["id"] for r in rows] == ["row-0", "row-1", "row-2"] and counts.blank_lines == 2
+    assert capsys.readouterr().err == f"note: skipped 2 blank line(s) in {p} (line 2, 4)\n"
+    rows, counts = load_prompt_set(p, limit=1)  # stopped before the end of the file: still said
+    assert len(rows) == 1 and counts.blank_lines == 1
+    assert capsys.readouterr().err == f"note: skipped 1 blank line(s) in {p} (line 2), in the rows read up to limit=1\n"

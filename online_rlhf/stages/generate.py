@@ -7,7 +7,7 @@ Keys: ``online_rlhf.stage_configs.GenerateConfig`` (``-h`` lists them). ``genera
 runs W of these (one per GPU) and merges them with ``generation/merge_data.py``.
 
 What happens, top to bottom:
-1. load the prompt set (``online_rlhf.records.load_prompts``) and take shard r of W:
+1. load the prompt set (``online_rlhf.records.load_prompt_set``) and take shard r of W:
    ``prompts[r::W]``, so the W shards hold every prompt exactly once for any N;
 2. build each prompt's token ids once with the policy's own chat template, BOS exactly once,
    message contents as plain text: a special-token string such as ``<|im_end|>`` inside a prompt
@@ -48,7 +48,7 @@ from online_rlhf.jsonl import DataError, iter_jsonl, write_jsonl
 from online_rlhf.pairs import distinct_texts, low_diversity_warning
 from online_rlhf.paths import resolve_model, setup_cache_env
 from online_rlhf.procs import LockHeld, exclusive_lock
-from online_rlhf.records import load_prompts
+from online_rlhf.records import load_prompt_set
 from online_rlhf.rundir import fingerprint
 from online_rlhf.stage_configs import GenerateConfig
 from online_rlhf.stats import GenerateShardStats, stats_path
@@ -364,7 +364,7 @@ def generate_shard(cfg: GenerateConfig) -> GenerateShardStats:
     model_path = resolve_model(cfg.model)
     output, stats_file = Path(cfg.output), stats_path(cfg.output)
 
-    prompts = load_prompts(cfg.prompts, cfg.prompt_split, cfg.prompt_field, cfg.limit)
+    prompts, prompt_counts = load_prompt_set(cfg.prompts, cfg.prompt_split, cfg.prompt_field, cfg.limit)
     shard = shard_prompts(prompts, r, w)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     kept, skipped = tokenize_shard(tokenizer, shard, cfg.max_model_len - cfg.max_tokens)
@@ -412,6 +412,8 @@ def generate_shard(cfg: GenerateConfig) -> GenerateShardStats:
         generation_s=None if generation_s is None else round(generation_s, 2),
         generated_tokens_per_s=round(summary["generated_tokens"] / generation_s, 1) if generation_s else None,
         hardware=hardware,
+        prompts_blank_lines=prompt_counts.blank_lines,
+        prompts_assistant_turns_removed=prompt_counts.assistant_turns_removed,
     )
     write_jsonl(output, records)
     stats.write(stats_file)  # written last: the resume check needs both

@@ -26,7 +26,7 @@ from .generate import summarize
 from online_rlhf.config import run_main
 from online_rlhf.hardware import slow_dtype_warning
 from online_rlhf.jsonl import DataError, iter_jsonl, write_jsonl
-from online_rlhf.records import load_prompts, validate_generated
+from online_rlhf.records import load_prompt_set, validate_generated
 from online_rlhf.stage_configs import GenerateConfig
 from online_rlhf.stats import GenerateShardStats, GenerateStats, ShardSummary, stats_path
 
@@ -58,7 +58,7 @@ def merge_shards(cfg: GenerateConfig) -> GenerateStats:
             shard (names the shard that should hold it).
     """
     shards_dir, w = shards_dir_of(cfg), cfg.num_shards
-    prompts = load_prompts(cfg.prompts, cfg.prompt_split, cfg.prompt_field, cfg.limit)
+    prompts, prompt_counts = load_prompt_set(cfg.prompts, cfg.prompt_split, cfg.prompt_field, cfg.limit)
     order = {p["id"]: i for i, p in enumerate(prompts)}
 
     by_id: dict[str, dict] = {}
@@ -126,6 +126,8 @@ def merge_shards(cfg: GenerateConfig) -> GenerateStats:
         generated_tokens_per_s=round(summary["generated_tokens"] / max(gen_s), 1) if gen_s else None,
         hardware=hardware,
         shards=[ShardSummary(**{k: getattr(s, k) for k in ShardSummary.model_fields}) for s in shard_stats],
+        prompts_blank_lines=prompt_counts.blank_lines,
+        prompts_assistant_turns_removed=prompt_counts.assistant_turns_removed,
     )
     write_jsonl(cfg.output, records)
     stats.write(stats_path(cfg.output))
