@@ -38,7 +38,7 @@ import yaml
 
 from .config import ConfigError, apply_overrides, load_yaml
 from .jsonl import DataError, read_json, read_jsonl, write_json, write_jsonl, atomic_open
-from .paths import PROJECT_ROOT, default_model_dir, resolve_model, setup_cache_env
+from .paths import PROJECT_ROOT, default_model_dir, local_folder_prefix, resolve_model, setup_cache_env
 from .rundir import fingerprint, is_done, mark_done
 from .stage_configs import GenerateConfig, LoopConfig, SFTStageConfig
 from .stage_table import (STAGES, Stage, iteration_config, launch_command, prompt_source, stage_file, stage_machines,
@@ -79,11 +79,13 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
         if not 1 <= i <= cfg.iterations:
             raise ConfigError(f"{src}: per_iteration has iteration {i}, but iterations={cfg.iterations}.")
     if cfg.policy != "default":  # the default is prepared by run_loop.sh before the plan runs
-        try:
-            resolve_model(cfg.policy)
-        except FileNotFoundError:
-            raise ConfigError(f"{src}: policy={cfg.policy}: no such directory. Give a checkpoint folder, an HF Hub id "
-                              "(owner/name) or 'default'.") from None
+        _check_local_model(cfg.policy, "policy", src, "a checkpoint folder, an HF Hub id (owner/name) or 'default'")
+    for i in range(0, cfg.iterations + 1):  # a reward model given as a local path (Hub ids are not looked up here)
+        r = iteration_config(cfg, i).reward
+        if r.source == "reward_model" and r.reward_model:
+            _check_local_model(r.reward_model, "reward.reward_model" if i not in cfg.per_iteration else
+                               f"reward.reward_model (iteration {i})", src,
+                               "a reward-model folder or an HF Hub id (owner/name)")
     if cfg.sft.get("enabled"):  # the stage file's Axolotl keys too (the loop's own are checked above)
         sft = SFTStageConfig.from_dict(sft_dict(cfg, Path("/dry-run")), f"{src}, stage sft")
         check_axolotl_keys(sft.model_extra or {}, prefix=f"{cfg.sft.get('config', 'configs/sft.yaml')}: ",
@@ -141,6 +143,26 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
               f"{cfg.generation_shards}..{cfg.num_machines - 1} run no generation shard (one shard per device of "
               "every machine is usual).", file=sys.stderr)
     return cfg
+
+
+def _check_local_model(value: str, key: str, src: str, what: str) -> None:
+    """Refuse a model ``value`` that is meant as a local path (``./``, ``../``, ``/``, ``~``, two slashes,
+    or ``first/rest`` with a folder ``first`` here; see :func:`online_rlhf.paths.resolve_model`) and
+    does not exist, before any stage runs. A Hub id (``owner/name``) is accepted unchecked.
+
+    Raises:
+        ConfigError: naming the key, the absolute path looked at, where relative paths are taken
+            from, and what to give instead (``what``).
+    """
+    try:
+        resolve_model(value)
+    except FileNotFoundError:
+        looked = Path(value).expanduser().absolute()
+        hub = (f" ('{local_folder_prefix(value)}' is a folder in {Path.cwd()}, so {value} is taken as a local path, "
+               "not a Hub id.)" if local_folder_prefix(value) else "")
+        raise ConfigError(f"{src}: {key}={value}: no such directory (looked at {looked}; run_loop.sh takes a relative "
+                          f"path from where you run it when it is there, else from the project root {PROJECT_ROOT}).{hub} "
+                          f"Fix the path (an absolute one is the surest), or give {what}.") from None
 
 
 def _check_grpo_length(cfg: LoopConfig, i: int, d: dict, where: str) -> None:

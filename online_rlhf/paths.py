@@ -48,8 +48,13 @@ def setup_cache_env() -> None:
 def resolve_model(name: str) -> str:
     """``"default"`` -> the embedded default checkpoint dir; a path (``~`` expanded) or Hub id as is.
 
+    A name is taken as a local path when :func:`looks_like_path` says so, or when it has the form
+    ``first/rest`` of a Hub id but ``first`` is a folder here (``models/mine`` beside a ``models/``
+    folder): then it must exist.
+
     Raises:
-        FileNotFoundError: the default is not prepared, or a local path does not exist.
+        FileNotFoundError: the default is not prepared, or a local path does not exist (the message
+            names the absolute path looked at).
     """
     if name == "default":
         d = default_model_dir()
@@ -58,16 +63,28 @@ def resolve_model(name: str) -> str:
                 f"the default policy is not prepared at {d}. Run: .venv-train/bin/python scripts/prepare_default.py"
             )
         return str(d)
-    if looks_like_path(name):
-        if not Path(name).expanduser().exists():
+    if looks_like_path(name) or local_folder_prefix(name):
+        p = Path(name).expanduser()
+        if not p.exists():
+            why = (f" ({local_folder_prefix(name)!r} is a folder here, so it is taken as a local path, not a Hub id)"
+                   if not looks_like_path(name) else "")
             raise FileNotFoundError(
-                f"model {name!r}: no such directory. Give an existing checkpoint directory, an HF Hub id "
-                "(namespace/name), or 'default'."
+                f"model {name!r}: no such directory (looked at {p.absolute()}){why}. Give an existing checkpoint "
+                "directory, an HF Hub id (namespace/name), or 'default'."
             )
-        return str(Path(name).expanduser())
+        return str(p)
     return name
 
 
 def looks_like_path(name: str) -> bool:
     """True for strings that can only be local paths: absolute, ./ or ../, ~, or 2+ slashes."""
     return name.startswith(("/", "./", "../", "~")) or name.count("/") >= 2 or os.sep + os.sep in name
+
+
+def local_folder_prefix(name: str) -> str | None:
+    """For a Hub-id-shaped ``first/rest``: ``first`` when it is a folder in the current directory
+    (the name then means a local path), else None."""
+    if name.count("/") != 1 or looks_like_path(name):
+        return None
+    first = name.split("/", 1)[0]
+    return first if first and Path(first).is_dir() else None

@@ -46,6 +46,30 @@ def test_missing_local_policy_is_refused_at_start(small_cfg, tmp_path):
         loop.resolve(None, _with(small_cfg, f"policy={tmp_path / 'no_such_ckpt'}"))
 
 
+def test_a_relative_local_policy_that_does_not_exist_is_refused_naming_the_path(small_cfg, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # small_cfg made tmp_path/models/start
+    with pytest.raises(ConfigError, match=rf"policy=\./no_such_dir: no such directory \(looked at {tmp_path}/no_such_dir; "
+                                          r"run_loop\.sh takes a relative path .*Fix the path"):
+        loop.resolve(None, _with(small_cfg, "policy=./no_such_dir"))
+    # owner/name is a Hub id, unless 'owner' is a folder here: then it means a local path
+    with pytest.raises(ConfigError, match=rf"policy=models/mine: no such directory \(looked at {tmp_path}/models/mine; "
+                                          r".*'models' is a folder in .*not a Hub id"):
+        loop.resolve(None, _with(small_cfg, "policy=models/mine"))
+    assert loop.resolve(None, _with(small_cfg, "policy=models/start")).policy == "models/start"
+    assert loop.resolve(None, _with(small_cfg, "policy=some-org/some-model")).policy == "some-org/some-model"
+
+
+def test_a_local_reward_model_that_does_not_exist_is_refused_at_start(small_cfg, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rm = ["reward.source=reward_model"]
+    with pytest.raises(ConfigError, match=rf"reward\.reward_model=\./no_rm: no such directory \(looked at {tmp_path}/no_rm;"):
+        loop.resolve(None, small_cfg + rm + ["reward.reward_model=./no_rm"])
+    with pytest.raises(ConfigError, match=r"reward\.reward_model \(iteration 2\)=\S*gone: no such directory"):
+        loop.resolve(None, small_cfg + rm + ["reward.reward_model=org/rm",
+                                             f"per_iteration={{2: {{reward: {{reward_model: {tmp_path / 'gone'}}}}}}}"])
+    assert loop.resolve(None, small_cfg + rm + ["reward.reward_model=org/rm"]).reward.reward_model == "org/rm"
+
+
 def test_default_config_resolves():
     cfg = loop.resolve(str(ROOT / "configs/loop.yaml"), [])
     assert cfg.iterations == 2 and cfg.reward.source == "verifier"
