@@ -234,13 +234,15 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
     run_dir = run_dir.resolve()
     train_sets: dict[str, list[dict]] = {}  # prompt source -> rows (a source may change per iteration)
     warnings: list[str] = []
-    eval_ids = _eval_ids(cfg, run_dir)
+    eval_src, eval_rows = _eval_rows(cfg, run_dir)
+    eval_ids = {_prompt_key(r) for r in eval_rows}
     seen_train: dict[str, int] = {}  # train prompt id -> first iteration that used it
     layers = _Layers(config_path, [o for o in overrides if o.split("=", 1)[0] != "dry_run"])
     tokenizers: dict[str, Any] = {}  # policy dir -> tokenizer (None: none here), for the GRPO length check
     for i in range(0, cfg.iterations + 1):
         it = run_dir / f"iter_{i}"
         c = iteration_config(cfg, i)
+        _check_verifier_fields(c, eval_rows, f"eval_prompts {eval_src}")  # scored by eval_rewards in every iteration
         entries, grpo_values = {}, {}
         for stage in STAGES.values():
             if not stage.runs_in(cfg, i):
@@ -267,7 +269,9 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
                 from .records import load_prompts
 
                 train_sets[src] = load_prompts(src, prompt_field=c.prompt_field)
-            rows = _write_prompt_slice(it / "prompts.jsonl", train_sets[src], c, i)
+            rows = _prompt_slice(train_sets[src], c, i)
+            _check_verifier_fields(c, rows, f"train_prompts {src} (iteration {i}'s prompts)")
+            _write_prompt_slice(it / "prompts.jsonl", rows)
             warnings += _overlap_warnings(rows, i, eval_ids, seen_train)
             if grpo_values:
                 warnings += _grpo_prompt_length_warnings(c, i, rows, grpo_values, tokenizers)
@@ -552,12 +556,39 @@ def _write_run_config(run_dir: Path, body: str, header: str) -> None:
         f.write(body)
 
 
-def _eval_ids(cfg: LoopConfig, run_dir: Path) -> set[str]:
-    """Keys of the held-out prompts, loaded exactly as the eval_generate stage will load them."""
+def _eval_rows(cfg: LoopConfig, run_dir: Path) -> tuple[str, list[dict]]:
+    """``(source, rows)`` of the held-out prompts, loaded exactly as the eval_generate stage will load them."""
     from .records import load_prompts
 
     g = GenerateConfig.from_dict(stage_dict(cfg, run_dir, 0, "eval_generate"))
-    return {_prompt_key(r) for r in load_prompts(g.prompts, g.prompt_split, g.prompt_field, g.limit)}
+    return g.prompts, load_prompts(g.prompts, g.prompt_split, g.prompt_field, g.limit)
+
+
+def _check_verifier_fields(c: LoopConfig, rows: list[dict], what: str) -> None:
+    """With ``reward.source=verifier``, every prompt of ``rows`` must carry the fields the verifier
+    scores by (:func:`online_rlhf.verifiers.missing_fields`), else the rewards stage would leave it
+    unscored (``missing_field``) after its responses were generated.
+
+    Raises:
+        ConfigError: naming ``what`` (the key and file), how many prompts lack the fields, the first
+            one's id, what it lacks, and the fixes (add the fields, or another reward source).
+    """
+    if c.reward.source != "verifier":
+        return
+    from .verifiers import FIELDS_HELP, missing_fields
+
+    bad = [(r["id"], m) for r in rows if (m := missing_fields(r, c.reward.verifier))]
+    if not bad:
+        return
+    rid, lacks = bad[0]
+    kinds = [c.reward.verifier] if c.reward.verifier != "auto" else ["ifeval", "math"]
+    raise ConfigError(
+        f"{what}: {len(bad)} of {len(rows)} prompts lack the fields reward.source=verifier "
+        f"(reward.verifier={c.reward.verifier}) scores by; the first, id {rid!r}, needs {lacks}. Their responses would "
+        f"be generated, then left unscored. Add to every prompt {' or '.join(FIELDS_HELP[k] for k in kinds)}; or score "
+        "them another way: reward.source=reward_model reward.reward_model=<folder or Hub id> (a Bradley-Terry reward "
+        "model), reward.source=remote reward.url=<http://...>, or reward.source=judge reward.url=<.../v1> "
+        "reward.judge_model=<name>.")
 
 
 def _prompt_key(rec: dict) -> str:
@@ -589,17 +620,18 @@ def _write_if_changed(path: Path, text: str) -> None:
         f.write(text)
 
 
-def _write_prompt_slice(path: Path, train: list[dict], c: LoopConfig, i: int) -> list[dict]:
+def _prompt_slice(train: list[dict], c: LoopConfig, i: int) -> list[dict]:
     """Iteration i's train prompts: slice i of ``prompts_per_iteration`` (wrapping), else the first ``train_limit``."""
     n = c.prompts_per_iteration
     if n:
         start = ((i - 1) * n) % len(train)
-        rows = (train + train)[start:start + min(n, len(train))]
-    else:
-        rows = train[: c.train_limit] if c.train_limit else train
-    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
-    _write_if_changed(path, text)
-    return rows
+        return (train + train)[start:start + min(n, len(train))]
+    return train[: c.train_limit] if c.train_limit else train
+
+
+def _write_prompt_slice(path: Path, rows: list[dict]) -> None:
+    """Write an iteration's train prompts (:func:`_prompt_slice`) as JSONL, unless the file already holds them."""
+    _write_if_changed(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
 def _stage_entry(run_dir: Path, i: int, stage: str) -> dict:

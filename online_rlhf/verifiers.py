@@ -222,6 +222,38 @@ def pick_verifier(record: dict, verifier: str = "auto") -> str:
     raise Unscorable("missing_field")
 
 
+FIELDS_HELP = {
+    "ifeval": "instruction_id_list (a non-empty list of IFEval/IFBench instruction ids) + kwargs (one object of "
+              "arguments per id, or null)",
+    "math": "answer (the gold answer: a GSM8K solution ending in '#### 42', a number or LaTeX)",
+}
+
+
+def missing_fields(record: dict, verifier: str = "auto") -> str | None:
+    """What a prompt (or generated) record lacks for ``verifier`` to score it, in words; None when
+    its fields are there (the checks of :func:`pick_verifier`, :func:`_ifeval_fields` and
+    :func:`math_rewards` that need no checker: an unknown instruction id is left to the stage).
+
+    ``auto`` needs ``instruction_id_list`` (then as ``ifeval``) or ``answer`` (then as ``math``).
+    """
+    if verifier == "auto":
+        if "instruction_id_list" in record:
+            verifier = "ifeval"
+        elif "answer" in record:
+            verifier = "math"
+        else:
+            return "instruction_id_list + kwargs (verifier=ifeval) or answer (verifier=math)"
+    if verifier == "math":
+        return None if record.get("answer") not in (None, "") else "answer (it is missing or empty)"
+    ids, kwargs = record.get("instruction_id_list"), record.get("kwargs")
+    if not isinstance(ids, list) or not ids:
+        return "instruction_id_list (it is missing, empty or not a list)"
+    if kwargs is not None and (not isinstance(kwargs, list) or len(kwargs) != len(ids)
+                               or not all(isinstance(k, dict) or k is None for k in kwargs)):
+        return f"kwargs as one object (or null) per instruction id ({len(ids)} of them)"
+    return None
+
+
 def score(records: list[dict], cfg) -> ScoreResult:
     """Rule-based rewards of generated records.
 

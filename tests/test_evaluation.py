@@ -275,8 +275,9 @@ def test_ifeval_preparation_yields_541_unique_prompts_with_instructions():
 
 @pytest.fixture
 def cfg_args(tmp_path):
-    write_jsonl(tmp_path / "train.jsonl", [{"id": f"t{i}", "prompt": f"train {i}"} for i in range(8)])
-    write_jsonl(tmp_path / "eval.jsonl", [{"id": f"e{i}", "prompt": f"eval {i}"} for i in range(4)])
+    # "answer": the field the default reward (verifier) scores by; the plan checks it is there
+    write_jsonl(tmp_path / "train.jsonl", [{"id": f"t{i}", "prompt": f"train {i}", "answer": str(i)} for i in range(8)])
+    write_jsonl(tmp_path / "eval.jsonl", [{"id": f"e{i}", "prompt": f"eval {i}", "answer": str(i)} for i in range(4)])
     policy = tmp_path / "models" / "start"
     policy.mkdir(parents=True)
     return [f"train_prompts={tmp_path / 'train.jsonl'}", f"eval_prompts={tmp_path / 'eval.jsonl'}",

@@ -218,7 +218,7 @@ def test_grpo_sampling_keys_follow_the_generation_section():
 
 def _plan_args(tmp_path: Path) -> list[str]:
     prompts = tmp_path / "prompts.jsonl"
-    write_jsonl(prompts, [{"id": f"p{j}", "prompt": f"q{j}"} for j in range(6)])
+    write_jsonl(prompts, [{"id": f"p{j}", "prompt": f"q{j}", "answer": str(j)} for j in range(6)])  # answer: for the verifier
     (tmp_path / "pol").mkdir(exist_ok=True)
     return [f"train_prompts={prompts}", f"eval_prompts={prompts}", f"output_root={tmp_path / 'runs'}", "run_name=r",
             f"policy={tmp_path / 'pol'}", "ifeval.when=never", *SMALL]
@@ -254,7 +254,8 @@ def test_grpo_max_length_must_leave_room_for_a_prompt():
 
 def test_plan_warns_when_the_longest_prompt_and_max_tokens_exceed_max_length(tmp_path, policy, capsys):
     prompts = tmp_path / "long.jsonl"
-    write_jsonl(prompts, [{"id": "short", "prompt": "hi"}, {"id": "long", "prompt": " ".join(["word"] * 40)}])
+    write_jsonl(prompts, [{"id": "short", "prompt": "hi", "answer": "1"},
+                          {"id": "long", "prompt": " ".join(["word"] * 40), "answer": "2"}])
     args = [f"train_prompts={prompts}", f"eval_prompts={prompts}", f"output_root={tmp_path / 'runs'}", "run_name=r",
             f"policy={policy}", "ifeval.when=never", "iterations=1", "num_processes=1", "algorithm=grpo",
             "generation.max_tokens=16"]

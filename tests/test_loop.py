@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _prompts(path: Path, n: int) -> Path:
-    write_jsonl(path, [{"id": f"p{i}", "prompt": f"question {i}"} for i in range(n)])
+    # "answer": the field reward.source=verifier (the default) scores by; the plan checks it is there
+    write_jsonl(path, [{"id": f"p{i}", "prompt": f"question {i}", "answer": str(i)} for i in range(n)])
     return path
 
 
@@ -68,6 +69,31 @@ def test_a_local_reward_model_that_does_not_exist_is_refused_at_start(small_cfg,
         loop.resolve(None, small_cfg + rm + ["reward.reward_model=org/rm",
                                              f"per_iteration={{2: {{reward: {{reward_model: {tmp_path / 'gone'}}}}}}}"])
     assert loop.resolve(None, small_cfg + rm + ["reward.reward_model=org/rm"]).reward.reward_model == "org/rm"
+
+
+def test_prompts_without_the_verifiers_fields_are_refused_by_the_plan(small_cfg, tmp_path):
+    bare = tmp_path / "bare.jsonl"
+    write_jsonl(bare, [{"id": "q1", "prompt": "Write a poem."}, {"id": "q2", "prompt": "Add 2 and 2."}])
+    fix = (r"Add to every prompt instruction_id_list .* or answer .*reward\.source=reward_model "
+           r"reward\.reward_model=<folder or Hub id>.*reward\.source=remote reward\.url=.*reward\.judge_model=")
+    with pytest.raises(ConfigError, match=rf"train_prompts {bare} \(iteration 1's prompts\): 2 of 2 prompts lack the "
+                                          rf"fields reward\.source=verifier \(reward\.verifier=auto\) scores by; the "
+                                          rf"first, id 'q1', needs instruction_id_list \+ kwargs .* or answer.*{fix}"):
+        loop.plan(None, _with(small_cfg, f"train_prompts={bare}"))
+    with pytest.raises(ConfigError, match=rf"eval_prompts {bare}: 2 of 2 prompts .*id 'q1'"):
+        loop.plan(None, _with(small_cfg, f"eval_prompts={bare}"))
+    # a named verifier needs its own field: the answers of small_cfg's prompts are no instruction ids
+    with pytest.raises(ConfigError, match=r"reward\.verifier=ifeval.*id 'p0', needs instruction_id_list \(it is missing"):
+        loop.plan(None, small_cfg + ["reward.verifier=ifeval"])
+    ifeval = tmp_path / "ifeval_like.jsonl"
+    write_jsonl(ifeval, [{"id": "i1", "prompt": "Answer in lowercase.", "instruction_id_list": ["change_case:english_lowercase"],
+                          "kwargs": [{}, {}]}])
+    with pytest.raises(ConfigError, match=r"id 'i1', needs kwargs as one object \(or null\) per instruction id \(1 of them\)"):
+        loop.plan(None, _with(small_cfg, f"train_prompts={ifeval}"))
+    rm = tmp_path / "rm"
+    rm.mkdir()  # another reward source scores any prompt
+    loop.plan(None, _with(small_cfg, f"train_prompts={bare}", f"eval_prompts={bare}") +
+              ["reward.source=reward_model", f"reward.reward_model={rm}"])
 
 
 def test_default_config_resolves():

@@ -260,3 +260,22 @@ def test_get_rewards_counts_the_blank_lines_of_its_input(tmp_path, capsys):
     stats = get_rewards.main(RewardConfig(input=str(src), output=str(tmp_path / "rewards.jsonl"), verifier="math"))
     assert stats.records_scored == 1 and stats.input_blank_lines == 2
     assert f"note: skipped 2 blank line(s) in {src} (line 1, 3)" in capsys.readouterr().err
+
+
+_P = [{"role": "user", "content": "Answer in lowercase: what is 2+2?"}]
+
+
+@pytest.mark.parametrize("verifier,fields", [
+    ("auto", {}), ("auto", {"answer": "4"}), ("auto", {"answer": ""}), ("auto", {"instruction_id_list": []}),
+    ("auto", {"instruction_id_list": ["change_case:english_lowercase"]}),
+    ("auto", {"instruction_id_list": ["change_case:english_lowercase"], "kwargs": [{}, {}]}),
+    ("auto", {"instruction_id_list": ["change_case:english_lowercase"], "kwargs": [None], "answer": "4"}),
+    ("math", {"instruction_id_list": ["change_case:english_lowercase"]}), ("math", {"answer": "#### 4"}),
+    ("ifeval", {"answer": "4"}), ("ifeval", {"instruction_id_list": ["change_case:english_lowercase"], "kwargs": "x"}),
+])
+def test_missing_fields_agrees_with_what_score_cannot_score(verifier, fields):
+    """The plan's check (missing_fields) refuses exactly the records the stage would skip for a missing/bad field."""
+    rec = {"id": "r", "prompt": _P, "responses": ["four", "4"], "finish_reasons": ["stop"] * 2, **fields}
+    skipped = verifiers.score([rec], cfg(verifier=verifier)).skipped
+    field_reasons = [r for r in skipped if r.startswith(("missing_field", "bad_field"))]
+    assert (verifiers.missing_fields(rec, verifier) is None) == (not field_reasons), (skipped, fields)
