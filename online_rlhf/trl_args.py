@@ -26,9 +26,8 @@ STAGE_OWNED = {
 
 
 def _dpo_fields() -> dict | None:
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):  # bitsandbytes' import-time notice on CPU
-            from trl import DPOConfig
+    try:  # bitsandbytes' import-time notice on CPU is filtered in online_rlhf/__init__.py
+        from trl import DPOConfig
     except ImportError:
         return None
     return {f.name: f for f in dataclasses.fields(DPOConfig) if f.init}

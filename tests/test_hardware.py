@@ -200,3 +200,23 @@ def test_stage_outputs_that_would_replace_their_input_are_refused(tmp_path):
         DPOStageConfig(policy=str(model), pairs="x.jsonl", output_dir=str(model))
     with pytest.raises(ValueError, match="is the reference checkpoint"):
         DPOStageConfig(policy="default", reference=str(model), pairs="x.jsonl", output_dir=str(model) + "/")
+
+
+def test_only_the_bitsandbytes_kernels_notice_is_dropped(caplog):
+    """bitsandbytes logs "Failed to load CPU gemm_4bit_forward from kernels-community" on every
+    peft/trl import on an AVX512-BF16 CPU without `kernels`; online_rlhf drops that message alone."""
+    import importlib.util
+    import logging
+
+    import online_rlhf
+
+    log = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        log.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure you already "
+                    "`pip install kernels` and the kernels >= 0.11.1", "No module named 'kernels'")
+        log.warning("another bitsandbytes warning")
+    assert [r.getMessage() for r in caplog.records] == ["another bitsandbytes warning"]
+    spec = importlib.util.find_spec("bitsandbytes")  # the installed version still logs that text from that module
+    if spec is not None:
+        ops = Path(spec.origin).parent / "backends" / "cpu" / "ops.py"
+        assert online_rlhf._BNB_KERNELS_NOTICE in ops.read_text(), f"{ops}: the notice changed; update the filter"
