@@ -7,8 +7,9 @@ import logging as _logging
 # of peft/trl (DPO, GRPO, KL stages, the loop's DPOConfig check) triggers: "Failed to load CPU
 # gemm_4bit_forward from kernels-community: No module named 'kernels' ...". It concerns 4-bit
 # quantized matmuls only, which this project never uses, and bitsandbytes has no setting to turn
-# it off. So that one message of that one logger is dropped here, before any stage imports
-# bitsandbytes; every other message of bitsandbytes still shows.
+# it off. So that one message of that one logger is dropped here, on import of this package, which
+# every stage process does before it imports bitsandbytes (the SFT stage's Axolotl process by way of
+# online_rlhf.stages.axolotl_train); every other message of bitsandbytes still shows.
 _BNB_KERNELS_NOTICE = "Failed to load CPU gemm_4bit_forward from kernels-community"
 
 
@@ -17,4 +18,11 @@ class _DropBnbKernelsNotice(_logging.Filter):
         return not str(record.msg).startswith(_BNB_KERNELS_NOTICE)
 
 
-_logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropBnbKernelsNotice())
+def drop_bitsandbytes_kernels_notice() -> None:
+    """Install the filter above on bitsandbytes' CPU-ops logger (once; importing this package does it)."""
+    logger = _logging.getLogger("bitsandbytes.backends.cpu.ops")
+    if not any(isinstance(f, _DropBnbKernelsNotice) for f in logger.filters):
+        logger.addFilter(_DropBnbKernelsNotice())
+
+
+drop_bitsandbytes_kernels_notice()

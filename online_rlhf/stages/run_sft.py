@@ -20,7 +20,8 @@ Order of work (top to bottom in :func:`main`):
      ``<output_dir>.tmp``, eos = pad = the base model's eos unless ``special_tokens`` says
      otherwise, our log plugin) is written to ``<output_dir>.axolotl.yaml``;
   4. ``python -m axolotl.cli.train <yaml>`` (or ``accelerate launch -m axolotl.cli.train``) runs
-     with ``AXOLOTL_DO_NOT_TRACK=1``; its log is echoed;
+     with ``AXOLOTL_DO_NOT_TRACK=1``, by way of ``online_rlhf.stages.axolotl_train`` (the same
+     after this package's logging filter, see ``online_rlhf/__init__.py``); its log is echoed;
   5. the output becomes a clean HF checkpoint: only weights, config, tokenizer files and chat
      template are kept (no optimizer states, checkpoint-*/ folders, logs, model card); eos and pad
      are set in tokenizer, config and generation_config (the base model's generation_config is
@@ -64,6 +65,7 @@ from online_rlhf.stats import SFTStats, stats_path
 from online_rlhf.trl_args import check_axolotl_keys as _check_axolotl_keys
 
 PLUGIN = "online_rlhf.stages.axolotl_plugin.TrainLogPlugin"
+AXOLOTL_TRAIN = "online_rlhf.stages.axolotl_train"  # axolotl.cli.train, after online_rlhf's logging filter
 TRAIN_LOG = "sft_train_log.json"  # written by the plugin into Axolotl's output_dir
 # Axolotl keys the stage sets itself.
 _STAGE_OWNED = {
@@ -221,16 +223,17 @@ def _on_gpu() -> bool:
 
 def launch_command(cfg: SFTStageConfig, yaml_path: Path) -> list[str]:
     """``python -m axolotl.cli.train YAML`` or ``accelerate launch --num_processes N -m axolotl.cli.train YAML``
-    (what ``axolotl train`` runs, with this env's interpreter instead of whatever is first on PATH)."""
+    (what ``axolotl train`` runs, with this env's interpreter instead of whatever is first on PATH),
+    by way of :mod:`online_rlhf.stages.axolotl_train` (the same, with this package's logging filter first)."""
     if cfg.launcher == "python":
-        return [sys.executable, "-m", "axolotl.cli.train", str(yaml_path)]
+        return [sys.executable, "-m", AXOLOTL_TRAIN, str(yaml_path)]
     n = cfg.num_processes
     if n is None:
         import torch
 
         n = max(torch.cuda.device_count(), 1)
     accelerate = Path(sys.executable).parent / "accelerate"
-    return [str(accelerate), "launch", "--num_processes", str(n), "-m", "axolotl.cli.train", str(yaml_path)]
+    return [str(accelerate), "launch", "--num_processes", str(n), "-m", AXOLOTL_TRAIN, str(yaml_path)]
 
 
 def run_axolotl(cmd: list[str]) -> tuple[dict, deque]:
