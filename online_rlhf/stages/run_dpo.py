@@ -287,11 +287,13 @@ def check_lengths(pairs: list[dict], max_length: int | None, max_prompt_length: 
     (``keep_start``) or the start of the prompt (``keep_end``); they are counted, not dropped.
 
     Returns:
-        (kept pairs, info) with info holding ``dropped``, ``examples`` and ``truncation`` counts.
+        (kept pairs, info) with info holding ``dropped``, ``examples``, ``truncation`` counts and
+        ``sequence_tokens`` (the kept pairs' prompt + chosen and prompt + rejected tokens after
+        truncation: the tokens one epoch trains on, padding not counted).
     """
     kept, dropped, examples = [], Counter(), {}
     trunc = Counter()
-    max_p = max_seq = 0
+    max_p = max_seq = seq_tokens = 0
     for p in pairs:
         n_p, n_c, n_r = len(p["prompt_ids"]), len(p["chosen_ids"]), len(p["rejected_ids"])
         max_p, max_seq = max(max_p, n_p), max(max_seq, n_p + n_c, n_p + n_r)
@@ -303,13 +305,15 @@ def check_lengths(pairs: list[dict], max_length: int | None, max_prompt_length: 
             if len(ex) < _MAX_EXAMPLES:
                 ex.append(f"{p['_where']} ({n_p} prompt tokens)")
             continue
+        cap = max_length if max_length is not None else n_p + max(n_c, n_r)
+        seq_tokens += min(n_p + n_c, cap) + min(n_p + n_r, cap)
         if max_length is not None:
             c_over, r_over = n_p + n_c > max_length, n_p + n_r > max_length
             trunc["chosen_truncated"] += c_over
             trunc["rejected_truncated"] += r_over
             trunc["pairs_truncated"] += c_over or r_over
         kept.append(p)
-    info = {"dropped": dict(dropped), "examples": examples,
+    info = {"dropped": dict(dropped), "examples": examples, "sequence_tokens": seq_tokens,
             "truncation": {"max_length": max_length, "max_prompt_length": max_prompt_length,
                            "truncation_mode": truncation_mode, "pairs_truncated": trunc["pairs_truncated"],
                            "chosen_truncated": trunc["chosen_truncated"],
@@ -566,6 +570,8 @@ def main(cfg: DPOStageConfig) -> DPOStats:
         num_processes=trainer.accelerator.num_processes,
         deepspeed_zero_stage=args.deepspeed_plugin.zero_stage if args.deepspeed_plugin else None,
         steps=trainer.state.global_step,
+        sequence_tokens=len_info["sequence_tokens"],
+        epochs=round(float(trainer.state.epoch or 0.0), 4),
         train_loss_mean=train_out.training_loss,
         **summarize_log_history(trainer.state.log_history),
         output_dir=str(out_dir),
