@@ -46,6 +46,7 @@ import gc
 import os
 import time
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -330,6 +331,35 @@ def _load_causal_lm(path: str, dtype: str, attn: str, trust_remote_code: bool):
                                                 trust_remote_code=trust_remote_code)
 
 
+@contextmanager
+def _prepared_forward(accelerator, model):
+    """While the block runs, ``model.forward`` runs under ``accelerator``'s mixed-precision autocast
+    and returns fp32 outputs, as it does once ``accelerator.prepare`` has wrapped it (accelerate's
+    ``prepare_model``: autocast, then ``convert_outputs_to_fp32``; fp32 logits matter, a bf16
+    log-softmax over the vocabulary is off by ~0.05 nats per token). A no-op without native
+    mixed precision (fp32, DeepSpeed) or without a model."""
+    if model is None or not accelerator.native_amp:
+        yield
+        return
+    from accelerate.utils import convert_outputs_to_fp32
+
+    own = "forward" in vars(model)
+    original = model.forward
+
+    def forward(*args, **kwargs):
+        with accelerator.autocast():
+            return original(*args, **kwargs)
+
+    model.forward = convert_outputs_to_fp32(forward)
+    try:
+        yield
+    finally:
+        if own:
+            model.forward = original
+        else:
+            del model.forward  # back to the class's method
+
+
 def _timed_trainer_class():
     from trl import DPOTrainer
 
@@ -358,7 +388,13 @@ def _timed_trainer_class():
         def _precompute_ref_logps(self, *args, **kwargs):
             t = time.perf_counter()
             try:
-                return super()._precompute_ref_logps(*args, **kwargs)
+                # TRL runs this pass before `train` prepares the model, so without the mixed precision
+                # the steps run under: fp32 reference log-probs against the policy's bf16-autocast ones,
+                # and twice the time on a CPU with native bf16. The forward of both models now runs as
+                # accelerate's prepare makes it run in the steps.
+                with _prepared_forward(self.accelerator, self.model), \
+                        _prepared_forward(self.accelerator, self.ref_model):
+                    return super()._precompute_ref_logps(*args, **kwargs)
             finally:
                 self.precompute_seconds += time.perf_counter() - t
 
