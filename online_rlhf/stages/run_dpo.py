@@ -332,7 +332,7 @@ def _load_causal_lm(path: str, dtype: str, attn: str, trust_remote_code: bool):
 
 
 @contextmanager
-def _prepared_forward(accelerator, model):
+def prepared_forward(accelerator, model):
     """While the block runs, ``model.forward`` runs under ``accelerator``'s mixed-precision autocast
     and returns fp32 outputs, as it does once ``accelerator.prepare`` has wrapped it (accelerate's
     ``prepare_model``: autocast, then ``convert_outputs_to_fp32``; fp32 logits matter, a bf16
@@ -392,8 +392,8 @@ def _timed_trainer_class():
                 # the steps run under: fp32 reference log-probs against the policy's bf16-autocast ones,
                 # and twice the time on a CPU with native bf16. The forward of both models now runs as
                 # accelerate's prepare makes it run in the steps.
-                with _prepared_forward(self.accelerator, self.model), \
-                        _prepared_forward(self.accelerator, self.ref_model):
+                with prepared_forward(self.accelerator, self.model), \
+                        prepared_forward(self.accelerator, self.ref_model):
                     return super()._precompute_ref_logps(*args, **kwargs)
             finally:
                 self.precompute_seconds += time.perf_counter() - t
