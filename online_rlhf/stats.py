@@ -149,6 +149,9 @@ class _GenerationCommon(StageStats):
     special_token_text: dict[str, int]  # {"prompts": n, "responses": n}
     response_ids_differ_from_text: int
     k: int
+    # prompt tokens the engine prefilled, each prompt once (its K samples share them); None in
+    # stats written before the key existed
+    prompt_tokens: Optional[int] = None
     engine_startup_s: Optional[float]  # None: no engine started (no prompt to generate for)
     generation_s: Optional[float]
     generated_tokens_per_s: Optional[float]
@@ -325,6 +328,10 @@ class DPOStats(StageStats):
     num_processes: int
     deepspeed_zero_stage: Optional[int]
     steps: int
+    # tokens of the kept pairs' sequences (prompt + chosen and prompt + rejected, after max_length
+    # truncation; no padding) and the epochs trained over them (None in older stats files)
+    sequence_tokens: Optional[int] = None
+    epochs: Optional[float] = None
     train_loss_mean: Optional[float]
     history: list[dict[str, Any]]
     train_loss_first: Optional[float]
@@ -491,6 +498,7 @@ class KLStats(StageStats):
     dtype: str
     hardware: dict[str, Any]
     seconds: float
+    tokens: Optional[int] = None  # prompt + response tokens scored by each model (None in older stats files)
 
 
 # --------------------------------------------------------------------------------------- dry run

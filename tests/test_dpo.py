@@ -478,3 +478,16 @@ def test_check_vllm_load_help_and_bad_arguments_do_not_start_vllm(tmp_path):
     assert r.returncode == 2 and "usage: check_vllm_load.py CHECKPOINT_DIR" in r.stderr
     r = run(str(tmp_path / "nodir"))
     assert r.returncode == 2 and "is not a directory" in r.stderr
+
+
+def test_reference_pass_runs_under_the_training_autocast(tmp_path, models, monkeypatch):
+    """With bf16 autocast training (a CPU with native bf16, forced here), TRL's reference pass runs
+    before `train` prepares the model: it must run the forward as the steps do (autocast, fp32
+    logits). Before the first update policy = reference, so the DPO margin must then be 0 and the
+    loss log(2); with an fp32 reference pass the margin was ~3e-4 here, with bf16 logits ~6e-3."""
+    monkeypatch.setenv("ONLINE_RLHF_CPU_BF16", "1")
+    pairs = _write_pairs(tmp_path / "pairs.jsonl", [_pair(i) for i in range(4)])
+    stats = run_dpo.main(_cfg(tmp_path, models["p0"], pairs, training={"loss_type": "sigmoid", "max_steps": 1}))
+    assert stats.hardware["dtype"] == "float32 + bf16 autocast" and stats.reference.precomputed_log_probs
+    assert abs(stats.history[0]["rewards/chosen"]) < 1e-5 and abs(stats.history[0]["rewards/rejected"]) < 1e-5
+    assert stats.train_loss_first == pytest.approx(0.6931472, abs=1e-6)

@@ -180,6 +180,7 @@ def test_kl_scores_the_sampled_ids_when_the_records_have_them(tmp_path):
     st = kl_estimate.main(KLConfig(input=str(tmp_path / "in.jsonl"), policy=str(policy), reference=str(other),
                                    output=str(tmp_path / "kl.jsonl")))
     assert (st.samples, st.retokenized, st.retokenized_length_differs) == (2, 0, 0)
+    assert st.tokens == 2 * len(prompt_ids) + 3 + 2  # prompt + response ids scored per model
     row = read_jsonl(tmp_path / "kl.jsonl")[0]
     assert row["response_tokens"] == [3, 2]
     from transformers import AutoModelForCausalLM

@@ -205,6 +205,7 @@ def test_records_have_k_responses_finish_reasons_and_task_fields(policy, tmp_pat
     assert all(ids.count(BOS_ID) == 1 for ids in calls[0]["prompt_ids"])
     assert stats.finish_reasons == {"length": 3, "stop": 6} and stats.records_out == 3
     assert stats.prompts_all_distinct == 3 and stats.mean_response_tokens == 4.0
+    assert stats.prompt_tokens == sum(len(ids) for ids in calls[0]["prompt_ids"])  # each prompt once, not K times
 
 
 def test_save_token_ids_writes_the_ids_the_engine_got_and_sampled(policy, tmp_path, monkeypatch):
@@ -315,7 +316,7 @@ def fake_shards(tmp_path: Path, prompts: Path, w: int, skipped: dict[str, str] =
         write_jsonl(path, recs)
         example_stats(GenerateShardStats,
             shard_index=r, num_shards=w, generation_s=1.0 + r, engine_startup_s=20.0,
-            special_token_text={"prompts": r, "responses": 2 * r}, response_ids_differ_from_text=1,
+            special_token_text={"prompts": r, "responses": 2 * r}, response_ids_differ_from_text=1, prompt_tokens=10 + r,
             skipped_ids={i: why for i, why in skipped.items() if i in {p["id"] for p in rows[r::w]}}).write(stats_path(path))
     return GenerateConfig.from_dict({"prompts": str(prompts), "output": str(tmp_path / "generated.jsonl"),
                                      "num_shards": w, "k": 2})
@@ -334,6 +335,7 @@ def test_merge_keeps_prompt_order_and_counts_skipped(tmp_path, w):
     n = sum(range(w))  # shard r reported r prompts and 2r responses with special-token strings
     assert stats.special_token_text == {"prompts": n, "responses": 2 * n}
     assert stats.response_ids_differ_from_text == w
+    assert stats.prompt_tokens == sum(10 + r for r in range(w))  # prefilled tokens add up over shards
 
 
 def test_merge_stats_count_blank_lines_and_removed_assistant_turns_of_the_prompt_file(tmp_path, capsys):

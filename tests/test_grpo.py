@@ -597,3 +597,24 @@ def test_kill_during_grpo_then_resume_matches_uninterrupted(grpo_run, tmp_path):
     got = read_jsonl(killed / "metrics.jsonl")[1]
     assert got["grpo"]["loss_last"] == rows[1]["grpo"]["loss_last"]
     assert got["eval_reward_mean"] == rows[1]["eval_reward_mean"]
+
+
+def test_bf16_cpu_runs_steps_and_reference_under_autocast(tmp_path, policy, monkeypatch, request):
+    """On a CPU with native bf16 (forced here) the stage trains under bf16 autocast, and the
+    reference pass runs as the prepared policy does: a reference equal to the policy then gives a KL
+    of 0 and a ratio of 1 at the first step (an fp32 reference pass against bf16 policy log-probs did not)."""
+    import shutil
+
+    from accelerate.state import AcceleratorState
+
+    monkeypatch.setenv("ONLINE_RLHF_CPU_BF16", "1")
+    AcceleratorState._reset_state(True)  # a stage is a process of its own; here earlier tests made the state
+    request.addfinalizer(lambda: AcceleratorState._reset_state(True))
+    ref = tmp_path / "ref"
+    shutil.copytree(policy, ref)  # the same weights from another directory: loaded as a separate reference
+    rows = [_record(i, ["yes yes yes", "no no no", "yes yes yes", "no no no"], [1.0, 0.0, 1.0, 0.0]) for i in range(2)]
+    write_jsonl(tmp_path / "rewards.jsonl", rows)
+    stats = run_grpo.main(_cfg(tmp_path, policy, tmp_path / "rewards.jsonl", beta=0.04, reference=str(ref)))
+    assert stats.hardware["dtype"] == "float32 + bf16 autocast" and stats.reference["source"] != "policy"
+    assert stats.ratio_first_step_max_dev < 1e-4
+    assert abs(stats.history[0]["kl"]) < 5e-8  # 0.0 here; 5e-7 with an fp32 reference pass

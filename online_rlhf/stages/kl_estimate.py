@@ -194,7 +194,8 @@ def main(cfg: KLConfig) -> KLStats:
                     records_in=len(records), skipped=dict(skipped), dtype=cfg.dtype, **summary,
                     retokenized_length_differs=differs, retokenized=retokenized,
                     mean_response_tokens=round(sum(len(r) for _, r in seqs) / len(seqs), 2),
-                    hardware=describe(_device(), cfg.dtype), seconds=round(time.time() - t0, 2))
+                    hardware=describe(_device(), cfg.dtype), seconds=round(time.time() - t0, 2),
+                    tokens=sum(len(p) + len(r) for p, r in seqs))
     stats.write(stats_path(cfg.output))
     print(f"kl_estimate: KL(policy || reference) = {summary['kl_mean']:.4f} nats per response "
           f"(se {summary['kl_se']}, {summary['samples']} samples) -> {cfg.output}", file=sys.stderr)

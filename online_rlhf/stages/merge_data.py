@@ -120,6 +120,8 @@ def merge_shards(cfg: GenerateConfig) -> GenerateStats:
         warnings=[*summary["warnings"], *([slow] if slow else [])],
         input_fields_replaced=dict(replaced), special_token_text=dict(special),
         response_ids_differ_from_text=sum(s.response_ids_differ_from_text for s in shard_stats), k=cfg.k,
+        prompt_tokens=(None if any(s.prompt_tokens is None for s in shard_stats)
+                       else sum(s.prompt_tokens for s in shard_stats)),
         # shards run side by side: wall time is the slowest shard's
         engine_startup_s=max(start_s) if start_s else None,
         generation_s=max(gen_s) if gen_s else None,

@@ -46,6 +46,7 @@ import gc
 import os
 import time
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -287,11 +288,13 @@ def check_lengths(pairs: list[dict], max_length: int | None, max_prompt_length: 
     (``keep_start``) or the start of the prompt (``keep_end``); they are counted, not dropped.
 
     Returns:
-        (kept pairs, info) with info holding ``dropped``, ``examples`` and ``truncation`` counts.
+        (kept pairs, info) with info holding ``dropped``, ``examples``, ``truncation`` counts and
+        ``sequence_tokens`` (the kept pairs' prompt + chosen and prompt + rejected tokens after
+        truncation: the tokens one epoch trains on, padding not counted).
     """
     kept, dropped, examples = [], Counter(), {}
     trunc = Counter()
-    max_p = max_seq = 0
+    max_p = max_seq = seq_tokens = 0
     for p in pairs:
         n_p, n_c, n_r = len(p["prompt_ids"]), len(p["chosen_ids"]), len(p["rejected_ids"])
         max_p, max_seq = max(max_p, n_p), max(max_seq, n_p + n_c, n_p + n_r)
@@ -303,13 +306,15 @@ def check_lengths(pairs: list[dict], max_length: int | None, max_prompt_length: 
             if len(ex) < _MAX_EXAMPLES:
                 ex.append(f"{p['_where']} ({n_p} prompt tokens)")
             continue
+        cap = max_length if max_length is not None else n_p + max(n_c, n_r)
+        seq_tokens += min(n_p + n_c, cap) + min(n_p + n_r, cap)
         if max_length is not None:
             c_over, r_over = n_p + n_c > max_length, n_p + n_r > max_length
             trunc["chosen_truncated"] += c_over
             trunc["rejected_truncated"] += r_over
             trunc["pairs_truncated"] += c_over or r_over
         kept.append(p)
-    info = {"dropped": dict(dropped), "examples": examples,
+    info = {"dropped": dict(dropped), "examples": examples, "sequence_tokens": seq_tokens,
             "truncation": {"max_length": max_length, "max_prompt_length": max_prompt_length,
                            "truncation_mode": truncation_mode, "pairs_truncated": trunc["pairs_truncated"],
                            "chosen_truncated": trunc["chosen_truncated"],
@@ -324,6 +329,35 @@ def _load_causal_lm(path: str, dtype: str, attn: str, trust_remote_code: bool):
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=attn,
                                                 trust_remote_code=trust_remote_code)
+
+
+@contextmanager
+def prepared_forward(accelerator, model):
+    """While the block runs, ``model.forward`` runs under ``accelerator``'s mixed-precision autocast
+    and returns fp32 outputs, as it does once ``accelerator.prepare`` has wrapped it (accelerate's
+    ``prepare_model``: autocast, then ``convert_outputs_to_fp32``; fp32 logits matter, a bf16
+    log-softmax over the vocabulary is off by ~0.05 nats per token). A no-op without native
+    mixed precision (fp32, DeepSpeed) or without a model."""
+    if model is None or not accelerator.native_amp:
+        yield
+        return
+    from accelerate.utils import convert_outputs_to_fp32
+
+    own = "forward" in vars(model)
+    original = model.forward
+
+    def forward(*args, **kwargs):
+        with accelerator.autocast():
+            return original(*args, **kwargs)
+
+    model.forward = convert_outputs_to_fp32(forward)
+    try:
+        yield
+    finally:
+        if own:
+            model.forward = original
+        else:
+            del model.forward  # back to the class's method
 
 
 def _timed_trainer_class():
@@ -354,7 +388,13 @@ def _timed_trainer_class():
         def _precompute_ref_logps(self, *args, **kwargs):
             t = time.perf_counter()
             try:
-                return super()._precompute_ref_logps(*args, **kwargs)
+                # TRL runs this pass before `train` prepares the model, so without the mixed precision
+                # the steps run under: fp32 reference log-probs against the policy's bf16-autocast ones,
+                # and twice the time on a CPU with native bf16. The forward of both models now runs as
+                # accelerate's prepare makes it run in the steps.
+                with prepared_forward(self.accelerator, self.model), \
+                        prepared_forward(self.accelerator, self.ref_model):
+                    return super()._precompute_ref_logps(*args, **kwargs)
             finally:
                 self.precompute_seconds += time.perf_counter() - t
 
@@ -566,6 +606,8 @@ def main(cfg: DPOStageConfig) -> DPOStats:
         num_processes=trainer.accelerator.num_processes,
         deepspeed_zero_stage=args.deepspeed_plugin.zero_stage if args.deepspeed_plugin else None,
         steps=trainer.state.global_step,
+        sequence_tokens=len_info["sequence_tokens"],
+        epochs=round(float(trainer.state.epoch or 0.0), 4),
         train_loss_mean=train_out.training_loss,
         **summarize_log_history(trainer.state.log_history),
         output_dir=str(out_dir),

@@ -27,7 +27,9 @@ The objective (TRL 1.9's names; ``online_rlhf.stage_configs.GRPOStageConfig`` do
 TRL's ``GRPOTrainer`` generates its own completions; here the loop has generated (vLLM) and scored
 them already, so the stage computes the loss itself (:func:`grpo_loss`, checked against TRL's
 ``GRPOTrainer._compute_loss`` in tests/test_grpo.py) in a plain training loop under
-``accelerate.Accelerator`` (DDP over gloo on CPU, DeepSpeed on the zero2/zero3 profiles).
+``accelerate.Accelerator`` (DDP over gloo on CPU, DeepSpeed on the zero2/zero3 profiles). On a CPU
+with native bf16 (AVX512-BF16 or AMX) the steps and the log-prob passes run under bf16 autocast over
+fp32 weights, like the DPO stage's; elsewhere in fp32 on CPU (emulated bf16 is ~100x slower).
 
 Order of work (:func:`main`):
   1. read the groups (:func:`load_groups`), subtract ``truncated_penalty`` from truncated responses;
@@ -59,11 +61,12 @@ from pathlib import Path
 from online_rlhf.checkpoint import finish_checkpoint, publish, restore_input_config, rmtree
 from online_rlhf.chat_tokens import ChatTokenError, prompt_response_ids
 from online_rlhf.config import ConfigError, run_main
-from online_rlhf.hardware import describe, processes_here, stage_threads
+from online_rlhf.hardware import compute_dtype, describe, processes_here, stage_threads
 from online_rlhf.jsonl import DataError, iter_jsonl
 from online_rlhf.paths import resolve_model, setup_cache_env
 from online_rlhf.records import check_messages, sampled_token_ids, validate_rewards
 from online_rlhf.stage_configs import GRPOStageConfig
+from online_rlhf.stages.run_dpo import prepared_forward
 from online_rlhf.stage_table import check_process_count
 from online_rlhf.stats import GRPOStats, stats_path
 
@@ -491,6 +494,17 @@ def save(accelerator, model, tmp_dir: Path, out_dir: Path, policy_path: str, ori
     accelerator.wait_for_everyone()
 
 
+def _cpu_bf16_autocast(cfg: GRPOStageConfig) -> bool:
+    """True on a CPU with native bf16 (:func:`online_rlhf.hardware.compute_dtype`), fp32 weights and
+    no DeepSpeed: the steps then run under bf16 autocast over fp32 master weights, as the DPO stage's
+    do (about twice the fp32 speed there); elsewhere the launch's mixed precision stands."""
+    import torch
+
+    if torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        return False
+    return cfg.torch_dtype in ("auto", "float32") and compute_dtype("cpu") == "bfloat16"
+
+
 def _accelerator(cfg: GRPOStageConfig):
     """``accelerate.Accelerator`` as launched (plain, DDP over gloo on CPU, DeepSpeed), with the
     stage's accumulation; under DeepSpeed its batch size, accumulation and clipping set in its config."""
@@ -504,7 +518,10 @@ def _accelerator(cfg: GRPOStageConfig):
         os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(cfg.max_grad_norm)
         if not torch.cuda.is_available() and _world_size() > 1:
             PartialState(backend="gloo")  # DeepSpeed on CPU: without it every rank sees a world of 1
-    acc = Accelerator(gradient_accumulation_steps=cfg.gradient_accumulation_steps)
+    kwargs = {}
+    if _cpu_bf16_autocast(cfg):
+        kwargs["mixed_precision"] = "bf16"
+    acc = Accelerator(gradient_accumulation_steps=cfg.gradient_accumulation_steps, **kwargs)
     ds = acc.state.deepspeed_plugin
     if ds is not None:
         ds.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.per_device_train_batch_size
@@ -566,8 +583,11 @@ def old_and_reference_log_probs(cfg: GRPOStageConfig, accelerator, model, ref_mo
     old = _all_log_probs(accelerator, model, completions, cfg.per_device_train_batch_size, pad_id, cfg.temperature)
     if cfg.beta == 0.0:
         return old, None
-    ref = old if ref_model is None else _all_log_probs(accelerator, ref_model, completions,
-                                                      cfg.per_device_train_batch_size, pad_id, cfg.temperature)
+    if ref_model is None:
+        return old, old
+    with prepared_forward(accelerator, ref_model):  # the reference as the prepared policy runs: same precision
+        ref = _all_log_probs(accelerator, ref_model, completions, cfg.per_device_train_batch_size, pad_id,
+                             cfg.temperature)
     return old, ref
 
 
