@@ -172,13 +172,19 @@ def stage_threads(num_processes: int = 1, env: Optional[dict] = None, free_cores
     now (usable cores minus those other jobs keep busy, :func:`idle_cores`, rounded) are split
     evenly between the processes, at least 1 thread each: OpenMP threads that share a core with
     another job wait for each other at every barrier, and one thread per free core measured faster
-    than one per core.
+    than one per core. ``ONLINE_RLHF_CORES=N`` fixes the cores at N (at most the usable ones)
+    instead of measuring: the thread counts, and so vLLM's samples for a seed, then do not depend
+    on what else ran when a stage started.
     """
     env = os.environ if env is None else env
     given = env.get("OMP_NUM_THREADS", "").strip()
     if given.isdigit() and int(given) > 0:
         return int(given)
-    free = idle_cores() if free_cores is None else free_cores
+    fixed = env.get("ONLINE_RLHF_CORES", "").strip()
+    if fixed.isdigit() and int(fixed) > 0:
+        free = float(fixed)
+    else:
+        free = idle_cores() if free_cores is None else free_cores
     cores = min(usable_cores(), max(1, int(free + 0.5)))
     return max(1, cores // max(1, num_processes))
 

@@ -77,6 +77,16 @@ def test_stage_threads_use_free_cores_unless_omp_num_threads_is_set(monkeypatch)
     assert hardware.stage_threads(env={"OMP_NUM_THREADS": "3"}, free_cores=1.0) == 3
 
 
+def test_online_rlhf_cores_fixes_the_cores_instead_of_measuring_them(monkeypatch):
+    monkeypatch.setattr(hardware, "usable_cores", lambda: 4)
+    monkeypatch.setattr(hardware, "idle_cores", lambda sample_s=0.3: 1.0)  # another job holds 3 cores
+    assert hardware.stage_threads(env={}) == 1
+    assert hardware.stage_threads(env={"ONLINE_RLHF_CORES": "4"}) == 4     # not measured: the same on every run
+    assert hardware.stage_threads(2, env={"ONLINE_RLHF_CORES": "4"}) == 2  # split between the processes
+    assert hardware.stage_threads(env={"ONLINE_RLHF_CORES": "16"}) == 4    # at most the usable cores
+    assert hardware.stage_threads(env={"ONLINE_RLHF_CORES": "2", "OMP_NUM_THREADS": "3"}) == 3
+
+
 def test_idle_cores_is_within_the_usable_cores():
     free = hardware.idle_cores(0.05)
     assert 0.0 <= free <= hardware.usable_cores() + 1e-6
