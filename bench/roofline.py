@@ -38,8 +38,11 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
-from online_rlhf.jsonl import DataError, read_json, write_json
-from online_rlhf.stats import DPOStats, GenerateStats, KLStats, stats_path
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script: bench.bench_matmul importable like the package
+
+from online_rlhf.jsonl import DataError, read_json, write_json  # noqa: E402
+from online_rlhf.stats import DPOStats, GenerateStats, KLStats, stats_path  # noqa: E402
 
 GENERATION_STAGES = {  # stage -> output file (its stats sit beside it)
     "generate": "generated.jsonl",
@@ -128,16 +131,17 @@ def stage_rows(it: Path, iteration: int) -> list[dict]:
 
 def measure_limits(given: dict[str, float | None]) -> dict[str, float]:
     """GFLOP/s per dtype on every usable core: ``given`` values, else measured now."""
-    from bench.bench_matmul import gflops
-    from online_rlhf.hardware import cpu_has_native_bf16, usable_cores
-
-    import torch
-
     out = {}
-    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+    for name in ("float32", "bfloat16"):
         if given.get(name):
             out[name] = float(given[name])
         else:
+            import torch
+
+            from bench.bench_matmul import gflops
+            from online_rlhf.hardware import cpu_has_native_bf16, usable_cores
+
+            dtype = getattr(torch, name)
             size = 1024 if (name == "float32" or cpu_has_native_bf16()) else 256
             out[name] = gflops(size, dtype, usable_cores(), 2.0)
     return out
