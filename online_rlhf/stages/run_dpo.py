@@ -389,8 +389,8 @@ def _timed_trainer_class():
             t = time.perf_counter()
             try:
                 # TRL runs this pass before `train` prepares the model, so without the mixed precision
-                # the steps run under: fp32 reference log-probs against the policy's bf16-autocast ones,
-                # and twice the time on a CPU with native bf16. The forward of both models now runs as
+                # the steps run under: fp32 reference log-probs against the policy's bf16-autocast ones
+                # (and the fp32 time on a CPU with native bf16). The forward of both models now runs as
                 # accelerate's prepare makes it run in the steps.
                 with prepared_forward(self.accelerator, self.model), \
                         prepared_forward(self.accelerator, self.ref_model):
