@@ -617,7 +617,9 @@ def main(cfg: DPOStageConfig) -> DPOStats:
     )
     if is_main:
         stats.write(stats_file)
-        loss = (f"loss {stats.train_loss_first} (one step: log(2) = 0.6931 is the loss before any update)"
+        plain_sigmoid = list(args.loss_type) == ["sigmoid"] and not getattr(args, "loss_weights", None)
+        loss = (f"loss {stats.train_loss_first}" + (" (one step: log(2) = 0.6931 is the loss before any update)"
+                                                    if plain_sigmoid else "")
                 if stats.steps == 1 else f"loss {stats.train_loss_first} -> {stats.train_loss_last}")
         print(f"dpo: {len(kept)}/{read_info['in']} pairs, {stats.steps} step{'s' * (stats.steps != 1)}, {loss}, "
               f"special-token strings kept as text in {special['prompts']} prompts, {special['chosen']} chosen, "
