@@ -165,6 +165,27 @@ def idle_cores(sample_s: float = 0.3) -> float:
     return len(cpus) * (i1 - i0) / (t1 - t0)
 
 
+def fixed_cores(env: Optional[dict] = None) -> Optional[int]:
+    """``ONLINE_RLHF_CORES`` from ``env`` (default ``os.environ``) as a core count, at most
+    :func:`usable_cores` (a larger value is lowered with a one-line warning); None when unset or empty.
+
+    Raises:
+        ValueError: set to something other than a whole number >= 1 (the message names the
+            variable, the value and the fix).
+    """
+    env = os.environ if env is None else env
+    raw = env.get("ONLINE_RLHF_CORES", "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"ONLINE_RLHF_CORES={raw!r}: give a whole number of cores >= 1 (this process may use "
+                         f"{usable_cores()}), or unset it to take the cores that are free when each stage starts.")
+    n, usable = int(raw), usable_cores()
+    if n > usable:
+        warn_once("cores-cap", f"warning: ONLINE_RLHF_CORES={n}, but this process may use {usable} cores; using {usable}.")
+    return min(n, usable)
+
+
 def stage_threads(num_processes: int = 1, env: Optional[dict] = None, free_cores: Optional[float] = None) -> int:
     """Threads per process for a stage with ``num_processes`` processes.
 
@@ -180,8 +201,8 @@ def stage_threads(num_processes: int = 1, env: Optional[dict] = None, free_cores
     given = env.get("OMP_NUM_THREADS", "").strip()
     if given.isdigit() and int(given) > 0:
         return int(given)
-    fixed = env.get("ONLINE_RLHF_CORES", "").strip()
-    if fixed.isdigit() and int(fixed) > 0:
+    fixed = fixed_cores(env)
+    if fixed is not None:
         free = float(fixed)
     else:
         free = idle_cores() if free_cores is None else free_cores

@@ -117,6 +117,12 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
             from .hardware import compute_dtype
 
             compute_dtype("cpu", "bfloat16")  # one-line warning where the CPU has no native bf16
+    from .hardware import fixed_cores
+
+    try:
+        fixed_cores()  # a bad ONLINE_RLHF_CORES is refused here, not by the first stage
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if cfg.num_processes == "auto":
         cfg.num_processes = auto_processes(cfg.launch_profile, [_dpo_batch(d) for d in dpo_dicts.values()],
                                            num_machines=cfg.num_machines)
@@ -197,7 +203,7 @@ def auto_processes(launch_profile: str, dpo_batches: list[tuple[int | None, int]
                    num_machines: int = 1) -> int:
     """``num_processes: auto``, the total over ``num_machines`` machines (this machine's count
     times ``num_machines``: the machines are taken to be alike): one per GPU; on CPU (profile
-    ``cpu``) one per usable core (or ``free``), lowered to the largest per-machine count whose total
+    ``cpu``) one per usable core (or ``free``, or ``ONLINE_RLHF_CORES``), lowered to the largest per-machine count whose total
     divides every iteration's ``dpo.train_batch_size`` (with its gradient accumulation). Not
     load-dependent, unlike threads: the rank count changes how gradients are summed, and a rerun
     must train the same numbers."""
@@ -205,9 +211,13 @@ def auto_processes(launch_profile: str, dpo_batches: list[tuple[int | None, int]
         import torch
 
         return max(1, torch.cuda.device_count()) * num_machines
-    from .hardware import usable_cores
+    from .hardware import fixed_cores, usable_cores
 
-    n = free if free is not None else usable_cores()
+    try:
+        fixed = fixed_cores()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    n = free if free is not None else (fixed or usable_cores())
     while n > 1 and any(b is not None and b % (n * num_machines * a) for b, a in dpo_batches):
         n -= 1
     return n * num_machines

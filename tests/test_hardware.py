@@ -230,3 +230,30 @@ def test_only_the_bitsandbytes_kernels_notice_is_dropped(caplog):
     if spec is not None:
         ops = Path(spec.origin).parent / "backends" / "cpu" / "ops.py"
         assert online_rlhf._BNB_KERNELS_NOTICE in ops.read_text(), f"{ops}: the notice changed; update the filter"
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "2.5"])
+def test_a_bad_online_rlhf_cores_is_refused_naming_the_value(value):
+    with pytest.raises(ValueError, match=f"ONLINE_RLHF_CORES='{value}'.*whole number"):
+        hardware.fixed_cores({"ONLINE_RLHF_CORES": value})
+    with pytest.raises(ValueError, match="ONLINE_RLHF_CORES"):
+        hardware.stage_threads(env={"ONLINE_RLHF_CORES": value})
+
+
+def test_online_rlhf_cores_over_the_usable_cores_is_lowered_with_a_warning(monkeypatch, capsys):
+    monkeypatch.setattr(hardware, "usable_cores", lambda: 2)
+    monkeypatch.setattr(hardware, "_warned", set())
+    assert hardware.fixed_cores({"ONLINE_RLHF_CORES": "99"}) == 2
+    assert "using 2" in capsys.readouterr().err
+    assert hardware.fixed_cores({"ONLINE_RLHF_CORES": ""}) is None and hardware.fixed_cores({}) is None
+
+
+def test_auto_processes_take_online_rlhf_cores_and_refuse_a_bad_one(monkeypatch):
+    from online_rlhf.config import ConfigError
+
+    monkeypatch.setattr(hardware, "usable_cores", lambda: 4)
+    monkeypatch.setenv("ONLINE_RLHF_CORES", "1")
+    assert auto_processes("cpu", [(4, 1)]) == 1
+    monkeypatch.setenv("ONLINE_RLHF_CORES", "two")
+    with pytest.raises(ConfigError, match="ONLINE_RLHF_CORES='two'"):
+        auto_processes("cpu", [(4, 1)])
