@@ -108,8 +108,15 @@ class JsonlLines:
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such file. Check the path (relative paths are taken from {Path.cwd()}).")
         self.blank_lines, self.blank_line_numbers = 0, []
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the "
+                                    "line). Save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`).") from None
+                if lineno == 1:
+                    line = line.removeprefix("\ufeff")  # a UTF-8 byte-order mark, as some editors write
                 if not line.strip():
                     self.blank_lines += 1
                     if len(self.blank_line_numbers) < self.MAX_LISTED:

@@ -90,3 +90,16 @@ def test_blank_lines_are_counted_and_noted_once_naming_the_file(tmp_path, capsys
     lines = iter_jsonl(p)
     assert read_jsonl(p) == [{"id": 1}, {"id": 2}] and list(lines) and lines.blank_lines == 0
     assert capsys.readouterr().err == ""  # nothing skipped, nothing said
+
+
+def test_a_line_that_is_not_utf8_names_file_and_line(tmp_path):
+    p = tmp_path / "latin1.jsonl"
+    p.write_bytes(b'{"id": "a", "prompt": "ok"}\n{"id": "b", "prompt": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"latin1.jsonl:2: not UTF-8 \(byte 0xe9.*Save the file as UTF-8"):
+        read_jsonl(p)
+
+
+def test_a_utf8_byte_order_mark_is_read_past(tmp_path):
+    p = tmp_path / "bom.jsonl"
+    p.write_bytes('\ufeff{"id": "a", "prompt": "café"}\n'.encode("utf-8"))
+    assert read_jsonl(p) == [{"id": "a", "prompt": "café"}]
