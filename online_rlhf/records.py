@@ -191,10 +191,14 @@ def load_prompt_set(source: str | os.PathLike, split: str = "train", prompt_fiel
     seen: dict[str, str] = {}
     counts = PromptSetCounts()
     stopped_early = False
+    custom_field = prompt_field not in (None, "messages", "prompt")
+    field_seen, first_columns = False, None
     for where, i, rec in rows:
         if limit is not None and len(out) >= limit:
             stopped_early = True
             break
+        field_seen = field_seen or (custom_field and prompt_field in rec)
+        first_columns = list(rec) if first_columns is None else first_columns
         r, removed = _normalize(rec, i, where, prompt_field)
         here = where + (" (no id: generated)" if prompt_id(rec, i, where)[1] else "")
         if r["id"] in seen:
@@ -209,6 +213,10 @@ def load_prompt_set(source: str | os.PathLike, split: str = "train", prompt_fiel
         out.append(r)
     if not out:
         raise DataError(f"{source}: the prompt set is empty.")
+    if custom_field and not field_seen:  # e.g. a typo: the rows' messages/prompt column was used instead
+        print(f"warning: {source}: no row has the column prompt_field={prompt_field!r}; the prompts came from "
+              "its 'messages' or 'prompt' column. Check the name if you meant that column "
+              f"(columns of the first row: {', '.join(first_columns or [])}).", file=sys.stderr)
     if lines is not None:
         counts.blank_lines = lines.blank_lines
         if stopped_early and lines.blank_lines:  # the reader notes them itself only at the end of the file

@@ -131,10 +131,16 @@ def test_validate_pair_refuses_identical():
         validate_pair({"prompt": [{"role": "user", "content": "q"}], "chosen": m, "rejected": m}, "p:1")
 
 
-def test_prompt_field_only_applies_to_sets_without_prompt_columns(tmp_path):
+def test_prompt_field_only_applies_to_sets_without_prompt_columns(tmp_path, capsys):
     p = _write(tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
     (r,) = load_prompts(p, prompt_field="question")
     assert r["prompt"] == [{"role": "user", "content": "hi"}]
+    # a prompt_field no row has (a typo?) is said, naming the file and the columns there are
+    err = capsys.readouterr().err
+    assert "no row has the column prompt_field='question'" in err and "p.jsonl" in err and "messages" in err
+    q = _write(tmp_path / "q.jsonl", [{"question": "hi?"}, {"messages": [{"role": "user", "content": "hi"}]}])
+    load_prompts(q, prompt_field="question")
+    assert "prompt_field" not in capsys.readouterr().err  # used by some rows: nothing to say
 
 
 def test_missing_local_model_dir_is_a_clear_error(tmp_path):
