@@ -54,6 +54,9 @@ def main() -> dict:
     f1, fn = res[("float32", 1)], res[("float32", cores)]
     print(f"fp32 limit on {cores} cores: {fn:.1f} GFLOP/s ({fn / f1:.2f}x one thread); "
           f"bf16 / fp32 on {cores} cores: {res[('bfloat16', cores)] / fn:.3f}x")
+    if cores > 1 and fn < 1.2 * f1:
+        print(f"warning: {cores} threads were not faster than 1: another job probably holds a core, so this is "
+              "not the machine's limit; measure again when it is idle.")
     return {f"{k[0]}_x{k[1]}": round(v, 1) for k, v in res.items()}
 
 

@@ -154,6 +154,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--gflops-bf16", type=float, help="bf16 limit (GFLOP/s, all cores); default: measure now")
     ap.add_argument("--json", type=Path, help="also write the rows and totals to this JSON file")
     args = ap.parse_args(argv)
+    for flag, v in (("--gflops-fp32", args.gflops_fp32), ("--gflops-bf16", args.gflops_bf16)):
+        if v is not None and v <= 0:
+            ap.error(f"{flag} {v}: give the limit in GFLOP/s, > 0")
     iters = sorted((p for p in args.run_dir.glob("iter_*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
     if not iters:
         sys.exit(f"{args.run_dir}: no iter_<i> directory; give a run_loop.sh run directory.")
@@ -161,8 +164,14 @@ def main(argv: list[str] | None = None) -> dict:
         rows = [r for it in iters for r in stage_rows(it, int(it.name[5:]))]
     except (DataError, FileNotFoundError) as e:
         sys.exit(f"roofline: {e}")
-    from online_rlhf.hardware import cpu_capability, cpu_model, usable_cores
+    if not rows:
+        sys.exit(f"roofline: {args.run_dir}: no stats of a model-running stage yet (generation, dpo, kl); "
+                 "run the loop first.")
+    from online_rlhf.hardware import cpu_capability, cpu_model, idle_cores, usable_cores
 
+    if not (args.gflops_fp32 and args.gflops_bf16) and idle_cores() < usable_cores() - 0.5:
+        print("warning: another job keeps a core busy: the limit measured now is too low and every share too "
+              "high; measure on an idle machine or give --gflops-fp32/--gflops-bf16.", file=sys.stderr)
     limits = measure_limits({"float32": args.gflops_fp32, "bfloat16": args.gflops_bf16})
     print(f"CPU: {cpu_model()} (torch capability {cpu_capability()}), {usable_cores()} cores; limit fp32 "
           f"{limits['float32']:.1f} GFLOP/s, bf16 {limits['bfloat16']:.1f} GFLOP/s")
@@ -178,6 +187,9 @@ def main(argv: list[str] | None = None) -> dict:
               f"{fmt(r['tflop'], '.2f'):>7} {fmt(r['limit_s'], '.1f'):>8} {fmt(r['seconds'], '.1f'):>7} "
               f"{fmt(None if r['share'] is None else 100 * r['share'], '.0f'):>5}% {fmt(r['wall_s'], '.0f'):>7}  "
               f"{r['note']}")
+    if any(r["share"] is not None and r["share"] > 1.0 for r in rows):
+        print("warning: a share above 100%: the limit is lower than the machine reached during the run (measured "
+              "under load, or on another machine); give the limit measured where the run ran, idle.", file=sys.stderr)
     walls = [_wall(it, p.name[:-5]) for it in iters for p in it.glob("*.done")]
     run_wall = sum(w for w in walls if w is not None)
     print(f"compute floor (every counted stage at the limit): {floor:.0f} s = {floor / 60:.1f} min; "

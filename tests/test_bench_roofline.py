@@ -94,3 +94,16 @@ def test_check_lengths_counts_the_sequence_tokens_one_epoch_trains_on():
     assert info["sequence_tokens"] == (10 + 5) + 32  # the rejected side is cut at max_length
     _, info = check_lengths(pairs, max_length=None, max_prompt_length=None, truncation_mode="keep_start")
     assert info["sequence_tokens"] == (15 + 40) + (55 + 55)
+
+
+def test_a_limit_not_above_0_and_a_run_without_stats_are_refused(tmp_path):
+    with pytest.raises(SystemExit):
+        rl.main([str(make_run(tmp_path)), "--gflops-fp32", "-5", "--gflops-bf16", "200"])
+    (tmp_path / "planned" / "iter_1" / "configs").mkdir(parents=True)
+    with pytest.raises(SystemExit, match="no stats of a model-running stage"):
+        rl.main([str(tmp_path / "planned"), "--gflops-fp32", "1", "--gflops-bf16", "1"])
+
+
+def test_a_share_above_100_percent_is_warned(tmp_path, capsys):
+    rl.main([str(make_run(tmp_path)), "--gflops-fp32", "1", "--gflops-bf16", "1"])  # far below what the run reached
+    assert "share above 100%" in capsys.readouterr().err
