@@ -21,6 +21,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 CALLER_PWD="$PWD"
+export ONLINE_RLHF_CALLER_PWD="$CALLER_PWD"  # named in "no such file" messages of relative paths
 cd "$ROOT"
 
 CONFIG="configs/loop.yaml"

@@ -86,6 +86,15 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
         f.write("\n")
 
 
+def relative_paths_note() -> str:
+    """Where a relative path was looked for: the current directory, and first the directory
+    run_loop.sh was started from (``ONLINE_RLHF_CALLER_PWD``) when that is another one."""
+    caller = os.environ.get("ONLINE_RLHF_CALLER_PWD")
+    if caller and Path(caller).resolve() != Path.cwd().resolve():
+        return f"run_loop.sh looks for relative paths in {caller}, where it was started, then in {Path.cwd()}"
+    return f"relative paths are taken from {Path.cwd()}"
+
+
 class JsonlLines:
     """The records of a JSONL file, ``(line_number, record)`` per non-blank line; see :func:`iter_jsonl`.
 
@@ -106,7 +115,7 @@ class JsonlLines:
     def __iter__(self) -> Iterator[tuple[int, dict]]:
         path = self.path
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: no such file. Check the path (relative paths are taken from {Path.cwd()}).")
+            raise FileNotFoundError(f"{path}: no such file. Check the path ({relative_paths_note()}).")
         self.blank_lines, self.blank_line_numbers = 0, []
         with open(path, "rb") as f:
             for lineno, raw in enumerate(f, start=1):

@@ -103,3 +103,12 @@ def test_a_utf8_byte_order_mark_is_read_past(tmp_path):
     p = tmp_path / "bom.jsonl"
     p.write_bytes('\ufeff{"id": "a", "prompt": "café"}\n'.encode("utf-8"))
     assert read_jsonl(p) == [{"id": "a", "prompt": "café"}]
+
+
+def test_a_missing_relative_file_names_where_run_loop_looked(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=f"relative paths are taken from {tmp_path}"):
+        read_jsonl("p/missing.jsonl")
+    monkeypatch.setenv("ONLINE_RLHF_CALLER_PWD", "/somewhere/else")
+    with pytest.raises(FileNotFoundError, match=f"looks for relative paths in /somewhere/else, .* then in {tmp_path}"):
+        read_jsonl("p/missing.jsonl")
