@@ -1149,7 +1149,7 @@ def metrics_line(row: dict) -> str:
     skipped ones by reason; iteration 0: nothing), then :func:`_quality_summary`."""
     lo, hi = row["eval_reward_ci95"]
     parts = [f"iteration {row['iteration']}: held-out reward {row['eval_reward_mean']:.4f} "
-             f"(95% CI {lo:.4f}-{hi:.4f}, n={row['eval_prompts']})"]
+             f"(95% CI {lo:.4f}..{hi:.4f}, n={row['eval_prompts']})"]
     if row.get("rollout_reward_mean") is not None:
         parts.append(f"rollout reward {row['rollout_reward_mean']:.4f}")
     g = row.get("grpo")

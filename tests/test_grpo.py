@@ -283,7 +283,7 @@ def test_metrics_line_of_a_grpo_iteration_shows_the_groups_not_pairs():
     dpo = {**{k: v for k, v in row.items() if k != "grpo"}, "pairs": 12}
     assert "rollout reward 0.2500, pairs 12" in loop.metrics_line(dpo)
     first = {k: v for k, v in dpo.items() if k not in ("pairs", "rollout_reward_mean")}  # iteration 0
-    assert loop.metrics_line(first) == "iteration 1: held-out reward 0.5000 (95% CI 0.4000-0.6000, n=4)"
+    assert loop.metrics_line(first) == "iteration 1: held-out reward 0.5000 (95% CI 0.4000..0.6000, n=4)"
 
 
 def test_help_lists_the_grpo_section(capsys):
