@@ -67,7 +67,35 @@ mkdir -p -- "$RUN_DIR"
 # One loop per run directory: the lock is inherited by every stage process, so a stage left
 # running by a killed loop also keeps a second loop out until it ends (and --fresh waits for it too).
 exec 9>"$RUN_DIR/.lock"
-flock -n 9 || { echo "run_loop.sh: $RUN_DIR is in use by another run_loop.sh (or a stage it left running); wait for it or stop it." >&2; exit 1; }
+lock_holders() {  # pid and command of each process with the lock open, other than this loop and its children
+  "$TRAIN" - "$RUN_DIR/.lock" "$$" <<'PY'
+import os, sys
+lock, me = os.path.realpath(sys.argv[1]), int(sys.argv[2])
+def parent(pid):
+    try:
+        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+def ours(pid):
+    while pid > 1:
+        if pid == me:
+            return True
+        pid = parent(pid)
+    return False
+for d in sorted((d for d in os.listdir("/proc") if d.isdigit()), key=int):
+    try:
+        if not ours(int(d)) and any(os.path.realpath(f"/proc/{d}/fd/{fd}") == lock for fd in os.listdir(f"/proc/{d}/fd")):
+            print(f"  {d} {open(f'/proc/{d}/cmdline').read().replace(chr(0), ' ').strip()[:160]}")
+    except OSError:
+        pass
+PY
+}
+flock -n 9 || {
+  echo "run_loop.sh: $RUN_DIR is in use by another run_loop.sh (or a stage it left running); wait for it or stop it." >&2
+  holders="$(lock_holders)"
+  [[ -n "$holders" ]] && printf 'processes holding it (stop them with kill PID):\n%s\n' "$holders" >&2
+  exit 1
+}
 if [[ "$FRESH" == 1 ]]; then
   # Only a folder this loop made: empty, or with the config.yaml that `loop plan` writes.
   if [[ -n "$(find "$RUN_DIR" -mindepth 1 -maxdepth 1 ! -name .lock -print -quit)" ]] &&
