@@ -227,7 +227,17 @@ def stage_dict(cfg: LoopConfig, run_dir: Path, i: int, stage: str) -> dict:
 
 def plan(config_path: str | None, overrides: list[str]) -> Path:
     """Resolve the config, write the run dir's config.yaml, stage configs, plan.json and prompt
-    slices; print shell assignments (RUN_DIR, ITERATIONS, ...) for run_loop.sh to ``eval``."""
+    slices; print shell assignments (RUN_DIR, ITERATIONS, ...) for run_loop.sh to ``eval``.
+
+    Every file's content is built and every input (prompt sets, models, verifier fields) checked
+    first; the files are written only once the whole plan has passed (:class:`_PlanFiles`), so a
+    plan refused on the way (e.g. a missing ``train_prompts`` file, at the top level or in
+    ``per_iteration``) leaves an existing run directory as it was, and creates nothing.
+
+    Raises:
+        ConfigError, DataError, FileNotFoundError: as :func:`resolve` and the prompt loaders; nothing
+            has been written then.
+    """
     cfg = resolve(config_path, overrides)
     _check_ifeval_prompts(cfg)
     run_dir = Path(cfg.output_root) / cfg.run_name
@@ -239,6 +249,7 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
     seen_train: dict[str, int] = {}  # train prompt id -> first iteration that used it
     layers = _Layers(config_path, [o for o in overrides if o.split("=", 1)[0] != "dry_run"])
     tokenizers: dict[str, Any] = {}  # policy dir -> tokenizer (None: none here), for the GRPO length check
+    files = _PlanFiles()  # written at the end, once every check has passed
     for i in range(0, cfg.iterations + 1):
         it = run_dir / f"iter_{i}"
         c = iteration_config(cfg, i)
@@ -257,7 +268,7 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
                         f"`.venv-train/bin/python -m online_rlhf.loop exec {run_dir} {i} {stage.name} machine_rank=k`)")
             header = _stage_header(stage, i, layers, command,
                                    _provenance(stage, d, c, i, layers, start=starting_policy(c, run_dir)), note)
-            _write_if_changed(path, header + yaml.safe_dump(d, sort_keys=False, allow_unicode=True))
+            files.add(path, header + yaml.safe_dump(d, sort_keys=False, allow_unicode=True))
             inputs, outputs = stage.io(d)
             entries[stage.name] = {"env": stage.env, "config": str(path), "command": command,
                                    "inputs": inputs, "outputs": outputs}
@@ -271,23 +282,25 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
                 train_sets[src] = load_prompts(src, prompt_field=c.prompt_field)
             rows = _prompt_slice(train_sets[src], c, i)
             _check_verifier_fields(c, rows, f"train_prompts {src} (iteration {i}'s prompts)")
-            _write_prompt_slice(it / "prompts.jsonl", rows)
+            files.add(it / "prompts.jsonl", _prompt_slice_text(rows))
             warnings += _overlap_warnings(rows, i, eval_ids, seen_train)
             if grpo_values:
                 warnings += _grpo_prompt_length_warnings(c, i, rows, grpo_values, tokenizers)
-        write_json(it / "plan.json", entries)
+        files.add(it / "plan.json", _json_text(entries))
     warnings += _other_algorithm_warnings(cfg)
     shell = {"RUN_DIR": str(run_dir), "ITERATIONS": cfg.iterations, "LAUNCH_PROFILE": cfg.launch_profile,
              "DRY_RUN": int(cfg.dry_run)}
+    files.add(run_dir / "plan_warnings.json", _json_text(warnings))
+    body = yaml.safe_dump(run_config_dict(cfg), sort_keys=False, allow_unicode=True)
+    # Every check has passed: now the files. config.yaml last, so that a write cut short (disk full)
+    # leaves the run's config as it was.
+    files.write()
     for w in warnings:
         print(f"WARNING: {w}", file=sys.stderr)
-    write_json(run_dir / "plan_warnings.json", warnings)
     if cfg.num_machines > 1 and cfg.launcher == "local":
         print(f"note: num_machines={cfg.num_machines}: this is machine 0. On each other machine k (same paths on a shared "
               f"filesystem), run: bash scripts/other_machine.sh {run_dir} k", file=sys.stderr)
-    # Last, so that a plan refused on the way (e.g. a bad prompt file) leaves the run's config as it was.
     # dry_run is left out: a dry run followed by the real run resolves to the same run config.
-    body = yaml.safe_dump(run_config_dict(cfg), sort_keys=False, allow_unicode=True)
     _write_run_config(run_dir, body, f"{RUN_CONFIG_HEADER} {config_path or 'defaults'} "
                       f"{' '.join(o for o in overrides if o.split('=', 1)[0] != 'dry_run')}\n")
     for k, v in shell.items():
@@ -629,9 +642,34 @@ def _prompt_slice(train: list[dict], c: LoopConfig, i: int) -> list[dict]:
     return train[: c.train_limit] if c.train_limit else train
 
 
-def _write_prompt_slice(path: Path, rows: list[dict]) -> None:
-    """Write an iteration's train prompts (:func:`_prompt_slice`) as JSONL, unless the file already holds them."""
-    _write_if_changed(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+def _prompt_slice_text(rows: list[dict]) -> str:
+    """An iteration's train prompts (:func:`_prompt_slice`) as the JSONL text of its ``prompts.jsonl``."""
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+
+
+def _json_text(obj: Any) -> str:
+    """``obj`` as :func:`online_rlhf.jsonl.write_json` writes it (indented, no NaN)."""
+    return json.dumps(obj, ensure_ascii=False, indent=2, allow_nan=False) + "\n"
+
+
+class _PlanFiles:
+    """The files a plan writes into the run directory, held as text until the whole plan has passed.
+
+    ``add`` only records ``(path, text)`` (a later ``add`` of the same path replaces the text);
+    ``write`` then writes each file atomically (:func:`online_rlhf.jsonl.atomic_open`; a file that
+    already holds the text is left untouched, mtime included), creating folders as needed. A plan
+    that raises before ``write`` has created and changed nothing.
+    """
+
+    def __init__(self) -> None:
+        self.texts: dict[Path, str] = {}
+
+    def add(self, path: Path, text: str) -> None:
+        self.texts[Path(path)] = text
+
+    def write(self) -> None:
+        for path, text in self.texts.items():
+            _write_if_changed(path, text)
 
 
 def _stage_entry(run_dir: Path, i: int, stage: str) -> dict:

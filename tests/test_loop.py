@@ -730,3 +730,30 @@ def test_run_config_given_back_resolves_to_the_same_stage_configs(small_cfg, tmp
 def test_dry_run_without_a_dpo_max_length_is_refused_at_plan_time(small_cfg):
     with pytest.raises(ConfigError, match=r"dry_run=true needs dpo\.training\.max_length"):
         loop.resolve("configs/loop.yaml", small_cfg + ["dry_run=true", "dpo.training.max_length=null"])
+
+
+def _tree(run_dir: Path) -> dict[str, bytes]:
+    """Every file under ``run_dir`` (relative path -> bytes)."""
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("bad", ["train_prompts={missing}", "per_iteration={{2: {{train_prompts: {missing}}}}}"])
+def test_a_failed_plan_leaves_a_finished_runs_files_as_they_were(small_cfg, tmp_path, bad):
+    run = loop.plan(None, small_cfg)
+    it = run / "iter_1"  # iteration 1's generate finished under this plan
+    write_jsonl(it / "generated.jsonl", [{"id": "p0"}])
+    example_stats(GenerateStats).write(stats_path(it / "generated.jsonl"))
+    loop.mark(run, 1, "generate", 1.0)
+    assert loop.check(run, 1, "generate")
+    before = _tree(run)
+    missing = tmp_path / "missing.jsonl"
+    with pytest.raises(FileNotFoundError, match="missing.jsonl: no such file"):
+        loop.plan(None, _with(small_cfg, "generation.k=3", bad.format(missing=missing)))
+    assert _tree(run) == before  # no stage config says k: 3, no prompt slice or plan.json changed
+    assert loop.check(run, 1, "generate")
+
+
+def test_a_failed_first_plan_creates_nothing(small_cfg, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        loop.plan(None, _with(small_cfg, f"train_prompts={tmp_path / 'missing.jsonl'}"))
+    assert not (tmp_path / "runs").exists()
