@@ -2,6 +2,7 @@
 
     python -m online_rlhf.loop plan CONFIG [key=value ...]   # resolve + validate, write stage configs
     python -m online_rlhf.loop check RUN_DIR ITER STAGE       # exit 0 if STAGE is done and fresh, 1 to run, 3 not planned
+    python -m online_rlhf.loop fresh-check RUN_DIR            # exit 0 if run_loop.sh --fresh may empty RUN_DIR, else 2 (says why)
     python -m online_rlhf.loop exec RUN_DIR ITER STAGE [machine_rank=R] [key=value ...]  # run STAGE as its config file says
                                                               # (R > 0: this machine's part of a multi-machine stage;
                                                               # key=value: appended to the stage's command, e.g. dry_run=true)
@@ -306,6 +307,60 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
     for k, v in shell.items():
         print(f"{k}={shlex.quote(str(v))}")
     return run_dir
+
+
+# The layout an interrupted or refused plan of earlier versions could leave behind (no config.yaml):
+# per iteration, stage configs, plan.json, prompts.jsonl and logs; the lock at the top.
+_PLAN_LEFTOVERS = {"configs", "plan.json", "prompts.jsonl", "logs"}
+
+
+def fresh_refusal(run_dir: Path) -> str | None:
+    """Why ``run_loop.sh --fresh`` must not empty ``run_dir``; None when it may.
+
+    It may when ``run_dir`` is missing or holds nothing but ``.lock``; when its ``config.yaml``
+    starts with the header :func:`plan` writes (:data:`RUN_CONFIG_HEADER`, or the older
+    ``# resolved from``); or when it holds only what a plan that stopped half way could leave
+    (before plans wrote nothing until they had passed): ``.lock`` and ``iter_<n>/`` folders with
+    nothing but ``configs/`` (YAML files only), ``plan.json``, ``prompts.jsonl`` and ``logs/``
+    (``.log`` files only).
+
+    Returns:
+        a one-line reason naming ``run_dir`` and what to do (choose another run, or empty it
+        yourself), or None.
+    """
+    if not run_dir.is_dir():
+        return None
+    config = run_dir / "config.yaml"
+    if config.is_file():
+        with open(config, encoding="utf-8", errors="replace") as f:
+            first = f.readline()
+        if first.startswith((RUN_CONFIG_HEADER, "# resolved from ")):
+            return None
+    elif _only_plan_leftovers(run_dir):
+        return None
+    return (f"--fresh refuses to clear {run_dir}: it holds files but no run config.yaml written by this loop, so it "
+            "is not a run directory. Choose another output_root/run_name, or empty it yourself.")
+
+
+def _only_plan_leftovers(run_dir: Path) -> bool:
+    """True when ``run_dir`` holds only ``.lock`` and the per-iteration files of :data:`_PLAN_LEFTOVERS`."""
+    for top in run_dir.iterdir():
+        if top.name == ".lock" and top.is_file():
+            continue
+        if not (top.is_dir() and not top.is_symlink() and top.name.startswith("iter_") and top.name[5:].isdigit()):
+            return False
+        for entry in top.iterdir():
+            if entry.name not in _PLAN_LEFTOVERS or entry.is_symlink():
+                return False
+            if entry.name == "configs" and not (entry.is_dir() and all(
+                    f.is_file() and not f.is_symlink() and f.suffix in (".yaml", ".tmp") for f in entry.iterdir())):
+                return False
+            if entry.name == "logs" and not (entry.is_dir() and all(
+                    f.is_file() and not f.is_symlink() and f.suffix == ".log" for f in entry.iterdir())):
+                return False
+            if entry.name in ("plan.json", "prompts.jsonl") and not entry.is_file():
+                return False
+    return True
 
 
 def _grpo_prompt_length_warnings(c: LoopConfig, i: int, rows: list[dict], d: dict, tokenizers: dict) -> list[str]:
@@ -1355,6 +1410,11 @@ def main(argv: list[str]) -> int:
             else:  # where the run lives, nothing written (run_loop.sh locks it before any change)
                 cfg = resolve(cfg_path, overrides)
                 print((Path(cfg.output_root) / cfg.run_name).resolve())
+        elif cmd == "fresh-check":  # 0: run_loop.sh --fresh may empty RUN_DIR; 2: it must not (says why)
+            reason = fresh_refusal(Path(args[0]))
+            if reason:
+                print(f"run_loop.sh: {reason}", file=sys.stderr)
+                return 2
         elif cmd == "check":  # 0 done and fresh, 1 to run (prints the stage's env), 3 not in this iteration's plan
             entries = read_json(Path(args[0]) / f"iter_{int(args[1])}" / "plan.json")
             if args[2] not in entries:

@@ -757,3 +757,29 @@ def test_a_failed_first_plan_creates_nothing(small_cfg, tmp_path):
     with pytest.raises(FileNotFoundError, match="no such file"):
         loop.plan(None, _with(small_cfg, f"train_prompts={tmp_path / 'missing.jsonl'}"))
     assert not (tmp_path / "runs").exists()
+
+
+def test_fresh_may_clear_a_run_or_the_leftovers_of_a_refused_plan_and_nothing_else(small_cfg, tmp_path):
+    assert loop.fresh_refusal(tmp_path / "none") is None  # not there yet
+    run = tmp_path / "left"  # what a refused first plan of earlier versions left: no config.yaml
+    (run / "iter_0" / "configs").mkdir(parents=True)
+    (run / "iter_0" / "configs" / "eval_generate.yaml").write_text("k: 1\n")
+    (run / "iter_0" / "plan.json").write_text("{}\n")
+    (run / "iter_1" / "configs").mkdir(parents=True)
+    (run / "iter_1" / "configs" / "generate.yaml").write_text("k: 3\n")
+    (run / "iter_1" / "logs").mkdir()
+    (run / "iter_1" / "logs" / "generate.log").write_text("")
+    (run / ".lock").write_text("")
+    assert loop.fresh_refusal(run) is None
+    for extra in ("iter_1/generated.jsonl", "iter_1/configs/notes.txt", "iter_1/logs/notes.txt", "thesis.tex"):
+        (run / extra).write_text("mine")
+        assert "not a run directory" in loop.fresh_refusal(run), extra
+        (run / extra).unlink()
+    (run / "iter_x").mkdir()
+    assert "not a run directory" in loop.fresh_refusal(run)
+    (run / "config.yaml").write_text("name: my other project\n")  # a config.yaml, but not a run's
+    assert "not a run directory" in loop.fresh_refusal(run)
+    planned = loop.plan(None, small_cfg)  # a run's config.yaml: whatever else is there
+    (planned / "iter_1" / "generated.jsonl").write_text("")
+    assert loop.fresh_refusal(planned) is None
+    assert loop.main(["fresh-check", str(run)]) == 2 and loop.main(["fresh-check", str(planned)]) == 0
