@@ -143,6 +143,8 @@ for ((i = 1; i <= ITERATIONS; i++)); do
   run_stage "$i" generate
   run_stage "$i" rewards
   run_stage "$i" pairs
+  rc=0; why="$("$TRAIN" -m online_rlhf.loop pairs-check "$RUN_DIR" "$i")" || rc=$?   # 0 pairs: stop before DPO
+  case "$rc" in 0) ;; 1) say "STOPPED: $why"; exit 1 ;; *) exit "$rc" ;; esac
   run_stage "$i" dpo
   run_stage "$i" grpo
   run_stage "$i" eval_generate

@@ -3,6 +3,7 @@
     python -m online_rlhf.loop plan CONFIG [key=value ...]   # resolve + validate, write stage configs
     python -m online_rlhf.loop check RUN_DIR ITER STAGE       # exit 0 if STAGE is done and fresh, 1 to run, 3 not planned
     python -m online_rlhf.loop fresh-check RUN_DIR            # exit 0 if run_loop.sh --fresh may empty RUN_DIR, else 2 (says why)
+    python -m online_rlhf.loop pairs-check RUN_DIR ITER       # exit 1 (with why and what to change) if ITER's pairs stage made 0 pairs
     python -m online_rlhf.loop exec RUN_DIR ITER STAGE [machine_rank=R] [key=value ...]  # run STAGE as its config file says
                                                               # (R > 0: this machine's part of a multi-machine stage;
                                                               # key=value: appended to the stage's command, e.g. dry_run=true)
@@ -735,6 +736,32 @@ def _stage_entry(run_dir: Path, i: int, stage: str) -> dict:
     return entries[stage]
 
 
+def no_pairs_stop(run_dir: Path, i: int) -> str | None:
+    """The line that stops the loop after iteration ``i``'s pairs stage when it made 0 pairs (DPO
+    would have nothing to train on and fail), from the pairs stats (:class:`PairsStats`): the
+    iteration, the pairs file, why its prompts gave no pair and what to change
+    (:meth:`PairsStats.no_pair_causes`). None when the iteration has no pairs stage (GRPO: its
+    stage keeps the policy when no group has a reward spread) or the file has pairs.
+
+    Raises:
+        FileNotFoundError, DataError: the iteration's plan.json or the pairs stats are missing or
+            not valid (the messages name the file).
+    """
+    entries = read_json(run_dir / f"iter_{i}" / "plan.json")
+    if "pairs" not in entries or "dpo" not in entries:
+        return None
+    pairs_file = entries["pairs"]["outputs"][0]
+    st = PairsStats.read(stats_path(pairs_file))
+    if st.pairs_out > 0:
+        return None
+    causes, fixes = st.no_pair_causes()
+    why = "; ".join(causes) if st.records_in else "the rewards file had no records"
+    fix = "; ".join(fixes) if st.records_in else "more train prompts (prompts_per_iteration, train_prompts)"
+    return (f"iteration {i}: 0 pairs in {pairs_file} from {st.records_in} prompts, so DPO has nothing to train on; "
+            f"stopped before DPO. Why: {why or 'see skipped_examples in ' + str(stats_path(pairs_file))}. "
+            f"Change: {fix or 'see skipped_examples in the pairs stats'}; then rerun the same command.")
+
+
 def stage_hash(run_dir: Path, i: int, stage: str) -> str:
     """Hash of a stage's config values (with the run dir's own path masked; launch settings
     included, comments not) and its inputs' content: a run directory moved or copied elsewhere
@@ -1415,6 +1442,11 @@ def main(argv: list[str]) -> int:
             if reason:
                 print(f"run_loop.sh: {reason}", file=sys.stderr)
                 return 2
+        elif cmd == "pairs-check":  # 0: go on; 1: the iteration made 0 pairs (prints why and what to change)
+            line = no_pairs_stop(Path(args[0]), int(args[1]))
+            if line:
+                print(line)
+                return 1
         elif cmd == "check":  # 0 done and fresh, 1 to run (prints the stage's env), 3 not in this iteration's plan
             entries = read_json(Path(args[0]) / f"iter_{int(args[1])}" / "plan.json")
             if args[2] not in entries:

@@ -783,3 +783,33 @@ def test_fresh_may_clear_a_run_or_the_leftovers_of_a_refused_plan_and_nothing_el
     (planned / "iter_1" / "generated.jsonl").write_text("")
     assert loop.fresh_refusal(planned) is None
     assert loop.main(["fresh-check", str(run)]) == 2 and loop.main(["fresh-check", str(planned)]) == 0
+
+
+def test_the_loop_stops_after_a_pairs_stage_that_made_no_pair_saying_why_and_what_to_change(small_cfg, capsys):
+    run = loop.plan(None, small_cfg)
+    capsys.readouterr()
+    pairs = run / "iter_1" / "pairs.jsonl"
+    write_jsonl(pairs, [])
+    tie = {"mean": 0.5, "std": 0.0, "min": 0.5, "max": 0.5}
+    example_stats(PairsStats, pairs_out=0, skipped={"tie": 2}, reward=tie, responses={"total": 8},
+                  truncation={"policy": "penalize", "penalty": 0.1}).write(stats_path(pairs))
+    line = loop.no_pairs_stop(run, 1)
+    assert line.startswith(f"iteration 1: 0 pairs in {pairs} from 2 prompts") and "stopped before DPO" in line
+    assert "2 of 2 prompts had all their responses scored the same (tie; every reward was 0.5)" in line
+    assert "generation.k" in line and "reward.source" in line
+    assert "truncat" not in line  # truncation was not the reason: not suggested
+    assert loop.main(["pairs-check", str(run), "1"]) == 1 and capsys.readouterr().out.strip() == line
+    # truncated responses left out under pairs.truncated=exclude: then the truncation setting is named
+    example_stats(PairsStats, pairs_out=0, skipped={"fewer_than_2_valid": 2},
+                  responses={"total": 8, "truncated": 7, "truncated_excluded": 7}).write(stats_path(pairs))
+    line = loop.no_pairs_stop(run, 1)
+    assert "2 of 2 prompts had fewer than 2 usable responses" in line and "7 truncated responses were left out" in line
+    assert "pairs.truncated=penalize" in line and "generation.max_tokens" in line
+    # pairs made: the loop goes on to DPO
+    example_stats(PairsStats).write(stats_path(pairs))
+    assert loop.no_pairs_stop(run, 1) is None and loop.main(["pairs-check", str(run), "1"]) == 0
+
+
+def test_grpo_iterations_have_no_pairs_stop(small_cfg):
+    run = loop.plan(None, small_cfg + ["algorithm=grpo"])
+    assert loop.no_pairs_stop(run, 1) is None
