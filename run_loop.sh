@@ -63,6 +63,17 @@ INFER="$ROOT/.venv-infer/bin/python"
 
 # The config is checked and the run directory found before anything is written to it.
 RUN_DIR="$("$TRAIN" -m online_rlhf.loop run-dir "$CONFIG" "${OVERRIDES[@]}")"
+# What this command creates (the first missing folder up to the run dir, the lock) goes again
+# when the plan refuses the run: a refused plan leaves no trace (the plan itself writes nothing then).
+NEW_TOP=""; d="$RUN_DIR"; while [[ ! -e "$d" ]]; do NEW_TOP="$d"; d="$(dirname -- "$d")"; done
+NEW_LOCK=0; [[ -e "$RUN_DIR/.lock" ]] || NEW_LOCK=1
+undo_new() {
+  [[ "$NEW_LOCK" == 1 ]] && rm -f -- "$RUN_DIR/.lock"
+  if [[ -n "$NEW_TOP" ]]; then   # only empty folders: rmdir refuses any other
+    d="$RUN_DIR"; while rmdir -- "$d" 2>/dev/null && [[ "$d" != "$NEW_TOP" ]]; do d="$(dirname -- "$d")"; done
+  fi
+  return 0
+}
 mkdir -p -- "$RUN_DIR"
 # One loop per run directory: the lock is inherited by every stage process, so a stage left
 # running by a killed loop also keeps a second loop out until it ends (and --fresh waits for it too).
@@ -97,16 +108,13 @@ flock -n 9 || {
   exit 1
 }
 if [[ "$FRESH" == 1 ]]; then
-  # Only a folder this loop made: empty, or with the config.yaml that `loop plan` writes.
-  if [[ -n "$(find "$RUN_DIR" -mindepth 1 -maxdepth 1 ! -name .lock -print -quit)" ]] &&
-     ! head -n 1 "$RUN_DIR/config.yaml" 2>/dev/null | grep -Eq '^# (online_rlhf run config|resolved from )'; then
-    echo "run_loop.sh: --fresh refuses to clear $RUN_DIR: it holds files but no run config.yaml written by this loop, so it is not a run directory. Choose another output_root/run_name, or empty it yourself." >&2
-    exit 2
-  fi
+  # Only a folder this loop made: empty, with the config.yaml that `loop plan` writes, or with
+  # nothing but what an earlier refused plan left (iter_*/configs, plan.json, prompts.jsonl, logs).
+  "$TRAIN" -m online_rlhf.loop fresh-check "$RUN_DIR" || { rc=$?; undo_new; exit "$rc"; }
   say "fresh start: removing the contents of $RUN_DIR"
   find "$RUN_DIR" -mindepth 1 -maxdepth 1 ! -name .lock -exec rm -rf -- {} +
 fi
-PLAN="$("$TRAIN" -m online_rlhf.loop plan "$CONFIG" "${OVERRIDES[@]}")"
+PLAN="$("$TRAIN" -m online_rlhf.loop plan "$CONFIG" "${OVERRIDES[@]}")" || { rc=$?; undo_new; exit "$rc"; }
 eval "$PLAN"    # RUN_DIR ITERATIONS LAUNCH_PROFILE DRY_RUN
 say "run directory: $RUN_DIR ($ITERATIONS iterations, launch profile $LAUNCH_PROFILE)"
 if [[ "$DRY_RUN" == 1 ]]; then   # dry_run=true: memory check of each model stage, then stop (README "Dry run")
@@ -164,6 +172,8 @@ for ((i = 1; i <= ITERATIONS; i++)); do
   run_stage "$i" generate
   run_stage "$i" rewards
   run_stage "$i" pairs
+  rc=0; why="$("$TRAIN" -m online_rlhf.loop pairs-check "$RUN_DIR" "$i")" || rc=$?   # 0 pairs: stop before DPO
+  case "$rc" in 0) ;; 1) say "STOPPED: $why"; exit 1 ;; *) exit "$rc" ;; esac
   run_stage "$i" dpo
   run_stage "$i" grpo
   run_stage "$i" eval_generate

@@ -2,6 +2,8 @@
 
     python -m online_rlhf.loop plan CONFIG [key=value ...]   # resolve + validate, write stage configs
     python -m online_rlhf.loop check RUN_DIR ITER STAGE       # exit 0 if STAGE is done and fresh, 1 to run, 3 not planned
+    python -m online_rlhf.loop fresh-check RUN_DIR            # exit 0 if run_loop.sh --fresh may empty RUN_DIR, else 2 (says why)
+    python -m online_rlhf.loop pairs-check RUN_DIR ITER       # exit 1 (with why and what to change) if ITER's pairs stage made 0 pairs
     python -m online_rlhf.loop exec RUN_DIR ITER STAGE [machine_rank=R] [key=value ...]  # run STAGE as its config file says
                                                               # (R > 0: this machine's part of a multi-machine stage;
                                                               # key=value: appended to the stage's command, e.g. dry_run=true)
@@ -237,7 +239,17 @@ def stage_dict(cfg: LoopConfig, run_dir: Path, i: int, stage: str) -> dict:
 
 def plan(config_path: str | None, overrides: list[str]) -> Path:
     """Resolve the config, write the run dir's config.yaml, stage configs, plan.json and prompt
-    slices; print shell assignments (RUN_DIR, ITERATIONS, ...) for run_loop.sh to ``eval``."""
+    slices; print shell assignments (RUN_DIR, ITERATIONS, ...) for run_loop.sh to ``eval``.
+
+    Every file's content is built and every input (prompt sets, models, verifier fields) checked
+    first; the files are written only once the whole plan has passed (:class:`_PlanFiles`), so a
+    plan refused on the way (e.g. a missing ``train_prompts`` file, at the top level or in
+    ``per_iteration``) leaves an existing run directory as it was, and creates nothing.
+
+    Raises:
+        ConfigError, DataError, FileNotFoundError: as :func:`resolve` and the prompt loaders; nothing
+            has been written then.
+    """
     cfg = resolve(config_path, overrides)
     _check_ifeval_prompts(cfg)
     run_dir = Path(cfg.output_root) / cfg.run_name
@@ -249,6 +261,7 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
     seen_train: dict[str, int] = {}  # train prompt id -> first iteration that used it
     layers = _Layers(config_path, [o for o in overrides if o.split("=", 1)[0] != "dry_run"])
     tokenizers: dict[str, Any] = {}  # policy dir -> tokenizer (None: none here), for the GRPO length check
+    files = _PlanFiles()  # written at the end, once every check has passed
     for i in range(0, cfg.iterations + 1):
         it = run_dir / f"iter_{i}"
         c = iteration_config(cfg, i)
@@ -267,7 +280,7 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
                         f"`.venv-train/bin/python -m online_rlhf.loop exec {run_dir} {i} {stage.name} machine_rank=k`)")
             header = _stage_header(stage, i, layers, command,
                                    _provenance(stage, d, c, i, layers, start=starting_policy(c, run_dir)), note)
-            _write_if_changed(path, header + yaml.safe_dump(d, sort_keys=False, allow_unicode=True))
+            files.add(path, header + yaml.safe_dump(d, sort_keys=False, allow_unicode=True))
             inputs, outputs = stage.io(d)
             entries[stage.name] = {"env": stage.env, "config": str(path), "command": command,
                                    "inputs": inputs, "outputs": outputs}
@@ -281,28 +294,84 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
                 train_sets[src] = load_prompts(src, prompt_field=c.prompt_field)
             rows = _prompt_slice(train_sets[src], c, i)
             _check_verifier_fields(c, rows, f"train_prompts {src} (iteration {i}'s prompts)")
-            _write_prompt_slice(it / "prompts.jsonl", rows)
+            files.add(it / "prompts.jsonl", _prompt_slice_text(rows))
             warnings += _overlap_warnings(rows, i, eval_ids, seen_train)
             if grpo_values:
                 warnings += _grpo_prompt_length_warnings(c, i, rows, grpo_values, tokenizers)
-        write_json(it / "plan.json", entries)
+        files.add(it / "plan.json", _json_text(entries))
     warnings += _other_algorithm_warnings(cfg)
     shell = {"RUN_DIR": str(run_dir), "ITERATIONS": cfg.iterations, "LAUNCH_PROFILE": cfg.launch_profile,
              "DRY_RUN": int(cfg.dry_run)}
+    files.add(run_dir / "plan_warnings.json", _json_text(warnings))
+    body = yaml.safe_dump(run_config_dict(cfg), sort_keys=False, allow_unicode=True)
+    # Every check has passed: now the files. config.yaml last, so that a write cut short (disk full)
+    # leaves the run's config as it was.
+    files.write()
     for w in warnings:
         print(f"WARNING: {w}", file=sys.stderr)
-    write_json(run_dir / "plan_warnings.json", warnings)
     if cfg.num_machines > 1 and cfg.launcher == "local":
         print(f"note: num_machines={cfg.num_machines}: this is machine 0. On each other machine k (same paths on a shared "
               f"filesystem), run: bash scripts/other_machine.sh {run_dir} k", file=sys.stderr)
-    # Last, so that a plan refused on the way (e.g. a bad prompt file) leaves the run's config as it was.
     # dry_run is left out: a dry run followed by the real run resolves to the same run config.
-    body = yaml.safe_dump(run_config_dict(cfg), sort_keys=False, allow_unicode=True)
     _write_run_config(run_dir, body, f"{RUN_CONFIG_HEADER} {config_path or 'defaults'} "
                       f"{' '.join(o for o in overrides if o.split('=', 1)[0] != 'dry_run')}\n")
     for k, v in shell.items():
         print(f"{k}={shlex.quote(str(v))}")
     return run_dir
+
+
+# The layout an interrupted or refused plan of earlier versions could leave behind (no config.yaml):
+# per iteration, stage configs, plan.json, prompts.jsonl and logs; the lock at the top.
+_PLAN_LEFTOVERS = {"configs", "plan.json", "prompts.jsonl", "logs"}
+
+
+def fresh_refusal(run_dir: Path) -> str | None:
+    """Why ``run_loop.sh --fresh`` must not empty ``run_dir``; None when it may.
+
+    It may when ``run_dir`` is missing or holds nothing but ``.lock``; when its ``config.yaml``
+    starts with the header :func:`plan` writes (:data:`RUN_CONFIG_HEADER`, or the older
+    ``# resolved from``); or when it holds only what a plan that stopped half way could leave
+    (before plans wrote nothing until they had passed): ``.lock`` and ``iter_<n>/`` folders with
+    nothing but ``configs/`` (YAML files only), ``plan.json``, ``prompts.jsonl`` and ``logs/``
+    (``.log`` files only).
+
+    Returns:
+        a one-line reason naming ``run_dir`` and what to do (choose another run, or empty it
+        yourself), or None.
+    """
+    if not run_dir.is_dir():
+        return None
+    config = run_dir / "config.yaml"
+    if config.is_file():
+        with open(config, encoding="utf-8", errors="replace") as f:
+            first = f.readline()
+        if first.startswith((RUN_CONFIG_HEADER, "# resolved from ")):
+            return None
+    elif _only_plan_leftovers(run_dir):
+        return None
+    return (f"--fresh refuses to clear {run_dir}: it holds files but no run config.yaml written by this loop, so it "
+            "is not a run directory. Choose another output_root/run_name, or empty it yourself.")
+
+
+def _only_plan_leftovers(run_dir: Path) -> bool:
+    """True when ``run_dir`` holds only ``.lock`` and the per-iteration files of :data:`_PLAN_LEFTOVERS`."""
+    for top in run_dir.iterdir():
+        if top.name == ".lock" and top.is_file():
+            continue
+        if not (top.is_dir() and not top.is_symlink() and top.name.startswith("iter_") and top.name[5:].isdigit()):
+            return False
+        for entry in top.iterdir():
+            if entry.name not in _PLAN_LEFTOVERS or entry.is_symlink():
+                return False
+            if entry.name == "configs" and not (entry.is_dir() and all(
+                    f.is_file() and not f.is_symlink() and f.suffix in (".yaml", ".tmp") for f in entry.iterdir())):
+                return False
+            if entry.name == "logs" and not (entry.is_dir() and all(
+                    f.is_file() and not f.is_symlink() and f.suffix == ".log" for f in entry.iterdir())):
+                return False
+            if entry.name in ("plan.json", "prompts.jsonl") and not entry.is_file():
+                return False
+    return True
 
 
 def _grpo_prompt_length_warnings(c: LoopConfig, i: int, rows: list[dict], d: dict, tokenizers: dict) -> list[str]:
@@ -639,9 +708,34 @@ def _prompt_slice(train: list[dict], c: LoopConfig, i: int) -> list[dict]:
     return train[: c.train_limit] if c.train_limit else train
 
 
-def _write_prompt_slice(path: Path, rows: list[dict]) -> None:
-    """Write an iteration's train prompts (:func:`_prompt_slice`) as JSONL, unless the file already holds them."""
-    _write_if_changed(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+def _prompt_slice_text(rows: list[dict]) -> str:
+    """An iteration's train prompts (:func:`_prompt_slice`) as the JSONL text of its ``prompts.jsonl``."""
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+
+
+def _json_text(obj: Any) -> str:
+    """``obj`` as :func:`online_rlhf.jsonl.write_json` writes it (indented, no NaN)."""
+    return json.dumps(obj, ensure_ascii=False, indent=2, allow_nan=False) + "\n"
+
+
+class _PlanFiles:
+    """The files a plan writes into the run directory, held as text until the whole plan has passed.
+
+    ``add`` only records ``(path, text)`` (a later ``add`` of the same path replaces the text);
+    ``write`` then writes each file atomically (:func:`online_rlhf.jsonl.atomic_open`; a file that
+    already holds the text is left untouched, mtime included), creating folders as needed. A plan
+    that raises before ``write`` has created and changed nothing.
+    """
+
+    def __init__(self) -> None:
+        self.texts: dict[Path, str] = {}
+
+    def add(self, path: Path, text: str) -> None:
+        self.texts[Path(path)] = text
+
+    def write(self) -> None:
+        for path, text in self.texts.items():
+            _write_if_changed(path, text)
 
 
 def _stage_entry(run_dir: Path, i: int, stage: str) -> dict:
@@ -650,6 +744,32 @@ def _stage_entry(run_dir: Path, i: int, stage: str) -> dict:
     if stage not in entries:
         raise ConfigError(f"{plan_path}: no stage {stage!r}; stages: {', '.join(entries)}.")
     return entries[stage]
+
+
+def no_pairs_stop(run_dir: Path, i: int) -> str | None:
+    """The line that stops the loop after iteration ``i``'s pairs stage when it made 0 pairs (DPO
+    would have nothing to train on and fail), from the pairs stats (:class:`PairsStats`): the
+    iteration, the pairs file, why its prompts gave no pair and what to change
+    (:meth:`PairsStats.no_pair_causes`). None when the iteration has no pairs stage (GRPO: its
+    stage keeps the policy when no group has a reward spread) or the file has pairs.
+
+    Raises:
+        FileNotFoundError, DataError: the iteration's plan.json or the pairs stats are missing or
+            not valid (the messages name the file).
+    """
+    entries = read_json(run_dir / f"iter_{i}" / "plan.json")
+    if "pairs" not in entries or "dpo" not in entries:
+        return None
+    pairs_file = entries["pairs"]["outputs"][0]
+    st = PairsStats.read(stats_path(pairs_file))
+    if st.pairs_out > 0:
+        return None
+    causes, fixes = st.no_pair_causes()
+    why = "; ".join(causes) if st.records_in else "the rewards file had no records"
+    fix = "; ".join(fixes) if st.records_in else "more train prompts (prompts_per_iteration, train_prompts)"
+    return (f"iteration {i}: 0 pairs in {pairs_file} from {st.records_in} prompts, so DPO has nothing to train on; "
+            f"stopped before DPO. Why: {why or 'see skipped_examples in ' + str(stats_path(pairs_file))}. "
+            f"Change: {fix or 'see skipped_examples in the pairs stats'}; then rerun the same command.")
 
 
 def stage_hash(run_dir: Path, i: int, stage: str) -> str:
@@ -1327,6 +1447,16 @@ def main(argv: list[str]) -> int:
             else:  # where the run lives, nothing written (run_loop.sh locks it before any change)
                 cfg = resolve(cfg_path, overrides)
                 print((Path(cfg.output_root) / cfg.run_name).resolve())
+        elif cmd == "fresh-check":  # 0: run_loop.sh --fresh may empty RUN_DIR; 2: it must not (says why)
+            reason = fresh_refusal(Path(args[0]))
+            if reason:
+                print(f"run_loop.sh: {reason}", file=sys.stderr)
+                return 2
+        elif cmd == "pairs-check":  # 0: go on; 1: the iteration made 0 pairs (prints why and what to change)
+            line = no_pairs_stop(Path(args[0]), int(args[1]))
+            if line:
+                print(line)
+                return 1
         elif cmd == "check":  # 0 done and fresh, 1 to run (prints the stage's env), 3 not in this iteration's plan
             entries = read_json(Path(args[0]) / f"iter_{int(args[1])}" / "plan.json")
             if args[2] not in entries:

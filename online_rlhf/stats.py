@@ -286,6 +286,52 @@ class PairsStats(StageStats):
     seconds: float
     input_blank_lines: int = 0  # blank lines skipped in the input file (0 in stats written before this key existed)
 
+    def no_pair_causes(self) -> tuple[list[str], list[str]]:
+        """Why the prompts gave no pair, and what to change, from the skip counts (``skipped``:
+        prompts by reason) and the per-response counts (``responses``), in loop config keys
+        (``generation.k``, ``pairs.min_margin``, ...), each fix once. The truncation setting is
+        named only when truncated responses were left out (``pairs.truncated=exclude``).
+
+        Returns:
+            ``(causes, fixes)``, e.g. ``["2 of 2 prompts had all their responses scored the same
+            (tie; every reward was 0.5)"]`` and ``["a reward that tells the responses apart ..."]``;
+            both empty when nothing was counted (e.g. no input record).
+        """
+        n, resp = self.records_in, self.responses
+        causes, fixes = [], []
+        for reason, count in sorted(self.skipped.items(), key=lambda kv: -kv[1]):
+            if reason == "tie":
+                r = self.reward
+                same = f"; every reward was {r.min:g}" if r.min is not None and r.min == r.max else ""
+                causes.append(f"{count} of {n} prompts had all their responses scored the same (tie{same})")
+                fixes.append("a reward that tells the responses apart (reward.source, reward.verifier), or more "
+                             "samples, more varied (generation.k, generation.temperature)")
+            elif reason == "margin_below_min":
+                causes.append(f"{count} of {n} prompts had a best-worst reward margin <= pairs.min_margin="
+                              f"{self.min_margin:g}")
+                fixes.append("a lower pairs.min_margin")
+            elif reason == "identical_responses":
+                causes.append(f"{count} of {n} prompts got the same text for every sample")
+                fixes.append("a higher generation.temperature (or generation.top_p), or more samples (generation.k)")
+            elif reason == "fewer_than_2_valid":
+                causes.append(f"{count} of {n} prompts had fewer than 2 usable responses")
+                fixes.append("more samples per prompt (generation.k)")
+            elif reason == "unscored":
+                causes.append(f"{count} of {n} prompts were not scored by the rewards stage")
+                fixes.append("see the rewards stage's stats (rewards.jsonl.stats.json: skipped, examples)")
+            else:
+                causes.append(f"{count} of {n} prompts skipped as {reason}")
+        if resp.get("truncated_excluded") and self.truncation.policy == "exclude":
+            causes.append(f"{resp['truncated_excluded']} truncated responses were left out (pairs.truncated=exclude)")
+            fixes.append("pairs.truncated=penalize (or keep), or a larger generation.max_tokens")
+        if resp.get("unscored"):
+            causes.append(f"{resp['unscored']} responses had no reward")
+            fixes.append("see the rewards stage's stats (rewards.jsonl.stats.json: responses_unscored)")
+        if resp.get("empty"):
+            causes.append(f"{resp['empty']} responses were empty")
+            fixes.append("check the policy's chat template and stop tokens")
+        return causes, list(dict.fromkeys(fixes))
+
 
 # ------------------------------------------------------------------------------------------- DPO
 

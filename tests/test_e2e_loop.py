@@ -182,6 +182,21 @@ def test_fresh_refuses_to_clear_a_folder_that_is_not_a_run_dir(tmp_path):
     assert (tmp_path / "notes" / "thesis.tex").read_text() == "precious"
 
 
+def test_a_refused_first_run_leaves_nothing_and_fresh_clears_the_leftovers_of_older_ones(tmp_path):
+    args = ["configs/loop.yaml", f"output_root={tmp_path / 'runs'}", "run_name=trap", "iterations=1",
+            f"train_prompts={tmp_path / 'missing.jsonl'}"]
+    p = _run_loop(args, timeout=300)
+    assert p.returncode == 2 and "missing.jsonl: no such file" in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "runs").exists()  # no run folder, no .lock
+    trap = tmp_path / "runs" / "trap"  # what a refused plan of earlier versions left: no config.yaml
+    (trap / "iter_1" / "configs").mkdir(parents=True)
+    (trap / "iter_1" / "configs" / "generate.yaml").write_text("k: 3\n")
+    (trap / ".lock").write_text("")
+    p = _run_loop([*args, "--fresh"], timeout=300)
+    assert p.returncode == 2 and "fresh start" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+    assert not (trap / "iter_1").exists()
+
+
 def test_second_loop_on_a_busy_run_dir_is_refused(tiny_policy, tmp_path):
     import fcntl
 

@@ -730,3 +730,86 @@ def test_run_config_given_back_resolves_to_the_same_stage_configs(small_cfg, tmp
 def test_dry_run_without_a_dpo_max_length_is_refused_at_plan_time(small_cfg):
     with pytest.raises(ConfigError, match=r"dry_run=true needs dpo\.training\.max_length"):
         loop.resolve("configs/loop.yaml", small_cfg + ["dry_run=true", "dpo.training.max_length=null"])
+
+
+def _tree(run_dir: Path) -> dict[str, bytes]:
+    """Every file under ``run_dir`` (relative path -> bytes)."""
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("bad", ["train_prompts={missing}", "per_iteration={{2: {{train_prompts: {missing}}}}}"])
+def test_a_failed_plan_leaves_a_finished_runs_files_as_they_were(small_cfg, tmp_path, bad):
+    run = loop.plan(None, small_cfg)
+    it = run / "iter_1"  # iteration 1's generate finished under this plan
+    write_jsonl(it / "generated.jsonl", [{"id": "p0"}])
+    example_stats(GenerateStats).write(stats_path(it / "generated.jsonl"))
+    loop.mark(run, 1, "generate", 1.0)
+    assert loop.check(run, 1, "generate")
+    before = _tree(run)
+    missing = tmp_path / "missing.jsonl"
+    with pytest.raises(FileNotFoundError, match="missing.jsonl: no such file"):
+        loop.plan(None, _with(small_cfg, "generation.k=3", bad.format(missing=missing)))
+    assert _tree(run) == before  # no stage config says k: 3, no prompt slice or plan.json changed
+    assert loop.check(run, 1, "generate")
+
+
+def test_a_failed_first_plan_creates_nothing(small_cfg, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        loop.plan(None, _with(small_cfg, f"train_prompts={tmp_path / 'missing.jsonl'}"))
+    assert not (tmp_path / "runs").exists()
+
+
+def test_fresh_may_clear_a_run_or_the_leftovers_of_a_refused_plan_and_nothing_else(small_cfg, tmp_path):
+    assert loop.fresh_refusal(tmp_path / "none") is None  # not there yet
+    run = tmp_path / "left"  # what a refused first plan of earlier versions left: no config.yaml
+    (run / "iter_0" / "configs").mkdir(parents=True)
+    (run / "iter_0" / "configs" / "eval_generate.yaml").write_text("k: 1\n")
+    (run / "iter_0" / "plan.json").write_text("{}\n")
+    (run / "iter_1" / "configs").mkdir(parents=True)
+    (run / "iter_1" / "configs" / "generate.yaml").write_text("k: 3\n")
+    (run / "iter_1" / "logs").mkdir()
+    (run / "iter_1" / "logs" / "generate.log").write_text("")
+    (run / ".lock").write_text("")
+    assert loop.fresh_refusal(run) is None
+    for extra in ("iter_1/generated.jsonl", "iter_1/configs/notes.txt", "iter_1/logs/notes.txt", "thesis.tex"):
+        (run / extra).write_text("mine")
+        assert "not a run directory" in loop.fresh_refusal(run), extra
+        (run / extra).unlink()
+    (run / "iter_x").mkdir()
+    assert "not a run directory" in loop.fresh_refusal(run)
+    (run / "config.yaml").write_text("name: my other project\n")  # a config.yaml, but not a run's
+    assert "not a run directory" in loop.fresh_refusal(run)
+    planned = loop.plan(None, small_cfg)  # a run's config.yaml: whatever else is there
+    (planned / "iter_1" / "generated.jsonl").write_text("")
+    assert loop.fresh_refusal(planned) is None
+    assert loop.main(["fresh-check", str(run)]) == 2 and loop.main(["fresh-check", str(planned)]) == 0
+
+
+def test_the_loop_stops_after_a_pairs_stage_that_made_no_pair_saying_why_and_what_to_change(small_cfg, capsys):
+    run = loop.plan(None, small_cfg)
+    capsys.readouterr()
+    pairs = run / "iter_1" / "pairs.jsonl"
+    write_jsonl(pairs, [])
+    tie = {"mean": 0.5, "std": 0.0, "min": 0.5, "max": 0.5}
+    example_stats(PairsStats, pairs_out=0, skipped={"tie": 2}, reward=tie, responses={"total": 8},
+                  truncation={"policy": "penalize", "penalty": 0.1}).write(stats_path(pairs))
+    line = loop.no_pairs_stop(run, 1)
+    assert line.startswith(f"iteration 1: 0 pairs in {pairs} from 2 prompts") and "stopped before DPO" in line
+    assert "2 of 2 prompts had all their responses scored the same (tie; every reward was 0.5)" in line
+    assert "generation.k" in line and "reward.source" in line
+    assert "truncat" not in line  # truncation was not the reason: not suggested
+    assert loop.main(["pairs-check", str(run), "1"]) == 1 and capsys.readouterr().out.strip() == line
+    # truncated responses left out under pairs.truncated=exclude: then the truncation setting is named
+    example_stats(PairsStats, pairs_out=0, skipped={"fewer_than_2_valid": 2},
+                  responses={"total": 8, "truncated": 7, "truncated_excluded": 7}).write(stats_path(pairs))
+    line = loop.no_pairs_stop(run, 1)
+    assert "2 of 2 prompts had fewer than 2 usable responses" in line and "7 truncated responses were left out" in line
+    assert "pairs.truncated=penalize" in line and "generation.max_tokens" in line
+    # pairs made: the loop goes on to DPO
+    example_stats(PairsStats).write(stats_path(pairs))
+    assert loop.no_pairs_stop(run, 1) is None and loop.main(["pairs-check", str(run), "1"]) == 0
+
+
+def test_grpo_iterations_have_no_pairs_stop(small_cfg):
+    run = loop.plan(None, small_cfg + ["algorithm=grpo"])
+    assert loop.no_pairs_stop(run, 1) is None

@@ -488,17 +488,20 @@ def main(cfg: DPOStageConfig) -> DPOStats:
     # 2. pairs
     pairs, read_info = load_pairs(cfg.pairs)
     if read_info["in"] == 0:
-        why = ""
-        try:  # a pairs file made by make_pairs has its stats beside it; one made otherwise need not
-            skipped = PairsStats.read(stats_path(cfg.pairs)).skipped
-            why = f" make_pairs skipped: {', '.join(f'{k} {v}' for k, v in sorted(skipped.items())) or 'nothing'}."
+        why, fix = "", ("More prompts (prompts_per_iteration) or samples (generation.k), a smaller "
+                        "pairs.min_margin, or pairs.truncated=penalize instead of exclude give more pairs.")
+        try:  # a pairs file made by make_pairs has its stats beside it: its skip reasons, and the fixes that fit them
+            st = PairsStats.read(stats_path(cfg.pairs))
+            causes, fixes = st.no_pair_causes()
+            skipped = ", ".join(f"{k} {v}" for k, v in sorted(st.skipped.items())) or "nothing"
+            why = f" make_pairs skipped: {skipped}." + (f" {'; '.join(causes)}." if causes else "")
+            if fixes:
+                fix = f"Change: {'; '.join(fixes)}."
         except FileNotFoundError:
             pass
         except DataError as e:  # stats of another version: say so, the empty pairs file is the error
             why = f" ({e})"
-        raise DataError(f"{cfg.pairs}: the pairs file is empty, nothing to train on.{why} More prompts "
-                        "(prompts_per_iteration) or samples (generation.k), a smaller pairs.min_margin, or "
-                        "pairs.truncated=penalize instead of exclude give more pairs.")
+        raise DataError(f"{cfg.pairs}: the pairs file is empty, nothing to train on.{why} {fix}")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(policy_path, trust_remote_code=trust)
