@@ -79,11 +79,16 @@ def write_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> int:
     return n
 
 
+def json_text(obj: Any) -> str:
+    """``obj`` as one indented JSON document (no NaN/inf), as :func:`write_json` writes it."""
+    return json.dumps(obj, ensure_ascii=False, indent=2, allow_nan=False, default=_default) + "\n"
+
+
 def write_json(path: str | os.PathLike, obj: Any) -> None:
     """Atomically write one JSON document (indented) to ``path``."""
+    text = json_text(obj)  # before the file is opened: a value JSON cannot hold leaves no file
     with atomic_open(path) as f:
-        json.dump(obj, f, ensure_ascii=False, indent=2, allow_nan=False, default=_default)
-        f.write("\n")
+        f.write(text)
 
 
 def relative_paths_note() -> str:

@@ -39,7 +39,7 @@ from typing import Any
 import yaml
 
 from .config import ConfigError, apply_overrides, load_yaml
-from .jsonl import DataError, read_json, read_jsonl, write_json, write_jsonl, atomic_open
+from .jsonl import DataError, json_text, read_json, read_jsonl, write_json, write_jsonl, atomic_open
 from .paths import PROJECT_ROOT, default_model_dir, local_folder_prefix, resolve_model, setup_cache_env
 from .rundir import fingerprint, is_done, mark_done
 from .stage_configs import GenerateConfig, LoopConfig, SFTStageConfig
@@ -298,11 +298,11 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
             warnings += _overlap_warnings(rows, i, eval_ids, seen_train)
             if grpo_values:
                 warnings += _grpo_prompt_length_warnings(c, i, rows, grpo_values, tokenizers)
-        files.add(it / "plan.json", _json_text(entries))
+        files.add(it / "plan.json", json_text(entries))
     warnings += _other_algorithm_warnings(cfg)
     shell = {"RUN_DIR": str(run_dir), "ITERATIONS": cfg.iterations, "LAUNCH_PROFILE": cfg.launch_profile,
              "DRY_RUN": int(cfg.dry_run)}
-    files.add(run_dir / "plan_warnings.json", _json_text(warnings))
+    files.add(run_dir / "plan_warnings.json", json_text(warnings))
     body = yaml.safe_dump(run_config_dict(cfg), sort_keys=False, allow_unicode=True)
     # Every check has passed: now the files. config.yaml last, so that a write cut short (disk full)
     # leaves the run's config as it was.
@@ -711,11 +711,6 @@ def _prompt_slice(train: list[dict], c: LoopConfig, i: int) -> list[dict]:
 def _prompt_slice_text(rows: list[dict]) -> str:
     """An iteration's train prompts (:func:`_prompt_slice`) as the JSONL text of its ``prompts.jsonl``."""
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
-
-
-def _json_text(obj: Any) -> str:
-    """``obj`` as :func:`online_rlhf.jsonl.write_json` writes it (indented, no NaN)."""
-    return json.dumps(obj, ensure_ascii=False, indent=2, allow_nan=False) + "\n"
 
 
 class _PlanFiles:
