@@ -165,6 +165,26 @@ def ifeval_scores(strict: Sequence[Sequence[bool]], loose: Sequence[Sequence[boo
     return {"prompt_strict": ps, "prompt_loose": pl, "instruction_strict": is_, "instruction_loose": il}
 
 
+def instruction_groups(ids: Sequence[Sequence[str]], strict: Sequence[Sequence[bool]],
+                       loose: Sequence[Sequence[bool]]) -> dict[str, dict]:
+    """Instruction-level pass rates per instruction group (the id's part before ``:``, e.g.
+    ``length_constraints`` for ``length_constraints:number_words``), IFEval's own grouping.
+
+    Args:
+        ids, strict, loose: per prompt, its instruction ids and their strict / loose outcomes
+            (aligned lists).
+    Returns:
+        ``{group: {"instructions": n, "strict": rate, "loose": rate}}`` with rates in [0, 1],
+        groups in sorted order.
+    """
+    acc: dict[str, list[int]] = {}
+    for p_ids, p_s, p_l in zip(ids, strict, loose):
+        for iid, s, lo in zip(p_ids, p_s, p_l):
+            a = acc.setdefault(iid.split(":", 1)[0], [0, 0, 0])
+            a[0], a[1], a[2] = a[0] + 1, a[1] + bool(s), a[2] + bool(lo)
+    return {g: {"instructions": n, "strict": s / n, "loose": lo / n} for g, (n, s, lo) in sorted(acc.items())}
+
+
 def distinct_n(texts: Sequence[str], n: int) -> float | None:
     """Distinct-n over ``texts``: unique word n-grams / all word n-grams (whitespace words, lower
     case), pooled over the texts (Li et al. 2016). 1.0 = no n-gram repeats; None when no text

@@ -55,7 +55,7 @@ RUN_CONFIG_HEADER = "# online_rlhf run config, resolved from"
 # Keys of the loop config whose values are fixed per run, not per iteration.
 _RUN_LEVEL = ("run_name", "output_root", "iterations", "policy", "sft", "per_iteration", "wandb", "dry_run", "algorithm",
               "num_machines", "machine_rank", "main_process_ip", "main_process_port", "launcher",
-              "ifeval", "kl_samples", "kl_warn")
+              "ifeval", "kl_samples", "kl_warn", "eval_cache")
 
 
 def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
@@ -814,11 +814,38 @@ def exec_stage(run_dir: Path, i: int, stage: str, overrides: list[str] = (), mac
         if check(run_dir, i, stage):
             print(f"stage {stage} of iteration {i} is done and fresh; nothing to run on machine {machine_rank}.")
             return
+    if machine_rank == 0 and not overrides and _reuse_cached(run_dir, i, stage, e, d):
+        return
     argv, env = launch_command(STAGES[stage], e["config"], d, machine_rank=machine_rank, launcher=launcher,
                                extra=list(overrides))
     print("+ " + " ".join([*(f"{k}={v}" for k, v in env.items()), *map(shlex.quote, argv)]), flush=True)
     os.chdir(PROJECT_ROOT)
     os.execve(argv[0] if os.sep in argv[0] else _which(argv[0]), argv, {**os.environ, **env})
+
+
+def _eval_cache_key(run_dir: Path, i: int, stage: str, e: dict, d: dict) -> str | None:
+    """The evaluation-cache key of a stage (``online_rlhf.eval_cache``), or None when the stage is
+    not cached here (not a ``cache_iteration_0`` row, not iteration 0, or the run turned it off)."""
+    from . import eval_cache
+
+    if i != 0 or not STAGES[stage].cache_iteration_0 or not eval_cache.enabled(_run_config(run_dir)):
+        return None
+    return eval_cache.cache_key(stage, d, e["inputs"])
+
+
+def _reuse_cached(run_dir: Path, i: int, stage: str, e: dict, d: dict) -> bool:
+    """Copy the stage's output from the evaluation cache when it holds it; True when it did."""
+    from . import eval_cache
+
+    key = _eval_cache_key(run_dir, i, stage, e, d)
+    entry = eval_cache.lookup(key) if key else None
+    if entry is None:
+        return False
+    out = Path(e["outputs"][0])
+    source = eval_cache.restore(entry, out, stats_path(out), STAGES[stage].stats)
+    print(f"stage {stage} of iteration {i}: the same starting policy, prompts and settings were evaluated before; "
+          f"reused {source} (evaluation cache {entry}; eval_cache=false decodes afresh)", flush=True)
+    return True
 
 
 def _which(name: str) -> str:
@@ -895,7 +922,15 @@ def _output_present(path: Path) -> bool:
 
 
 def mark(run_dir: Path, i: int, stage: str, seconds: float) -> None:
+    """Write the stage's ``.done`` marker; a stage of the evaluation cache also stores its output there."""
     mark_done(_marker(run_dir, i, stage), stage_hash(run_dir, i, stage), seconds=round(seconds, 2))
+    e = _stage_entry(run_dir, i, stage)
+    key = _eval_cache_key(run_dir, i, stage, e, yaml.safe_load(Path(e["config"]).read_text(encoding="utf-8")))
+    if key:
+        from . import eval_cache
+
+        out = Path(e["outputs"][0])
+        eval_cache.store(key, out, stats_path(out), run_dir)
 
 
 # The stages the loop's dry run checks, in order: (iteration, stage). SFT runs before iteration 1;
@@ -1075,6 +1110,8 @@ def _eval_quality(run_dir: Path, i: int, evals: list[dict], stats: dict[str, Sta
         st = stats["ifeval.jsonl"]
         out["ifeval"] = {k: getattr(st, k) for k in ("prompt_strict", "prompt_loose", "instruction_strict",
                                                      "instruction_loose", "records_scored", "truncation_rate")}
+        length = (st.groups or {}).get("length_constraints")
+        out["ifeval"]["length_constraints_strict"] = length["strict"] if length else None
         base_file = run_dir / "iter_0" / "ifeval.jsonl"
         if i >= 1 and base_file.is_file():
             base = {str(r["id"]): r["prompt_strict"] for r in read_jsonl(base_file)}
@@ -1337,17 +1374,19 @@ def _quality_lines(rows: list[dict], cfg: dict) -> list[str]:
     if any(r.get("ifeval") for r in rows):
         lines += ["", "## IFEval", "",
                   "| iteration | prompts | prompt strict | prompt loose | instruction strict | instruction loose | "
-                  "Δ prompt strict vs 0 (McNemar p) | trunc. |", "|---|---|---|---|---|---|---|---|"]
+                  "length_constraints strict | Δ prompt strict vs 0 (McNemar p) | trunc. |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             f = r.get("ifeval")
             if not f:
                 continue
             t = r.get("ifeval_vs_0")
             vs = f"{100 * t['prompt_strict_diff']:+.1f} (p={t['p_value']:.3g}; {t['new_only']} gained, {t['base_only']} lost)" if t else "–"
-            pct = {k: "–" if f[k] is None else f"{100 * f[k]:.1f}" for k in
-                   ("prompt_strict", "prompt_loose", "instruction_strict", "instruction_loose")}
+            pct = {k: "–" if f.get(k) is None else f"{100 * f[k]:.1f}" for k in
+                   ("prompt_strict", "prompt_loose", "instruction_strict", "instruction_loose", "length_constraints_strict")}
             lines.append(f"| {r['iteration']} | {f['records_scored']} | {pct['prompt_strict']} | {pct['prompt_loose']} | "
-                         f"{pct['instruction_strict']} | {pct['instruction_loose']} | {vs} | {f.get('truncation_rate')} |")
+                         f"{pct['instruction_strict']} | {pct['instruction_loose']} | {pct['length_constraints_strict']} | "
+                         f"{vs} | {f.get('truncation_rate')} |")
         ifeval = cfg.get("ifeval") or {}
         lines += ["", f"IFEval (Zhou et al. 2023): greedy answers, max_tokens {ifeval.get('max_tokens')}, "
                   f"{'all prompts' if not ifeval.get('limit') else 'the first %s prompts' % ifeval.get('limit')}, scored "

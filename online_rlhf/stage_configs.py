@@ -247,7 +247,7 @@ class IFEvalScoreConfig(StageConfig):
     """annotate_data/ifeval_score.py: IFEval's four scores of generated records (one greedy response each)."""
 
     input: str = Field(..., description="generated records with instruction_id_list + kwargs (ifeval_generated.jsonl)")
-    output: str = Field(..., description="per-prompt outcomes (ifeval.jsonl): {id, strict: [bool], loose: [bool], prompt_strict, prompt_loose, response_tokens, finish_reason}")
+    output: str = Field(..., description="per-prompt outcomes (ifeval.jsonl): {id, instruction_id_list, strict: [bool], loose: [bool], prompt_strict, prompt_loose, response_tokens, finish_reason}")
 
     @model_validator(mode="after")
     def _output_is_not_input(self):
@@ -365,6 +365,7 @@ class LoopConfig(StageConfig):
     ifeval: IFEvalSection = Field(default_factory=IFEvalSection, description="IFEval benchmark stages (ifeval_generate, ifeval_score): when, prompts, limit, max_tokens; decoding as `evaluation` (greedy)")
     kl_samples: int = Field(1, ge=0, description="responses SAMPLED (temperature 1, as `evaluation` otherwise) per held-out prompt for the KL(policy || starting policy) estimate of iterations >= 1 (stages kl_generate, kl); 0: no KL estimate")
     kl_warn: Optional[float] = Field(5.0, ge=0, description="warn (loop metrics line, report.md) when an iteration's estimated KL(policy || starting policy) exceeds this many nats; null: never")
+    eval_cache: bool = Field(True, description="reuse iteration 0's held-out and IFEval generations from an earlier run (any seed) with the same starting policy, prompts, decoding settings and hardware dtype (online_rlhf/eval_cache.py; cache under .cache/eval); false: always decode")
     wandb: bool = Field(False, description="log the loop's metrics to wandb (offline unless WANDB_MODE is set)")
     dry_run: bool = Field(False, description="memory check instead of the run: plan as usual, then run SFT (when enabled) and iteration 1's generate, rewards (source=reward_model) and dpo (or grpo) stages once each in dry mode (one step at the largest shapes), print peak memory vs available per stage and what to lower; writes no checkpoint and marks no stage done. Exit 1 when a stage would not fit")
 

@@ -100,9 +100,11 @@ def section_file(path: str | None, key: str, section: str) -> dict:
 
 
 def prompt_source(name: str, split: str) -> str:
-    """``default`` -> the prepared IFBench split file; anything else as given."""
+    """``default`` -> the prepared default file of ``split``: ``train`` the IF prompts
+    (``if_train.jsonl``: IFEval's constraint types on the project's own templates), ``eval`` IFBench's
+    held-out split (``ifbench_eval.jsonl``: constraint types never trained on); anything else as given."""
     if name == "default":
-        return str(default_data_dir() / f"ifbench_{split}.jsonl")
+        return str(default_data_dir() / ("if_train.jsonl" if split == "train" else f"ifbench_{split}.jsonl"))
     return name
 
 
@@ -276,6 +278,8 @@ class Stage:
         enabled: whether the loop runs the stage at all.
         runs: ``(loop config, i) -> bool`` when the iterations the stage runs in depend on the config
             (IFEval: ``ifeval.when``); ``when`` is then not used.
+        cache_iteration_0: its iteration-0 output depends only on the starting policy, the prompts
+            and its settings, so ``loop exec`` reuses it from an earlier run (``online_rlhf.eval_cache``).
     """
 
     name: str
@@ -292,6 +296,7 @@ class Stage:
     stage_file_key: Optional[str] = None
     enabled: Callable[[LoopConfig], bool] = field(default=lambda c: True)
     runs: Optional[Callable[[LoopConfig, int], bool]] = None
+    cache_iteration_0: bool = False
 
     def runs_in(self, cfg: LoopConfig, i: int) -> bool:
         """Whether this stage is part of iteration ``i`` of the loop ``cfg``."""
@@ -322,7 +327,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           ("policy", "rewards", "reference"), ("output_dir",), GRPOStats, "train", _grpo, ("grpo",), "grpo_config",
           enabled=lambda c: c.algorithm == "grpo"),
     Stage("eval_generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"),
-          ("output",), GenerateStats, "every", _eval_generate, ("evaluation", "generation")),
+          ("output",), GenerateStats, "every", _eval_generate, ("evaluation", "generation"), cache_iteration_0=True),
     Stage("eval_rewards", "train", "annotate_data/get_rewards.py", "accelerate", RewardConfig,
           ("input", "reward_model"), ("output",), RewardStats, "every", _eval_rewards, ("reward",)),
     # Evaluation beyond the held-out reward: the KL of the iteration's policy from the starting
@@ -334,7 +339,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           ("output",), KLStats, "train", _kl, enabled=lambda c: c.kl_samples > 0),
     Stage("ifeval_generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"),
           ("output",), GenerateStats, "every", _ifeval_generate, ("ifeval", "evaluation", "generation"),
-          runs=_ifeval_runs),
+          runs=_ifeval_runs, cache_iteration_0=True),
     Stage("ifeval_score", "train", "annotate_data/ifeval_score.py", "python", IFEvalScoreConfig, ("input",),
           ("output",), IFEvalStats, "every", _ifeval_score, runs=_ifeval_runs),
 )}

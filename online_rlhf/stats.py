@@ -194,6 +194,9 @@ class GenerateStats(_GenerationCommon):
     model: Optional[str]  # None only with zero shards
     hardware: Optional[dict[str, Any]]
     shards: list[ShardSummary]
+    # the file these answers were decoded into when they came from the evaluation cache
+    # (online_rlhf.eval_cache: iteration 0 of another run); None when decoded here
+    reused_from: Optional[str] = None
 
 
 # ------------------------------------------------------------------------------------------- rewards
@@ -520,6 +523,9 @@ class IFEvalStats(StageStats):
     mean_response_tokens: Optional[float]
     truncation_rate: Optional[float]
     seconds: float
+    # instruction-level pass rates per instruction group (online_rlhf.evaluation.instruction_groups),
+    # e.g. groups["length_constraints"]["strict"]; None in stats written before the key existed
+    groups: Optional[dict[str, dict[str, float]]] = None
 
 
 class KLStats(StageStats):

@@ -127,7 +127,12 @@ def test_ifeval_score_stage_writes_the_four_numbers_and_counts_unscorable_record
     assert st.skipped == {"unknown_instruction:no:such_instruction": 1} and st.skipped_ids["unknown_instruction:no:such_instruction"] == ["d"]
     assert (st.prompt_strict, st.instruction_strict) == (pytest.approx(2 / 3), pytest.approx(3 / 5))
     assert st.truncation_rate == pytest.approx(1 / 3, abs=1e-4)
+    # per instruction group: punctuation 2 of 3 (a, c), detectable_format 1 of 2 (a)
+    assert st.groups == {"detectable_format": {"instructions": 2, "strict": 0.5, "loose": 0.5},
+                         "punctuation": {"instructions": 3, "strict": pytest.approx(2 / 3, abs=1e-6),
+                                         "loose": pytest.approx(2 / 3, abs=1e-6)}}
     rows = read_jsonl(tmp_path / "ifeval.jsonl")
+    assert rows[1]["instruction_id_list"] == ["punctuation:no_comma", "detectable_format:title"]
     assert [r["prompt_strict"] for r in rows] == [True, False, True] and rows[0]["strict"] == [True, True]
     assert IFEvalStats.read(tmp_path / "ifeval.jsonl.stats.json") == st
 
@@ -384,7 +389,7 @@ def test_metrics_compare_with_iteration_0_and_warn_on_kl(cfg_args, capsys):
     text = loop.report(run_dir).read_text()
     assert "## Against iteration 0 (paired), length and drift" in text and "## IFEval" in text
     assert "+0.2500 (" in text and "exceeds kl_warn=1.0" in text
-    assert "| 2 | 2 | 50.0 | 50.0 | 66.7 | 66.7 | +100.0 (p=0.00195; 10 gained, 0 lost) |" in text  # example stats
+    assert "| 2 | 2 | 50.0 | 50.0 | 66.7 | 66.7 | – | +100.0 (p=0.00195; 10 gained, 0 lost) |" in text  # example stats (no groups)
     assert (run_dir / "report.png").read_bytes()[:4] == b"\x89PNG"
     assert "+0.2500 (+0.2500–+0.2500), p<1e-04" in text
     assert not math.isnan(rows[1]["eval_distinct_1"])

@@ -5,10 +5,11 @@
 1. read the generated records (``online_rlhf.stages.get_rewards.load_generated``: checked, ids unique);
 2. check each record's first response against each of its instructions with the ``if-verifiable``
    checkers (``online_rlhf.verifiers.ifeval_instruction_results``), strict and loose;
-3. write one outcome per prompt ``{id, strict: [bool per instruction], loose: [...], prompt_strict,
-   prompt_loose, response_tokens, finish_reason}`` and the stats
+3. write one outcome per prompt ``{id, instruction_id_list, strict: [bool per instruction], loose:
+   [...], prompt_strict, prompt_loose, response_tokens, finish_reason}`` and the stats
    (:class:`~online_rlhf.stats.IFEvalStats`): prompt-level and instruction-level accuracy, strict
-   and loose (``online_rlhf.evaluation.ifeval_scores``; Zhou et al. 2023, arXiv 2311.07911).
+   and loose (``online_rlhf.evaluation.ifeval_scores``; Zhou et al. 2023, arXiv 2311.07911), and
+   the instruction-level rates per instruction group (``groups``, e.g. ``length_constraints``).
 
 A record the checkers cannot score (e.g. ``checker_error:LookupError`` when NLTK data is missing)
 is left out of the scores and counted by reason in ``skipped`` with up to 5 ids. Config:
@@ -22,7 +23,7 @@ import time
 from collections import Counter
 
 from online_rlhf.config import run_main
-from online_rlhf.evaluation import ifeval_scores
+from online_rlhf.evaluation import ifeval_scores, instruction_groups
 from online_rlhf.jsonl import DataError, write_jsonl
 from online_rlhf.paths import setup_cache_env
 from online_rlhf.stage_configs import IFEvalScoreConfig
@@ -53,7 +54,7 @@ def score_records(records: list[dict]) -> tuple[list[dict], Counter, dict[str, l
                 ids.append(str(rec["id"]))
             continue
         tokens = rec.get("response_tokens") or [None]
-        out.append({"id": rec["id"], "strict": strict, "loose": loose, "prompt_strict": all(strict),
+        out.append({"id": rec["id"], "instruction_id_list": list(rec["instruction_id_list"]), "strict": strict, "loose": loose, "prompt_strict": all(strict),
                     "prompt_loose": all(loose), "response_tokens": tokens[0], "finish_reason": rec["finish_reasons"][0]})
     return out, skipped, examples
 
@@ -79,6 +80,8 @@ def main(cfg: IFEvalScoreConfig) -> IFEvalStats:
         skipped=dict(skipped), skipped_ids=examples, instructions=sum(len(r["strict"]) for r in out), **scores,
         mean_response_tokens=round(sum(tokens) / len(tokens), 2) if tokens else None,
         truncation_rate=round(sum(r["finish_reason"] == "length" for r in out) / len(out), 4) if out else None,
+        groups={g: {k: round(v, 6) for k, v in d.items()} for g, d in instruction_groups(
+            [r["instruction_id_list"] for r in out], [r["strict"] for r in out], [r["loose"] for r in out]).items()},
         seconds=round(time.time() - t0, 2))
     stats.write(stats_path(cfg.output))
     fmt = {k: None if v is None else round(100 * v, 1) for k, v in scores.items()}
