@@ -1329,7 +1329,9 @@ def _quality_summary(row: dict) -> str:
         parts.append(f"KL {kl:.3f} nats" + (f" (se {kl_se:.3f})" if kl_se is not None else ""))
     f = row.get("ifeval")
     if f and f.get("prompt_strict") is not None:
-        parts.append(f"IFEval prompt/instruction strict {100 * f['prompt_strict']:.1f}/{100 * f['instruction_strict']:.1f}")
+        parts.append(f"IFEval prompt/instruction strict {100 * f['prompt_strict']:.1f}/{100 * f['instruction_strict']:.1f}"
+                     + ("" if f.get("length_constraints_strict") is None
+                        else f" (length_constraints {100 * f['length_constraints_strict']:.1f})"))
     return "".join(", " + p for p in parts)
 
 

@@ -1,0 +1,78 @@
+"""The seeds command (online_rlhf/seeds.py): per-seed paired IFEval and held-out comparisons, and
+the pooled interval and exact test across seeds."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from online_rlhf import seeds
+from online_rlhf.jsonl import write_jsonl
+
+
+def _run(root: Path, seed: int, base_pass: list[bool], last_pass: list[bool], last: int = 2,
+         heldout_diff: float = 0.05) -> Path:
+    """A finished run directory with IFEval outcomes at iteration 0 and ``last`` (one instruction
+    per prompt: alternately a length constraint and a format one)."""
+    run = root / seeds.run_name_of("rec", seed)
+    ids = [f"k{j}" for j in range(len(base_pass))]
+    names = ["length_constraints:number_words" if j % 2 == 0 else "detectable_format:title" for j in range(len(ids))]
+    for i, passes in ((0, base_pass), (last, last_pass)):
+        write_jsonl(run / f"iter_{i}" / "ifeval.jsonl",
+                    [{"id": k, "instruction_id_list": [n], "strict": [p], "loose": [p], "prompt_strict": p,
+                      "prompt_loose": p} for k, n, p in zip(ids, names, passes)])
+    rows = [{"iteration": 0, "eval_reward_mean": 0.1, "eval_median_response_tokens": 200, "kl": {"kl_mean": 0.0},
+             "stage_seconds": {"eval_generate": 10.0}},
+            {"iteration": last, "eval_reward_mean": 0.1 + heldout_diff, "eval_median_response_tokens": 150,
+             "eval_reward_vs_0": {"mean_diff": heldout_diff, "p_value": 0.04}, "kl": {"kl_mean": 1.5},
+             "stage_seconds": {"generate": 100.0, "dpo": 50.0}}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def test_one_seed_is_paired_against_its_own_iteration_0(tmp_path):
+    run = _run(tmp_path, 1, [True, False, False, False, True, False], [True, True, True, False, False, False])
+    s = seeds.seed_summary(run)
+    assert s["iteration"] == 2 and s["prompts"] == 6
+    assert s["ifeval_prompt_strict"] == pytest.approx([2 / 6, 3 / 6])
+    assert s["ifeval_prompt_strict_diff"] == pytest.approx(1 / 6)
+    assert (s["gained"], s["lost"]) == (2, 1)
+    # length constraints are the even prompts: 0, 2, 4 -> passed 2 of 3 before (0, 4), 2 of 3 after (0, 2)
+    assert s["length_constraints_strict"] == pytest.approx([2 / 3, 2 / 3])
+    assert s["heldout_diff"] == 0.05 and s["kl"] == 1.5 and s["median_tokens"] == [200, 150]
+    assert s["stage_seconds"] == 160.0
+
+
+def test_pooled_interval_and_one_exact_test_over_all_discordant_prompts(tmp_path):
+    from scipy.stats import binomtest, t
+
+    up = [True] * 6 + [False] * 14
+    rows = [seeds.seed_summary(_run(tmp_path, 1, [False] * 20, up)),                     # +6 gained
+            seeds.seed_summary(_run(tmp_path, 2, [False] * 20, up[:4] + [False] * 16)),  # +4
+            seeds.seed_summary(_run(tmp_path, 3, [True] + [False] * 19, [False] + up[:6] + [False] * 13))]  # +6 -1
+    pool = seeds.pooled(rows)
+    assert (pool["gained"], pool["lost"]) == (16, 1)
+    assert pool["exact_p"] == pytest.approx(binomtest(16, 17, 0.5).pvalue) and pool["exact_p"] < 0.001
+    diffs = [0.30, 0.20, 0.25]
+    m = sum(diffs) / 3
+    sd = (sum((d - m) ** 2 for d in diffs) / 2) ** 0.5
+    d = pool["ifeval_prompt_strict_diff"]
+    assert d["mean"] == pytest.approx(m)
+    assert d["hi"] - d["mean"] == pytest.approx(t.ppf(0.975, 2) * sd / 3 ** 0.5)
+    assert pool["seeds_up"] == 3
+    text = seeds.table(rows, pool, "rec")
+    assert "16 gained, 1 lost" in text and text.count("\n| ") == 4  # header + 3 seeds (the separator has no space)
+
+
+def test_a_run_without_ifeval_is_refused_naming_the_file(tmp_path):
+    run = _run(tmp_path, 1, [True], [True])
+    (run / "iter_2" / "ifeval.jsonl").unlink()
+    with pytest.raises(seeds.DataError, match=r"iter_2/ifeval\.jsonl: missing.*ifeval\.when"):
+        seeds.seed_summary(run)
+
+
+def test_seed_and_run_name_overrides_are_refused(capsys):
+    assert seeds.main(["configs/loop.yaml", "seed=3", "--table-only"]) == 2
+    assert "sets seed= and run_name= itself" in capsys.readouterr().err
+    assert seeds.main(["configs/loop.yaml", "--seeds", "1", "1", "--table-only"]) == 2
+    assert "given twice" in capsys.readouterr().err
