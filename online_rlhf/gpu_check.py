@@ -51,6 +51,7 @@ from .paths import PROJECT_ROOT, default_model_dir
 COMPONENTS = ("plan", "generation", "rm_scoring", "dpo_zero2", "tied_weights", "grpo", "loop")
 MODELS = ("tiny", "default")
 K = 4  # responses per prompt in the generation, GRPO and loop checks
+PROMPTS_PER_GPU = 8  # the planned iteration's prompts (enough for the loop's random tiny policy to make pairs)
 TRAIN_PY = PROJECT_ROOT / ".venv-train" / "bin" / "python"
 ACCELERATE = PROJECT_ROOT / ".venv-train" / "bin" / "accelerate"
 # tied_weights tolerances: logits of the reloaded model vs the in-memory one, relative to the
@@ -167,12 +168,12 @@ def _model_dir(model: str, work: Path) -> Path:
 
 def loop_overrides(model_dir: Path, work: Path, model: str, gpus: int, attn: str) -> list[str]:
     """The loop keys every planned run of the check shares: 1 iteration, ``launch_profile: zero2``,
-    one process and one vLLM shard per GPU, ``2 x gpus`` fresh prompts of K responses, short
+    one process and one vLLM shard per GPU, ``PROMPTS_PER_GPU x gpus`` fresh prompts of K responses, short
     responses, flash-attention 2 or sdpa for DPO and GRPO, IFEval and KL off (time)."""
     prompts = work / "prompts"
     return [f"policy={model_dir}", f"output_root={work / 'runs'}", "iterations=1", "launch_profile=zero2",
             f"num_processes={gpus}", f"generation_shards={gpus}", f"train_prompts={prompts / 'train.jsonl'}",
-            f"eval_prompts={prompts / 'eval.jsonl'}", f"prompts_per_iteration={2 * gpus}", f"eval_limit={2 * gpus}",
+            f"eval_prompts={prompts / 'eval.jsonl'}", f"prompts_per_iteration={PROMPTS_PER_GPU * gpus}", f"eval_limit={2 * gpus}",
             f"generation.k={K}", "generation.max_tokens=32", "generation.max_model_len=1024", "pairs.truncated=keep",
             "ifeval.when=never", "kl_samples=0", f"dpo.attn_implementation={attn}", f"grpo.attn_implementation={attn}",
             f"dpo.train_batch_size={2 * gpus}", "dpo.training.max_steps=2", "dpo.training.max_length=256", "dpo.max_prompt_length=128",
@@ -242,7 +243,8 @@ def verify_generation(run_dir: Path, gpus: int) -> tuple[bool, str]:
     """Every planned prompt has K responses, from ``gpus`` shards each on a CUDA device."""
     st = _stats(run_dir / "iter_1" / "generated.jsonl.stats.json")
     devices = sorted({s["hardware"].get("device") for s in st["shards"]})
-    ok = (st["num_shards"] == gpus and st["records_out"] == 2 * gpus and st["responses"] == 2 * gpus * K
+    n = PROMPTS_PER_GPU * gpus
+    ok = (st["num_shards"] == gpus and st["records_out"] == n and st["responses"] == n * K
           and devices == ["cuda"])
     return ok, (f"{st['num_shards']} shards on {','.join(map(str, devices))}, {st['responses']} responses, "
                 f"{st['generated_tokens_per_s']:.0f} tok/s")
@@ -305,8 +307,7 @@ def verify_loop(run_dir: Path) -> tuple[bool, str]:
     rows = read_jsonl(run_dir / "metrics.jsonl")
     its = [r.get("iteration") for r in rows]
     ok = its == [0, 1] and (run_dir / "report.md").is_file()
-    rewards = [r.get("eval_reward_mean", r.get("eval", {}).get("reward_mean") if isinstance(r.get("eval"), dict) else None)
-               for r in rows]
+    rewards = [r.get("eval_reward_mean") for r in rows]
     return ok, f"iterations {its}, report.md {'written' if (run_dir / 'report.md').is_file() else 'missing'}, " \
                f"held-out reward {rewards}"
 
@@ -318,7 +319,7 @@ def build_checks(args: argparse.Namespace, work: Path, gpus: int, attn: str) -> 
     Raises: nothing; a model whose plan fails gets a failed ``plan`` check and no others.
     """
     checks: list[Check] = []
-    _constraint_prompts(work / "prompts" / "train.jsonl", 4 * gpus, "t")
+    _constraint_prompts(work / "prompts" / "train.jsonl", PROMPTS_PER_GPU * gpus, "t")
     _constraint_prompts(work / "prompts" / "eval.jsonl", 2 * gpus, "e")
     t = args.timeout_s
     for model in args.models:

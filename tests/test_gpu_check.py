@@ -183,14 +183,15 @@ def test_tied_check_of_a_saved_checkpoint(tmp_path):
 
 
 def test_verify_generation_counts_shards_and_devices(tmp_path):
-    st = example_stats(S.GenerateStats, num_shards=2, records_out=4, responses=16, generated_tokens_per_s=900.0)
+    n = G.PROMPTS_PER_GPU * 2
+    st = example_stats(S.GenerateStats, num_shards=2, records_out=n, responses=n * G.K, generated_tokens_per_s=900.0)
     d = st.model_dump(mode="json")
     d["shards"] = [{**d["shards"][0], "shard_index": r, "hardware": {**d["shards"][0]["hardware"], "device": "cuda"}}
                    for r in range(2)]
     (tmp_path / "iter_1").mkdir()
     write_json(tmp_path / "iter_1" / "generated.jsonl.stats.json", d)
     ok, fig = G.verify_generation(tmp_path, 2)
-    assert ok and fig.startswith("2 shards on cuda, 16 responses, 900 tok/s")
+    assert ok and fig.startswith(f"2 shards on cuda, {n * G.K} responses, 900 tok/s")
     assert not G.verify_generation(tmp_path, 4)[0]  # 4 GPUs should have made 4 shards
     d["shards"][1]["hardware"]["device"] = "cpu"
     write_json(tmp_path / "iter_1" / "generated.jsonl.stats.json", d)
