@@ -1,0 +1,628 @@
+"""The GPU check: every GPU component of the project on a tiny model, then on the default model.
+
+    bash scripts/gpu_check.sh [--models tiny,default] [--only generation,dpo_zero2,...] [--plan-only]
+    .venv-train/bin/python -m online_rlhf.gpu_check ...        (the same, envs already built)
+
+Components, in order, for each model (docs/gpu.md says what each one checks):
+
+- ``plan``: ``python -m online_rlhf.loop plan`` of a 1-iteration run with ``launch_profile: zero2``,
+  ``num_processes`` = ``generation_shards`` = GPUs (one for DPO, one for GRPO), into the check's
+  work folder;
+- ``generation``: the planned generation stage (CUDA vLLM, K samples, one shard per GPU);
+- ``rm_scoring``: reward-model scoring, length-sorted batches vs batch size 1, same items; the
+  figure is the ratio (expected >= ``--min-rm-speedup``, 4x);
+- ``dpo_zero2``: the planned DPO stage for 2 optimizer steps under DeepSpeed ZeRO-2 in bf16, with
+  flash-attention 2 where ``flash_attn`` imports in the training env, else sdpa (the figure says which);
+- ``tied_weights``: after a ZeRO-2 save and a reload, ``lm_head.weight`` equals
+  ``embed_tokens.weight``, logits on a fixed prompt match the in-memory model, and the loss of the
+  step after a resume from the DeepSpeed checkpoint matches the uninterrupted run (after
+  DeepSpeed issue #3824, tied embeddings broken by a ZeRO save/load);
+- ``grpo``: the planned GRPO stage for 2 optimizer steps under ZeRO-2;
+- ``loop``: ``bash run_loop.sh`` for 1 iteration with ``launch_profile: zero2``, and its report.
+
+Prints a table (component, model, PASS/FAIL, seconds, figure) and exits 1 when any component
+failed, 0 when all passed, 2 on bad arguments (or no CUDA device without ``--plan-only``).
+``--plan-only`` plans the runs and lists the commands without running any: it needs no GPU.
+The shell wrapper ``scripts/gpu_check.sh`` builds or reuses the CUDA envs first.
+
+Workers (run by the check itself, in the right env): ``rm-worker`` (the scoring ratio) and
+``tied-worker --phase train|resume`` (under ``accelerate launch`` with a DeepSpeed profile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import random
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from .jsonl import read_json, write_json, write_jsonl
+from .paths import PROJECT_ROOT, default_model_dir
+
+COMPONENTS = ("plan", "generation", "rm_scoring", "dpo_zero2", "tied_weights", "grpo", "loop")
+MODELS = ("tiny", "default")
+K = 4  # responses per prompt in the generation, GRPO and loop checks
+PROMPTS_PER_GPU = 8  # the planned iteration's prompts (enough for the loop's random tiny policy to make pairs)
+TRAIN_PY = PROJECT_ROOT / ".venv-train" / "bin" / "python"
+ACCELERATE = PROJECT_ROOT / ".venv-train" / "bin" / "accelerate"
+# tied_weights tolerances: logits of the reloaded model vs the in-memory one, relative to the
+# largest |logit|; losses of the resumed run vs the uninterrupted one, relative
+LOGIT_RTOL = 1e-5
+LOSS_RTOL = 1e-4
+
+
+@dataclasses.dataclass
+class Check:
+    """One component on one model: commands run in order (each must exit 0), then ``verify``.
+
+    ``verify()`` returns ``(ok, figure)``; ``prepare()`` (optional) writes the component's inputs
+    first. ``timeout_s`` bounds all commands together.
+    """
+
+    component: str
+    model: str
+    commands: list[list[str]]
+    verify: Callable[[], tuple[bool, str]]
+    timeout_s: float
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    prepare: Optional[Callable[[], None]] = None
+    elapsed: float = 0.0  # seconds already spent on it before run_check (the plan, done while building the checks)
+
+
+@dataclasses.dataclass
+class Result:
+    """The outcome of a :class:`Check`: ``ok`` None when it was planned but not run
+    (``--plan-only``), ``seconds`` of wall time, ``figure`` the one number or fact the table shows
+    (or, when it failed, why)."""
+
+    component: str
+    model: str
+    ok: Optional[bool]
+    seconds: float
+    figure: str
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The check's options; exits 2 (argparse's usage error) naming the bad value.
+
+    Returns: a namespace with ``models`` and ``only`` as lists, ``work_dir`` a Path, ``gpus`` an
+    int or None (None: every visible CUDA device).
+    """
+    ap = argparse.ArgumentParser(prog="scripts/gpu_check.sh", description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="tiny,default",
+                    help="comma-separated, in order: tiny (a random 2-layer Llama built here), default "
+                         "(SmolLM2-135M-Instruct, prepared by scripts/prepare_default.py)")
+    ap.add_argument("--only", default=",".join(COMPONENTS), help=f"comma-separated subset of {','.join(COMPONENTS)}")
+    ap.add_argument("--work-dir", type=Path, default=PROJECT_ROOT / "runs" / "gpu_check",
+                    help="a fresh run_<time> folder is made in it for models, run dirs, logs and results.json")
+    ap.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")
+    ap.add_argument("--min-rm-speedup", type=float, default=4.0,
+                    help="rm_scoring fails below this batched / batch-size-1 ratio")
+    ap.add_argument("--timeout-s", type=float, default=240.0, help="limit per component (loop: twice this)")
+    ap.add_argument("--plan-only", action="store_true",
+                    help="plan the runs and list each component's commands; run nothing (no GPU needed)")
+    args = ap.parse_args(argv)
+    args.models = [m for m in args.models.split(",") if m]
+    args.only = [c for c in args.only.split(",") if c]
+    for name, got, allowed in (("--models", args.models, MODELS), ("--only", args.only, COMPONENTS)):
+        bad = [x for x in got if x not in allowed]
+        if bad or not got:
+            ap.error(f"{name} {','.join(bad) or '(empty)'}: expected a comma-separated subset of {','.join(allowed)}")
+    if "plan" not in args.only:
+        args.only.insert(0, "plan")  # every other component runs on the planned run directories
+    if args.gpus is not None and args.gpus < 1:
+        ap.error(f"--gpus {args.gpus}: give at least 1 (or leave it out: every visible GPU)")
+    if args.timeout_s <= 0 or args.min_rm_speedup <= 0:
+        ap.error("--timeout-s and --min-rm-speedup must be positive")
+    return args
+
+
+def attention() -> str:
+    """``flash_attention_2`` where the ``flash_attn`` package imports in this env (setup_envs.sh
+    builds it on CUDA machines with nvcc), else ``sdpa``."""
+    return "flash_attention_2" if importlib.util.find_spec("flash_attn") is not None else "sdpa"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _constraint_prompts(path: Path, n: int, prefix: str) -> Path:
+    """``n`` prompts with instruction-following constraints that short random text meets sometimes
+    (so the verifier's partial credit differs between K responses and the loop's pairs exist)."""
+    ids = ["keywords:letter_frequency", "length_constraints:number_words", "punctuation:no_comma"]
+    kwargs = [{"letter": "e", "let_frequency": 2, "let_relation": "at least"},
+              {"relation": "less than", "num_words": 8}, {}]
+    write_jsonl(path, [{"id": f"{prefix}{j}", "prompt": f"Say something short about topic {j}.",
+                        "instruction_id_list": ids, "kwargs": kwargs} for j in range(n)])
+    return path
+
+
+def _model_dir(model: str, work: Path) -> Path:
+    """The checkpoint of ``model``: the tiny one is built under ``work`` (seconds); the default
+    must have been prepared. Raises FileNotFoundError naming the fix."""
+    if model == "tiny":
+        out = work / "models" / "tiny"
+        if not (out / "config.json").is_file():
+            from .testing import make_tiny_policy
+
+            make_tiny_policy(out, seed=3)
+        return out
+    d = default_model_dir()
+    if not (d / "config.json").is_file():
+        raise FileNotFoundError(f"{d}: the default model is not prepared. Run "
+                                ".venv-train/bin/python scripts/prepare_default.py first (or --models tiny).")
+    return d
+
+
+def loop_overrides(model_dir: Path, work: Path, model: str, gpus: int, attn: str) -> list[str]:
+    """The loop keys every planned run of the check shares: 1 iteration, ``launch_profile: zero2``,
+    one process and one vLLM shard per GPU, ``PROMPTS_PER_GPU x gpus`` fresh prompts of K responses, short
+    responses, flash-attention 2 or sdpa for DPO and GRPO, IFEval and KL off (time)."""
+    prompts = work / "prompts"
+    return [f"policy={model_dir}", f"output_root={work / 'runs'}", "iterations=1", "launch_profile=zero2",
+            f"num_processes={gpus}", f"generation_shards={gpus}", f"train_prompts={prompts / 'train.jsonl'}",
+            f"eval_prompts={prompts / 'eval.jsonl'}", f"prompts_per_iteration={PROMPTS_PER_GPU * gpus}", f"eval_limit={2 * gpus}",
+            f"generation.k={K}", "generation.max_tokens=32", "generation.max_model_len=1024", "pairs.truncated=keep",
+            "ifeval.when=never", "kl_samples=0", f"dpo.attn_implementation={attn}", f"grpo.attn_implementation={attn}",
+            f"dpo.train_batch_size={2 * gpus}", "dpo.training.max_steps=2", "dpo.training.max_length=256", "dpo.max_prompt_length=128",
+            "grpo.per_device_train_batch_size=4", "grpo.num_iterations=1", "grpo.gradient_accumulation_steps=1",
+            "grpo.max_length=256"]
+
+
+def run_plan(run_name: str, overrides: list[str], log: Path) -> Path:
+    """``python -m online_rlhf.loop plan configs/loop.yaml run_name=... <overrides>``, in this
+    process (the loop's own ``main``), its output in ``log``; returns the run directory.
+
+    Raises: RuntimeError with the plan's error line (the whole output is in ``log``).
+    """
+    import contextlib
+    import io
+
+    from . import loop
+
+    argv = ["plan", str(PROJECT_ROOT / "configs" / "loop.yaml"), f"run_name={run_name}", *overrides]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = loop.main(argv)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("+ python -m online_rlhf.loop " + shlex.join(argv) + "\n" + out.getvalue() + err.getvalue())
+    if rc != 0:
+        raise RuntimeError(f"loop plan exited {rc} ({log}): {_last_line(err.getvalue())}")
+    line = next(ln for ln in out.getvalue().splitlines() if ln.startswith("RUN_DIR="))
+    return Path(shlex.split(line.split("=", 1)[1])[0])
+
+
+def _child_env(extra: Optional[dict] = None) -> dict:
+    # The checkout's code, whatever the venvs have installed (editable from another checkout).
+    return {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "PYTHONUNBUFFERED": "1", **(extra or {})}
+
+
+def _last_line(text: str) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else "(no output)"
+
+
+def _exec(run_dir: Path, stage: str) -> list[str]:
+    return [str(TRAIN_PY), "-m", "online_rlhf.loop", "exec", str(run_dir), "1", stage]
+
+
+def _write_pairs(path: Path, n: int) -> None:
+    write_jsonl(path, [{"id": f"p{i}", "prompt": [{"role": "user", "content": f"Question {i}: is the sky blue?"}],
+                        "chosen": [{"role": "assistant", "content": f"Yes, it is blue ({i})."}],
+                        "rejected": [{"role": "assistant", "content": "No, the sky is green."}],
+                        "chosen_reward": 1.0, "rejected_reward": 0.0} for i in range(n)])
+
+
+def _write_rollouts(path: Path, n: int) -> None:
+    """``n`` groups of K scored responses with distinct rewards (no group is skipped as all-equal)."""
+    write_jsonl(path, [{"id": f"g{i}", "prompt": [{"role": "user", "content": f"Question {i}: say yes."}],
+                        "responses": [f"yes {'yes ' * j}".strip() for j in range(K)],
+                        "finish_reasons": ["stop"] * K, "response_tokens": [j + 1 for j in range(K)],
+                        "rewards": [j / (K - 1) for j in range(K)], "reward_source": "verifier"} for i in range(n)])
+
+
+def _stats(path: Path) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: the stage wrote no stats")
+    return read_json(path)
+
+
+def verify_generation(run_dir: Path, gpus: int) -> tuple[bool, str]:
+    """Every planned prompt has K responses, from ``gpus`` shards each on a CUDA device."""
+    st = _stats(run_dir / "iter_1" / "generated.jsonl.stats.json")
+    devices = sorted({s["hardware"].get("device") for s in st["shards"]})
+    n = PROMPTS_PER_GPU * gpus
+    ok = (st["num_shards"] == gpus and st["records_out"] == n and st["responses"] == n * K
+          and devices == ["cuda"])
+    return ok, (f"{st['num_shards']} shards on {','.join(map(str, devices))}, {st['responses']} responses, "
+                f"{st['generated_tokens_per_s']:.0f} tok/s")
+
+
+def verify_rm(out: Path, min_speedup: float) -> tuple[bool, str]:
+    """The scoring ratio reaches ``min_speedup`` and batched scores equal batch-size-1 scores
+    within 5% of the largest |score| (bf16 padding rounding)."""
+    r = read_json(out)
+    close = r["max_abs_diff"] <= 0.05 * max(1.0, r["max_abs_score"])
+    ok = r["device"] == "cuda" and r["ratio"] >= min_speedup and close
+    return ok, (f"batched/B=1 {r['ratio']:.1f}x (expect >= {min_speedup:g}x), {r['items']} items, "
+                f"max |diff| {r['max_abs_diff']:.1e}, {r['dtype']}")
+
+
+def _tied_in_checkpoint(model_dir: Path) -> tuple[bool, str]:
+    """A saved checkpoint whose config ties the embeddings either stores no ``lm_head.weight`` or
+    stores one equal to ``embed_tokens.weight``."""
+    from safetensors import safe_open
+
+    cfg = read_json(model_dir / "config.json")
+    if not cfg.get("tie_word_embeddings", False):
+        return True, "untied"
+    tensors = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            for k in fh.keys():
+                if k.endswith("lm_head.weight") or k.endswith("embed_tokens.weight"):
+                    tensors[k.rsplit(".", 2)[-2]] = fh.get_tensor(k)
+    if "lm_head" not in tensors:
+        return True, "tied"
+    import torch
+
+    return bool(torch.equal(tensors["lm_head"], tensors["embed_tokens"])), "tied (lm_head stored)"
+
+
+def verify_training(run_dir: Path, gpus: int, attn: str, stage: str) -> tuple[bool, str]:
+    """The DPO or GRPO stage ran 2 steps under ZeRO-2 on ``gpus`` CUDA processes in bf16, and its
+    saved checkpoint keeps the embeddings tied."""
+    st = _stats(run_dir / "iter_1" / "model.stats.json")
+    dtype = json.dumps(st.get("dtype", {}))
+    tied, how = _tied_in_checkpoint(run_dir / "iter_1" / "model")
+    ok = (st["steps"] == 2 and st.get("deepspeed_zero_stage") == 2 and st["num_processes"] == gpus
+          and st["hardware"].get("device") == "cuda" and "bfloat16" in dtype and tied)
+    first = st.get("train_loss_first", st.get("loss_first"))
+    last = st.get("train_loss_last", st.get("loss_last"))
+    return ok, (f"attn {attn}, {st['steps']} steps ZeRO-{st.get('deepspeed_zero_stage')} x{st['num_processes']}, "
+                f"loss {first:.4f}->{last:.4f}, checkpoint {how}")
+
+
+def verify_tied(out: Path) -> tuple[bool, str]:
+    r = read_json(out)
+    return r["ok"], r["figure"]
+
+
+def verify_loop(run_dir: Path) -> tuple[bool, str]:
+    """The 1-iteration loop wrote metrics for iterations 0 and 1 and its report."""
+    from .jsonl import read_jsonl
+
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    its = [r.get("iteration") for r in rows]
+    ok = its == [0, 1] and (run_dir / "report.md").is_file()
+    rewards = [r.get("eval_reward_mean") for r in rows]
+    return ok, f"iterations {its}, report.md {'written' if (run_dir / 'report.md').is_file() else 'missing'}, " \
+               f"held-out reward {rewards}"
+
+
+def build_checks(args: argparse.Namespace, work: Path, gpus: int, attn: str) -> list[Check]:
+    """Plan every run (the ``plan`` component is done here: its Check only reports) and return the
+    checks to run, in order: per model, ``args.only`` in :data:`COMPONENTS` order.
+
+    Raises: nothing; a model whose plan fails gets a failed ``plan`` check and no others.
+    """
+    checks: list[Check] = []
+    _constraint_prompts(work / "prompts" / "train.jsonl", PROMPTS_PER_GPU * gpus, "t")
+    _constraint_prompts(work / "prompts" / "eval.jsonl", 2 * gpus, "e")
+    t = args.timeout_s
+    for model in args.models:
+        t0 = time.monotonic()
+        try:
+            mdir = _model_dir(model, work)
+            over = loop_overrides(mdir, work, model, gpus, attn)
+            dpo_run = run_plan(f"{model}_dpo", over, work / "logs" / f"{model}_plan_dpo.log")
+            grpo_run = run_plan(f"{model}_grpo", [*over, "algorithm=grpo"], work / "logs" / f"{model}_plan_grpo.log")
+        except (RuntimeError, FileNotFoundError) as e:
+            msg = str(e)
+            checks.append(Check("plan", model, [], lambda msg=msg: (False, msg), t, elapsed=time.monotonic() - t0))
+            continue
+        checks.append(Check("plan", model, [], lambda g=gpus, a=attn, d=dpo_run, r=grpo_run: (
+            True, f"{g} GPU(s), zero2, attn {a}: {d.name}, {r.name}"), t, elapsed=time.monotonic() - t0))
+        rm_out = work / f"{model}_rm.json"
+        tied_dir = work / f"{model}_tied"
+        tied_launch = [str(ACCELERATE), "launch", "--config_file", str(PROJECT_ROOT / "configs" / "accelerate" / "zero2.yaml"),
+                       "--num_processes", str(gpus), "--main_process_port", str(_free_port()), "-m", "online_rlhf.gpu_check",
+                       "tied-worker", "--model", str(mdir), "--dir", str(tied_dir)]
+        loop_run = work / "runs" / f"{model}_loop"
+        table = {
+            "generation": Check("generation", model, [_exec(dpo_run, "generate")],
+                                lambda r=dpo_run: verify_generation(r, gpus), t),
+            "rm_scoring": Check("rm_scoring", model,
+                                [[str(TRAIN_PY), "-m", "online_rlhf.gpu_check", "rm-worker", "--model", str(mdir),
+                                  "--out", str(rm_out)]], lambda: verify_rm(rm_out, args.min_rm_speedup), t),
+            "dpo_zero2": Check("dpo_zero2", model, [_exec(dpo_run, "dpo")],
+                               lambda r=dpo_run: verify_training(r, gpus, attn, "dpo"), t,
+                               prepare=lambda r=dpo_run: _write_pairs(r / "iter_1" / "pairs.jsonl", 4 * gpus)),
+            "tied_weights": Check("tied_weights", model, [[*tied_launch, "--phase", "train"], [*tied_launch, "--phase", "resume"]],
+                                  lambda: verify_tied(tied_dir / "result.json"), t),
+            "grpo": Check("grpo", model, [_exec(grpo_run, "grpo")],
+                          lambda r=grpo_run: verify_training(r, gpus, attn, "grpo"), t,
+                          prepare=lambda r=grpo_run: _write_rollouts(r / "iter_1" / "rewards.jsonl", 2 * gpus)),
+            "loop": Check("loop", model, [["bash", str(PROJECT_ROOT / "run_loop.sh"), "configs/loop.yaml",
+                                           f"run_name={model}_loop", *over]],
+                          lambda: verify_loop(loop_run), 2 * t),
+        }
+        checks += [table[c] for c in COMPONENTS if c in args.only and c != "plan"]
+    return checks
+
+
+def run_check(check: Check, log_dir: Path) -> Result:
+    """Run ``check``'s commands (from the project root, output to ``<log_dir>/<model>_<component>.log``),
+    then its verifier. Any non-zero exit, timeout or verifier exception is a failed Result naming it."""
+    t0 = time.monotonic()
+    log = log_dir / f"{check.model}_{check.component}.log"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        if check.prepare:
+            check.prepare()
+        with open(log, "a", encoding="utf-8") as fh:
+            for argv in check.commands:
+                left = check.timeout_s - (time.monotonic() - t0)
+                fh.write("+ " + shlex.join(argv) + "\n")
+                fh.flush()
+                try:
+                    r = subprocess.run(argv, cwd=PROJECT_ROOT, stdout=fh, stderr=subprocess.STDOUT,
+                                       env=_child_env(check.env), timeout=max(left, 1.0))
+                except subprocess.TimeoutExpired:
+                    return Result(check.component, check.model, False, time.monotonic() - t0,
+                                  f"timed out after {check.timeout_s:.0f} s (log: {log})")
+                if r.returncode != 0:
+                    return Result(check.component, check.model, False, time.monotonic() - t0,
+                                  f"exit {r.returncode}: {_last_line(log.read_text(errors='replace'))} (log: {log})")
+        ok, figure = check.verify()
+    except Exception as e:  # a verifier that cannot read what the stage should have written fails the check
+        return Result(check.component, check.model, False, time.monotonic() - t0, f"{type(e).__name__}: {e}")
+    return Result(check.component, check.model, bool(ok), time.monotonic() - t0 + check.elapsed, figure)
+
+
+def format_table(results: list[Result]) -> str:
+    """The results as a fixed-width text table: component, model, PASS/FAIL, seconds, figure;
+    then a line counting the passed and failed components."""
+    rows = [("component", "model", "result", "seconds", "figure")]
+    rows += [(r.component, r.model, _verdict(r.ok), f"{r.seconds:.1f}", r.figure) for r in results]
+    w = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = ["  ".join([*(row[i].ljust(w[i]) for i in range(4)), row[4]]).rstrip() for row in rows]
+    counts = {v: sum(_verdict(r.ok) == v for r in results) for v in ("PASS", "FAIL", "-")}
+    lines.append(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['-']} not run")
+    return "\n".join(lines)
+
+
+def _verdict(ok: Optional[bool]) -> str:
+    return "-" if ok is None else "PASS" if ok else "FAIL"
+
+
+def exit_code(results: list[Result]) -> int:
+    """1 when any component failed or there are no results, else 0 (components planned but not
+    run, ``--plan-only``, do not fail)."""
+    return 0 if results and not any(r.ok is False for r in results) else 1
+
+
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def main(argv: list[str]) -> int:
+    """The check (see the module docstring); returns the exit code."""
+    if argv and argv[0] == "rm-worker":
+        return rm_worker(argv[1:])
+    if argv and argv[0] == "tied-worker":
+        return tied_worker(argv[1:])
+    args = parse_args(argv)
+    visible = _visible_gpus()
+    gpus = args.gpus or visible
+    if not args.plan_only and (visible == 0 or gpus > visible):
+        print(f"gpu_check: {visible} CUDA device(s) visible, {gpus} asked; this check needs a GPU "
+              "(--plan-only plans and lists the commands without one).", file=sys.stderr)
+        return 2
+    gpus = max(gpus, 1)
+    work = (args.work_dir / time.strftime("run_%Y%m%d-%H%M%S")).resolve()
+    work.mkdir(parents=True, exist_ok=False)
+    attn = attention()
+    print(f"gpu_check: {gpus} GPU(s) of {visible} visible, attention {attn}, work dir {work}", flush=True)
+    checks = build_checks(args, work, gpus, attn)
+    results: list[Result] = []
+    for c in checks:
+        if args.plan_only:
+            results.append(run_check(c, work / "logs") if c.component == "plan"
+                           else Result(c.component, c.model, None, 0.0, "planned, not run (--plan-only)"))
+            for argv_ in c.commands:
+                print(f"[{c.model} {c.component}] {shlex.join(argv_)}")
+            continue
+        print(f"[{c.model} {c.component}] running ...", flush=True)
+        r = run_check(c, work / "logs")
+        results.append(r)
+        print(f"[{c.model} {c.component}] {'PASS' if r.ok else 'FAIL'} {r.seconds:.1f} s: {r.figure}", flush=True)
+    write_json(work / "results.json", [dataclasses.asdict(r) for r in results])
+    print(format_table(results))
+    return exit_code(results)
+
+
+# --- workers -------------------------------------------------------------------------------------
+
+def rm_speedup(model_dir: str, out: Path, items: int = 64, batch_size: int = 16, repeats: int = 2,
+               device: Optional[str] = None, seed: int = 0) -> dict:
+    """Score ``items`` (prompt, response) pairs with a reward model made of ``model_dir``'s backbone
+    and a fresh one-label head (seeded), in length-sorted batches of ``batch_size`` and one at a
+    time; the best of ``repeats`` alternating runs each. Writes and returns
+    ``{ratio, batched_s, one_s, items, max_abs_diff, max_abs_score, device, dtype, batch_size}``;
+    ratio = one_s / batched_s (the same items, model, dtype and device). Method as
+    bench/bench_rm_scoring.py (its ``batched`` vs ``one-by-one`` modes)."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from .reward_model import RewardModel
+
+    rng = random.Random(seed)
+    words = "the sky is blue and the sea is green so we write short answers about every topic here".split()
+    prompts = [[{"role": "user", "content": f"Question {i}: say something about topic {i}."}] for i in range(items)]
+    responses = [" ".join(rng.choice(words) for _ in range(rng.randint(10, 200))) for _ in range(items)]
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(seed)
+        m = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        m.config.pad_token_id = tok.pad_token_id
+        m.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        del m
+        rm = RewardModel(tmp, dtype="auto", device=device, max_length=1024)
+        rm.score(prompts[:2], responses[:2], batch_size=2)  # warm-up
+        best: dict[int, tuple[list, float]] = {}
+        for _ in range(repeats):
+            for bs in (batch_size, 1):
+                if rm.device.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                scores = rm.score(prompts, responses, batch_size=bs)[0]
+                if rm.device.type == "cuda":
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                if bs not in best or dt < best[bs][1]:
+                    best[bs] = (scores, dt)
+    (a, ta), (b, tb) = best[batch_size], best[1]
+    r = {"ratio": tb / ta, "batched_s": ta, "one_s": tb, "items": items, "batch_size": batch_size,
+         "max_abs_diff": max(abs(x - y) for x, y in zip(a, b)), "max_abs_score": max(abs(x) for x in a + b),
+         "device": rm.device.type, "dtype": str(rm.dtype).replace("torch.", "")}
+    write_json(out, r)
+    return r
+
+
+def rm_worker(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m online_rlhf.gpu_check rm-worker")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--items", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=16)
+    a = ap.parse_args(argv)
+    r = rm_speedup(a.model, a.out, items=a.items, batch_size=a.batch_size)
+    print(json.dumps(r))
+    return 0
+
+
+def _fixed_batches(vocab: int, n: int = 3, rows: int = 2, length: int = 32):
+    import torch
+
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randint(4, vocab, (rows, length), generator=g) for _ in range(n)]
+
+
+def tied_worker(argv: list[str]) -> int:
+    """``--phase train``: one optimizer step of causal-LM loss under the launched DeepSpeed engine,
+    ``accelerator.save_state`` (DeepSpeed checkpoint) and a ZeRO-2 ``save_pretrained`` of the
+    engine's state dict, the in-memory logits on a fixed prompt, then the uninterrupted run's next
+    step (its loss, the update, the loss after it). ``--phase resume``: a fresh engine,
+    ``load_state``, the same next step; then (rank 0) a reload of the saved checkpoint: tied
+    ``lm_head``/``embed_tokens``, its logits vs the in-memory ones, the resumed losses vs the
+    uninterrupted ones. Writes ``<dir>/result.json`` ``{ok, figure, ...}``.
+
+    Raises: RuntimeError when not launched under a DeepSpeed accelerate profile, or the model does
+    not tie its embeddings (nothing to check).
+    """
+    ap = argparse.ArgumentParser(prog="accelerate launch ... -m online_rlhf.gpu_check tied-worker")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--dir", type=Path, required=True)
+    ap.add_argument("--phase", choices=["train", "resume"], required=True)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    a = ap.parse_args(argv)
+
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from transformers import AutoModelForCausalLM
+
+    acc = Accelerator()
+    if acc.state.deepspeed_plugin is None:
+        raise RuntimeError("tied-worker: run it under `accelerate launch --config_file configs/accelerate/zero2.yaml` "
+                           "(a DeepSpeed profile); none is active")
+    acc.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 2
+    set_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
+    if not model.config.tie_word_embeddings:
+        raise RuntimeError(f"{a.model}: tie_word_embeddings is false; the tied-weights check needs a tied model")
+    batches = _fixed_batches(model.config.vocab_size)
+    prompt = batches[0][:1, :16]
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
+    model, opt = acc.prepare(model, opt)
+
+    def loss_on(b) -> torch.Tensor:
+        b = b.to(acc.device)
+        return model(input_ids=b, labels=b).loss
+
+    def step(b) -> float:
+        loss = loss_on(b)
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    a.dir.mkdir(parents=True, exist_ok=True)
+    ckpt, saved = a.dir / "ds_checkpoint", a.dir / "model"
+    if a.phase == "train":
+        loss0 = step(batches[0])
+        acc.save_state(str(ckpt))
+        state = acc.get_state_dict(model)
+        acc.unwrap_model(model).save_pretrained(saved, state_dict=state, is_main_process=acc.is_main_process,
+                                                safe_serialization=True)
+        acc.wait_for_everyone()
+        model.eval()
+        with torch.no_grad():
+            logits = model(input_ids=prompt.to(acc.device)).logits.float().cpu()
+        model.train()
+        loss1 = step(batches[1])
+        with torch.no_grad():
+            loss2 = loss_on(batches[2]).item()
+        if acc.is_main_process:
+            torch.save(logits, a.dir / "logits.pt")
+            dtype = str(next(acc.unwrap_model(model).parameters()).dtype).replace("torch.", "")
+            write_json(a.dir / "train.json", {"loss0": loss0, "loss1": loss1, "loss2": loss2, "dtype": dtype})
+        acc.wait_for_everyone()
+        return 0
+    acc.load_state(str(ckpt))
+    loss1 = step(batches[1])
+    with torch.no_grad():
+        loss2 = loss_on(batches[2]).item()
+    if acc.is_main_process:
+        ref = read_json(a.dir / "train.json")
+        dtype = getattr(torch, ref["dtype"])
+        reload = AutoModelForCausalLM.from_pretrained(saved, dtype=dtype).to(acc.device).eval()
+        head, emb = reload.get_output_embeddings().weight, reload.get_input_embeddings().weight
+        tied = head.data_ptr() == emb.data_ptr() or bool(torch.equal(head, emb))
+        stored_ok, how = _tied_in_checkpoint(saved)
+        with torch.no_grad():
+            logits = reload(input_ids=prompt.to(acc.device)).logits.float().cpu()
+        mem = torch.load(a.dir / "logits.pt")
+        logit_diff = float((logits - mem).abs().max() / max(1.0, float(mem.abs().max())))
+        d1 = abs(loss1 - ref["loss1"]) / max(1e-8, abs(ref["loss1"]))
+        d2 = abs(loss2 - ref["loss2"]) / max(1e-8, abs(ref["loss2"]))
+        ok = tied and stored_ok and logit_diff <= LOGIT_RTOL and d1 <= LOSS_RTOL and d2 <= LOSS_RTOL
+        fig = (f"lm_head {'=' if tied and stored_ok else '!='} embed_tokens ({how}), logits rel diff {logit_diff:.1e} "
+               f"(<= {LOGIT_RTOL:g}), resumed loss rel diff {d1:.1e}/{d2:.1e} (<= {LOSS_RTOL:g}), {ref['dtype']}")
+        write_json(a.dir / "result.json", {"ok": ok, "figure": fig, "tied": tied, "stored_ok": stored_ok,
+                                           "logit_rel_diff": logit_diff, "loss1": [ref["loss1"], loss1],
+                                           "loss2": [ref["loss2"], loss2], "dtype": ref["dtype"]})
+    acc.wait_for_everyone()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
