@@ -22,7 +22,7 @@ from online_rlhf.testing import make_tiny_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow]
-needs_default = pytest.mark.skipif(not (default_data_dir() / "ifbench_train.jsonl").is_file(),
+needs_default = pytest.mark.skipif(not (default_data_dir() / "if_train.jsonl").is_file(),
                                    reason="default prompts not prepared (scripts/prepare_default.py)")
 
 SMALL = ["prompts_per_iteration=6", "eval_limit=6", "generation.k=4", "generation.max_tokens=24",

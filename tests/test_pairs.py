@@ -285,3 +285,16 @@ def test_make_pairs_counts_the_blank_lines_of_its_input(tmp_path, capsys):
     stats = make_pairs.main(PairsConfig(input=str(src), output=str(tmp_path / "pairs.jsonl")))
     assert stats.pairs_out == 2 and stats.input_blank_lines == 1
     assert f"note: skipped 1 blank line(s) in {src} (line 2)" in capsys.readouterr().err
+
+
+def test_the_unused_penalty_warning_names_a_set_penalty_only(tmp_path):
+    """The loop's stage YAML holds every key: the stage default with truncated=keep is no warning."""
+    from online_rlhf.stage_configs import PairsConfig
+    from online_rlhf.stages import make_pairs
+
+    write_jsonl(tmp_path / "r.jsonl", [{"id": "a", "prompt": [{"role": "user", "content": "q"}], "responses": ["x", "y"],
+                                        "finish_reasons": ["stop", "length"], "rewards": [1.0, 0.0]}])
+    base = {"input": str(tmp_path / "r.jsonl"), "output": str(tmp_path / "p.jsonl"), "truncated": "keep"}
+    default = PairsConfig.model_fields["truncated_penalty"].default
+    assert make_pairs.main(PairsConfig(**base, truncated_penalty=default)).warnings == []
+    assert "truncated_penalty=0.3 is not used" in make_pairs.main(PairsConfig(**base, truncated_penalty=0.3)).warnings[0]

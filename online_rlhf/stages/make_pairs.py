@@ -42,7 +42,8 @@ def main(cfg: PairsConfig) -> PairsStats:
     records = ((f"{cfg.input}:{ln}", rec) for ln, rec in lines)
     pairs, stats = build_pairs(records, strategy=cfg.strategy, min_margin=cfg.min_margin, truncated=cfg.truncated,
                                truncated_penalty=cfg.truncated_penalty, seed=cfg.seed)
-    if "truncated_penalty" in cfg.model_fields_set and cfg.truncated != "penalize":
+    # the loop's stage YAML holds every key, so "set" means "not the default" here
+    if cfg.truncated_penalty != type(cfg).model_fields["truncated_penalty"].default and cfg.truncated != "penalize":
         stats["warnings"].append(f"truncated_penalty={cfg.truncated_penalty} is not used with truncated={cfg.truncated} "
                                  "(only truncated=penalize subtracts it)")
     write_jsonl(cfg.output, pairs)
