@@ -245,9 +245,13 @@ def tokenize_pairs(pairs: list[dict], tokenizer) -> tuple[list[dict], dict]:
 
     Returns:
         (pairs with ``prompt_ids``, ``chosen_ids``, ``rejected_ids`` added, info) with info =
-        ``{"dropped": {"special_text_not_tokenizable": n}, "examples": {reason: ["file:line (why)"]}}``:
-        a pair is dropped only when a content holds a special-token string and the template rewrites
-        contents beyond stripping whitespace, or renders the prompt differently once a response follows.
+        ``{"dropped": {reason: n}, "examples": {reason: ["file:line (why)"]}}``, reason
+        ``ChatTokenError.reason``: ``special_text_not_tokenizable`` (a content holds a special-token
+        string and the template rewrites contents beyond stripping whitespace),
+        ``template_renders_prompt_differently`` (the template writes the prompt differently once a
+        response follows) or ``response_not_tokenizable_alone``. A response whose first characters
+        merge with the prompt's last token (Qwen2's ``"\\n"`` + ``"\\n"``) is kept: its ids are its
+        text tokenized on its own (``prompt_response_ids``).
     """
     out, dropped, examples = [], Counter(), {}
     for p in pairs:
@@ -255,8 +259,8 @@ def tokenize_pairs(pairs: list[dict], tokenizer) -> tuple[list[dict], dict]:
             prompt_ids, (chosen_ids, rejected_ids) = prompt_response_ids(tokenizer, p["prompt"], p["chosen"],
                                                                          p["rejected"])
         except ChatTokenError as e:
-            dropped["special_text_not_tokenizable"] += 1
-            ex = examples.setdefault("special_text_not_tokenizable", [])
+            dropped[e.reason] += 1
+            ex = examples.setdefault(e.reason, [])
             if len(ex) < _MAX_EXAMPLES:
                 ex.append(f"{p['_where']} ({e})")
             continue
