@@ -130,7 +130,7 @@ trap 'say "interrupted; $RESUME_HINT"; [[ -n "$CHILD" ]] && kill -TERM -- -"$CHI
 # run_stage ITER STAGE: skip when done and fresh (or not in this run's plan, e.g. sft when it is
 # off); else run it as its config file says (`loop exec`), with a log and a live status line.
 run_stage() {
-  local i="$1" stage="$2" rc=0 env
+  local i="$1" stage="$2" rc=0 env why
   env="$("$TRAIN" -m online_rlhf.loop check "$RUN_DIR" "$i" "$stage")" || rc=$?
   case "$rc" in
     0) say "iteration $i/$ITERATIONS · $stage: done earlier, skipped"; return 0 ;;
@@ -138,6 +138,8 @@ run_stage() {
     1) ;;
     *) exit "$rc" ;;
   esac
+  why="${env#*$'\n'}"; env="${env%%$'\n'*}"   # check prints the env, then why the stage runs
+  [[ "$why" != "not run yet" && "$why" != "$env" ]] && say "iteration $i/$ITERATIONS · $stage: runs again: $why"
   local log="$RUN_DIR/iter_$i/logs/$stage.log" start=$SECONDS
   mkdir -p "$(dirname "$log")"
   say "iteration $i/$ITERATIONS · $stage ($env env) · log $log"
@@ -154,7 +156,10 @@ run_stage() {
     say "FAILED: iteration $i · stage $stage (exit $rc). Log: $log"
     tail -n 25 "$log" | sed 's/^/    | /' >&2
     if grep -q '^error: ' "$log"; then   # the stage's own one-line reason, below any launcher traceback
-      say "reason: $(grep '^error: ' "$log" | tail -n 1 | cut -c8-)"
+      reason="$(grep '^error: ' "$log" | tail -n 1 | cut -c8-)"
+      say "reason: $reason"
+      hint="$("$TRAIN" -m online_rlhf.loop output-hint "$RUN_DIR" "$reason" 2>/dev/null)" || true
+      [[ -n "$hint" ]] && say "$hint"
     fi
     exit 1
   fi

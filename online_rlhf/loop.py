@@ -1,7 +1,7 @@
 """The loop's bookkeeping, called by run_loop.sh (training env):
 
     python -m online_rlhf.loop plan CONFIG [key=value ...]   # resolve + validate, write stage configs
-    python -m online_rlhf.loop check RUN_DIR ITER STAGE       # exit 0 if STAGE is done and fresh, 1 to run, 3 not planned
+    python -m online_rlhf.loop check RUN_DIR ITER STAGE       # exit 0 if STAGE is done and fresh, 1 to run (prints env, why), 3 not planned
     python -m online_rlhf.loop fresh-check RUN_DIR            # exit 0 if run_loop.sh --fresh may empty RUN_DIR, else 2 (says why)
     python -m online_rlhf.loop pairs-check RUN_DIR ITER       # exit 1 (with why and what to change) if ITER's pairs stage made 0 pairs
     python -m online_rlhf.loop exec RUN_DIR ITER STAGE [machine_rank=R] [key=value ...]  # run STAGE as its config file says
@@ -9,6 +9,7 @@
                                                               # key=value: appended to the stage's command, e.g. dry_run=true)
     python -m online_rlhf.loop dry-run RUN_DIR                # each model stage once in dry mode; fit table; exit 1 if one does not fit
     python -m online_rlhf.loop mark RUN_DIR ITER STAGE SECONDS
+    python -m online_rlhf.loop output-hint RUN_DIR MESSAGE    # which stage wrote a run file MESSAGE names, how to regenerate it
     python -m online_rlhf.loop metrics RUN_DIR ITER           # one row of metrics.jsonl
     python -m online_rlhf.loop report RUN_DIR                 # report.md + report.png (+ wandb)
 
@@ -21,7 +22,8 @@ holds everything it needs, launch settings included (``num_shards``, ``num_proce
 ``launch_profile``), with comments saying how to run it by hand and where each value that is not
 the stage's default came from. A stage's freshness hash covers its config values and its inputs,
 so any changed setting or a re-made input reruns that stage and, through its outputs, every stage
-after it.
+after it; its ``.done`` also records the size and hash of its outputs, so an output changed after
+the stage finished (cut, edited) reruns the stage that wrote it.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import yaml
 from .config import ConfigError, apply_overrides, load_yaml
 from .jsonl import DataError, json_text, read_json, read_jsonl, write_json, write_jsonl, atomic_open
 from .paths import PROJECT_ROOT, default_model_dir, local_folder_prefix, resolve_model, setup_cache_env
-from .rundir import fingerprint, is_done, mark_done
+from .rundir import changed_outputs, fingerprint, is_done, mark_done
 from .stage_configs import GenerateConfig, LoopConfig, SFTStageConfig
 from .stage_table import (STAGES, Stage, iteration_config, launch_command, prompt_source, stage_file, stage_machines,
                           starting_policy)
@@ -871,19 +873,69 @@ def _marker(run_dir: Path, i: int, stage: str) -> Path:
 
 
 def check(run_dir: Path, i: int, stage: str) -> bool:
-    """True when the stage's ``.done`` exists, its hash matches, its outputs exist (a checkpoint
-    folder only counts with its weights: ``*.safetensors`` or ``pytorch_model*.bin``) and its stats
-    file reads back through the stage's stats class (a stage whose stats are missing or broken
-    runs again, rather than stopping ``metrics`` later)."""
+    """True when the stage is done and fresh (:func:`stale_reason` gives None)."""
+    return stale_reason(run_dir, i, stage) is None
+
+
+def _recorded_outputs(run_dir: Path, i: int, stage: str) -> list[str]:
+    """The files and folders whose size and hash ``<stage>.done`` records: the stage's outputs and
+    its stats file."""
+    outs = _stage_entry(run_dir, i, stage)["outputs"]
+    return [*outs, str(stats_path(outs[0]))] if outs else []
+
+
+def stale_reason(run_dir: Path, i: int, stage: str) -> str | None:
+    """Why the stage must run (one line), or None when it is done and fresh: its ``.done`` exists,
+    its hash matches (config and inputs unchanged), its outputs exist (a checkpoint folder only
+    counts with its weights: ``*.safetensors`` or ``pytorch_model*.bin``) and are the ones it wrote
+    (size and hash as recorded in ``.done``: an output cut or edited after the stage finished makes
+    it run again, instead of later stages using it silently), and its stats file reads back through
+    the stage's stats class (a stage whose stats are missing or broken runs again, rather than
+    stopping ``metrics`` later)."""
     e = _stage_entry(run_dir, i, stage)
-    if not (is_done(_marker(run_dir, i, stage), stage_hash(run_dir, i, stage))
-            and all(_output_present(Path(o)) for o in e["outputs"])):
-        return False
+    marker = _marker(run_dir, i, stage)
+    if not marker.is_file():
+        return "not run yet"
+    if not is_done(marker, stage_hash(run_dir, i, stage)):
+        return "its config or inputs changed since it finished"
+    missing = [o for o in e["outputs"] if not _output_present(Path(o))]
+    if missing:
+        return f"its output {missing[0]} is missing"
     try:
         STAGES[stage].stats.read(stats_path(e["outputs"][0]))
     except (FileNotFoundError, DataError):
-        return False
-    return True
+        return f"its stats file {stats_path(e['outputs'][0])} is missing or not valid"
+    try:
+        changed = changed_outputs(marker, _recorded_outputs(run_dir, i, stage), root=run_dir)
+    except (FileNotFoundError, DataError):
+        return f"its marker {marker} is not readable"
+    if changed:
+        return f"its output changed after the stage finished ({'; '.join(changed)})"
+    return None
+
+
+def output_hint(run_dir: Path, message: str) -> str | None:
+    """For a stage's error ``message`` that names a file another stage of the run wrote: which stage
+    wrote it and how to regenerate it (the first such file named). None when it names none.
+
+    A stage output that is not what its stage left (:func:`stale_reason`) is rewritten by rerunning
+    the same command, since that stage then runs again; otherwise removing the file does it.
+    """
+    for plan_path in sorted(run_dir.glob("iter_*/plan.json"), key=lambda p: int(p.parent.name.split("_")[1])):
+        i = int(plan_path.parent.name.split("_")[1])
+        try:
+            entries = read_json(plan_path)
+        except (FileNotFoundError, DataError):
+            continue
+        for stage, e in entries.items():
+            for o in e.get("outputs", []):
+                if o and o in message:
+                    why = stale_reason(run_dir, i, stage)
+                    how = (f"rerun the same command: stage {stage} runs again first ({why}) and rewrites it"
+                           if why is not None else f"remove it (rm -r {shlex.quote(o)}) and rerun the same command: "
+                           f"stage {stage} runs again and rewrites it")
+                    return f"{o} is the output of stage {stage} of iteration {i}; do not edit it by hand: {how}."
+    return None
 
 
 def _output_present(path: Path) -> bool:
@@ -895,7 +947,10 @@ def _output_present(path: Path) -> bool:
 
 
 def mark(run_dir: Path, i: int, stage: str, seconds: float) -> None:
-    mark_done(_marker(run_dir, i, stage), stage_hash(run_dir, i, stage), seconds=round(seconds, 2))
+    """Write the stage's ``.done``: its config-and-inputs hash, the size and hash of its outputs and
+    stats file as they are now (:func:`stale_reason` compares them on the next run), the seconds."""
+    mark_done(_marker(run_dir, i, stage), stage_hash(run_dir, i, stage), outputs=_recorded_outputs(run_dir, i, stage),
+              root=run_dir, seconds=round(seconds, 2))
 
 
 # The stages the loop's dry run checks, in order: (iteration, stage). SFT runs before iteration 1;
@@ -1452,13 +1507,15 @@ def main(argv: list[str]) -> int:
             if line:
                 print(line)
                 return 1
-        elif cmd == "check":  # 0 done and fresh, 1 to run (prints the stage's env), 3 not in this iteration's plan
+        elif cmd == "check":  # 0 done and fresh, 1 to run (prints the stage's env, then why), 3 not in the plan
             entries = read_json(Path(args[0]) / f"iter_{int(args[1])}" / "plan.json")
             if args[2] not in entries:
                 return 3
-            if check(Path(args[0]), int(args[1]), args[2]):
+            why = stale_reason(Path(args[0]), int(args[1]), args[2])
+            if why is None:
                 return 0
             print(entries[args[2]]["env"])
+            print(why)
             return 1
         elif cmd == "exec":  # exec RUN_DIR ITER STAGE [machine_rank=R] [key=value ...]
             ranks = [a.split("=", 1)[1] for a in args[3:] if a.startswith("machine_rank=")]
@@ -1470,6 +1527,10 @@ def main(argv: list[str]) -> int:
                        machine_rank=rank)
         elif cmd == "dry-run":
             return dry_run(Path(args[0]))
+        elif cmd == "output-hint":  # output-hint RUN_DIR MESSAGE: which stage wrote a file the message names
+            line = output_hint(Path(args[0]), " ".join(args[1:]))
+            if line:
+                print(line)
         elif cmd == "mark":
             mark(Path(args[0]), int(args[1]), args[2], float(args[3]))
         elif cmd == "metrics":
