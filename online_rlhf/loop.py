@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shlex
 import statistics
 import sys
@@ -44,7 +45,7 @@ from .config import ConfigError, apply_overrides, load_yaml
 from .jsonl import DataError, json_text, read_json, read_jsonl, write_json, write_jsonl, atomic_open
 from .paths import PROJECT_ROOT, default_model_dir, local_folder_prefix, resolve_model, setup_cache_env
 from .rundir import changed_outputs, fingerprint, is_done, mark_done
-from .stage_configs import GenerateConfig, LoopConfig, SFTStageConfig
+from .stage_configs import DPOStageConfig, GenerateConfig, LoopConfig, SFTStageConfig
 from .stage_table import (STAGES, Stage, iteration_config, launch_command, prompt_source, stage_file, stage_machines,
                           starting_policy)
 from .stats import DPOStats, DryRunStats, GRPOStats, PairsStats, RewardStats, StageStats, stats_path
@@ -239,6 +240,36 @@ def stage_dict(cfg: LoopConfig, run_dir: Path, i: int, stage: str) -> dict:
     return STAGES[stage].build(iteration_config(cfg, i), run_dir, i)
 
 
+def _check_dpo_config(d: dict, i: int, prov: list[tuple[str, Any, str]]) -> None:
+    """Build iteration ``i``'s ``trl.DPOConfig`` from its resolved DPO stage config ``d`` as the
+    stage will (``run_dpo.build_dpo_args``, with the planned process count; nothing is written), so
+    that values TRL refuses together (e.g. ``loss_type: sigmoid`` with the recipe's
+    ``loss_weights: [1, 1]``) stop the plan instead of the DPO stage after generation, rewards and
+    pairs. Skipped where TRL is not installed (the stage itself always has it).
+
+    Raises:
+        ConfigError: TRL's message, the iteration, and each ``dpo`` key it names with its value and
+            where it was set (the stage YAML's provenance).
+    """
+    try:
+        import torch
+
+        from .stages.run_dpo import build_dpo_args
+    except ImportError:
+        return
+    cfg = DPOStageConfig.model_validate(d)
+    try:
+        build_dpo_args(cfg, Path(f"{d['output_dir']}.work"), torch.cuda.is_available(),
+                       world_size=d.get("num_processes") or 1)
+    except ConfigError as e:
+        msg = str(e).removeprefix("training: ")
+        named = [(k, v, o) for k, v, o in prov if k.startswith("training.")
+                 and re.search(rf"(?<![\w.]){re.escape(k.split('.', 1)[1])}(?!\w)", msg)]
+        keys = "; ".join(f"dpo.{k}={json.dumps(v, default=str)} ({o})" for k, v, o in named)
+        raise ConfigError(f"iteration {i}, stage dpo: {msg}" + (f" The keys: {keys}." if keys else "")
+                          + " Change them so that trl.DPOConfig accepts them (nothing has run yet).") from None
+
+
 def plan(config_path: str | None, overrides: list[str]) -> Path:
     """Resolve the config, write the run dir's config.yaml, stage configs, plan.json and prompt
     slices; print shell assignments (RUN_DIR, ITERATIONS, ...) for run_loop.sh to ``eval``.
@@ -280,8 +311,10 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
             if c.launcher == "local" and stage_machines(stage, d) > 1:
                 note = (f"(machine 0's part; machine k of {stage_machines(stage, d)} runs the same with machine_rank k: "
                         f"`.venv-train/bin/python -m online_rlhf.loop exec {run_dir} {i} {stage.name} machine_rank=k`)")
-            header = _stage_header(stage, i, layers, command,
-                                   _provenance(stage, d, c, i, layers, start=starting_policy(c, run_dir)), note)
+            prov = _provenance(stage, d, c, i, layers, start=starting_policy(c, run_dir))
+            if stage.name == "dpo":
+                _check_dpo_config(d, i, prov)
+            header = _stage_header(stage, i, layers, command, prov, note)
             files.add(path, header + yaml.safe_dump(d, sort_keys=False, allow_unicode=True))
             inputs, outputs = stage.io(d)
             entries[stage.name] = {"env": stage.env, "config": str(path), "command": command,

@@ -112,12 +112,21 @@ def per_device_batch(cfg: DPOStageConfig, world_size: int) -> dict:
     return {} if per is None else {"per_device_train_batch_size": per}
 
 
-def build_dpo_args(cfg: DPOStageConfig, work_dir: Path, on_gpu: bool, overrides: dict | None = None):
+def build_dpo_args(cfg: DPOStageConfig, work_dir: Path, on_gpu: bool, overrides: dict | None = None,
+                   world_size: int | None = None):
     """``trl.DPOConfig`` from the stage defaults + ``cfg.training`` (+ ``overrides``, e.g. the dry
-    run's ``max_steps=1``); invalid values raise ConfigError."""
+    run's ``max_steps=1``); invalid values raise ConfigError. Nothing is written (``work_dir`` is
+    only named), so the loop's plan builds it too, before any stage runs.
+
+    Args:
+        world_size: the processes ``train_batch_size`` is split over (default: this run's
+            ``WORLD_SIZE``; the plan passes the planned ``num_processes``). The DDP settings follow
+            this run's ``WORLD_SIZE`` (in the plan: 1, no process group to set up).
+    """
     from trl import DPOConfig
 
-    kw = {**training_defaults(on_gpu, _world_size()), **per_device_batch(cfg, _world_size()),
+    world = _world_size() if world_size is None else world_size
+    kw = {**training_defaults(on_gpu, _world_size()), **per_device_batch(cfg, world),
           **check_dpo_training(cfg.training), **(overrides or {})}
     if not on_gpu and kw.get("bf16"):
         compute_dtype("cpu", "bfloat16")  # warns when the CPU has no native bf16
