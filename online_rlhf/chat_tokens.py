@@ -353,7 +353,7 @@ def prompt_response_ids(tokenizer: Any, prompt: Sequence[dict], *responses: Sequ
     return prompt_ids, out
 
 
-def turn_terminator(tokenizer: Any) -> str | None:
+def turn_terminator(tokenizer: Any, chat_template: str | None = None) -> str | None:
     """The special-token string the chat template writes right after an assistant message's content
     (its end-of-turn: ``<|im_end|>`` for ChatML, ``<|eot_id|>`` for Llama-3, ``<end_of_turn>`` for
     Gemma, ``</s>`` for Mistral), found by rendering ``[user, assistant]`` once.
@@ -361,10 +361,16 @@ def turn_terminator(tokenizer: Any) -> str | None:
     It is not always the tokenizer's eos: Qwen base checkpoints have eos ``<|endoftext|>`` and a
     ChatML template. Returns None when the template writes no special token after the content
     (only whitespace may come between) or refuses the probe conversation.
+
+    Args:
+        chat_template: a Jinja template to use instead of the tokenizer's (e.g. the one Axolotl
+            will train with).
     """
     nonce = f"\ue000{secrets.randbelow(10 ** 12)}\ue001"
     try:
-        text = render(tokenizer, [{"role": "user", "content": "x"}, {"role": "assistant", "content": nonce}])
+        msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": nonce}]
+        text = (render(tokenizer, msgs) if chat_template is None
+                else tokenizer.apply_chat_template(msgs, tokenize=False, chat_template=chat_template))
     except Exception:  # noqa: BLE001 - no template, or one that refuses this conversation: no terminator known
         return None
     rx = _special_regex(tokenizer)

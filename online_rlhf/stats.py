@@ -478,6 +478,7 @@ class SFTStats(StageStats):
     eos_token: str
     eos_token_id: int
     pad_token_id: int
+    eot_tokens: Optional[list[str]] = None  # Axolotl's eot_tokens set by the stage (the template's turn terminator when it is not the eos)
 
 
 class SFTDataStats(StageStats):

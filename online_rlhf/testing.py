@@ -143,16 +143,18 @@ def _llama_config(tokenizer, **kw):
     )
 
 
-def make_tiny_policy(out_dir: str | os.PathLike, seed: int = 0, bos_in_template: bool = False, **config_kw) -> Path:
+def make_tiny_policy(out_dir: str | os.PathLike, seed: int = 0, bos_in_template: bool = False, tokenizer=None,
+                     **config_kw) -> Path:
     """Save a random 2-layer Llama causal LM (+ tokenizer, chat template, generation_config) to ``out_dir``.
 
     Hidden size 128 with 4 heads: head_dim 32, the smallest vLLM's CPU attention supports (16 fails).
+    ``tokenizer`` replaces the tiny tokenizer (e.g. :func:`make_qwen2_style_tokenizer`).
     """
     import torch
     from transformers import GenerationConfig, LlamaForCausalLM
 
     out = Path(out_dir)
-    tok = make_tiny_tokenizer(bos_in_template=bos_in_template)
+    tok = tokenizer if tokenizer is not None else make_tiny_tokenizer(bos_in_template=bos_in_template)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(_llama_config(tok, **config_kw))
     model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=[tok.eos_token_id],
