@@ -165,8 +165,8 @@ run_stage() {
   fi
   "$TRAIN" -m online_rlhf.loop mark "$RUN_DIR" "$i" "$stage" "$((SECONDS - start))"
   say "iteration $i/$ITERATIONS · $stage: finished in $((SECONDS - start))s"
-  # the stage's own warnings (its "WARNING: " / "warning: " lines, not libraries' log lines) on the console too
-  grep -E '^(WARNING: |warning: )' "$log" | awk '!seen[$0]++' | head -n 5 | cut -c1-300 |
+  # the stage's warnings on the console too: its own and those of the libraries it runs (online_rlhf/console.py)
+  "$TRAIN" -m online_rlhf.console warnings "$log" 2>/dev/null |
     while IFS= read -r line; do say "  $stage: $line"; done || true
 }
 
