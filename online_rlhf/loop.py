@@ -948,8 +948,9 @@ def stale_reason(run_dir: Path, i: int, stage: str) -> str | None:
 
 
 def output_hint(run_dir: Path, message: str) -> str | None:
-    """For a stage's error ``message`` that names a file another stage of the run wrote: which stage
-    wrote it and how to regenerate it (the first such file named). None when it names none.
+    """For a stage's error ``message`` that names a line of a file another stage of the run wrote
+    (``<file>:<line>``: its content is bad): which stage wrote it and how to regenerate it (the first
+    such file named). None when it names none.
 
     A stage output that is not what its stage left (:func:`stale_reason`) is rewritten by rerunning
     the same command, since that stage then runs again; otherwise removing the file does it.
@@ -962,7 +963,7 @@ def output_hint(run_dir: Path, message: str) -> str | None:
             continue
         for stage, e in entries.items():
             for o in e.get("outputs", []):
-                if o and o in message:
+                if o and re.search(re.escape(o) + r":\d+", message):  # names a line of it: its content is bad
                     why = stale_reason(run_dir, i, stage)
                     how = (f"rerun the same command: stage {stage} runs again first ({why}) and rewrites it"
                            if why is not None else f"remove it (rm -r {shlex.quote(o)}) and rerun the same command: "

@@ -96,3 +96,4 @@ def test_reasons_for_a_stage_never_run_or_with_changed_inputs(done_pairs):
     write_jsonl(run_dir / "iter_1" / "rewards.jsonl", [{"id": "p1"}])
     assert loop.stale_reason(run_dir, 1, "pairs") == "its config or inputs changed since it finished"
     assert loop.output_hint(run_dir, "some error naming no run file") is None
+    assert loop.output_hint(run_dir, f"{run_dir}/iter_1/pairs.jsonl: 0 pairs") is None  # no line: not its content
