@@ -887,13 +887,37 @@ def previous_stage(run_dir: Path, i: int, stage: str) -> tuple[int, str] | None:
     return None
 
 
+def _last_activity(run_dir: Path) -> float:
+    """Newest modification time of what machine 0's loop writes as it goes: the stages' logs and
+    ``.done`` markers (0.0 when there is none yet)."""
+    times = [p.stat().st_mtime for pat in ("iter_*/logs/*.log", "iter_*/*.done") for p in run_dir.glob(pat)]
+    return max(times, default=0.0)
+
+
 def _wait_for_previous_stage(run_dir: Path, i: int, stage: str, poll_s: float) -> None:
+    """Wait until machine 0 has finished the stage before ``stage`` (:func:`previous_stage`).
+
+    Gives up when machine 0 has written nothing in the run directory (no stage log grew, no stage
+    was marked done) for ``$ONLINE_RLHF_WAIT_TIMEOUT_S`` seconds (default 3600; 0 = wait for ever):
+    its loop has failed or was stopped, and this machine would poll for ever.
+
+    Raises:
+        TimeoutError: naming the stage waited for, the silence and how to go on.
+    """
     prev = previous_stage(run_dir, i, stage)
     if prev is None:
         return
+    timeout_s = float(os.environ.get("ONLINE_RLHF_WAIT_TIMEOUT_S", "3600"))
     t0, said = time.monotonic(), -1.0
     while not check(run_dir, *prev):
         waited = time.monotonic() - t0
+        silent = time.time() - max(_last_activity(run_dir), time.time() - waited)
+        if timeout_s > 0 and silent > timeout_s:
+            raise TimeoutError(
+                f"waited {waited:.0f} s for machine 0 to finish stage {prev[1]} of iteration {prev[0]}, and machine 0 "
+                f"has written nothing in {run_dir} (no stage log, no .done) for {silent:.0f} s: its run_loop.sh has "
+                "failed or was stopped (see its console and iter_*/logs/). Rerun it on machine 0, then this "
+                "machine's command again (ONLINE_RLHF_WAIT_TIMEOUT_S sets this limit; 0 waits for ever).")
         if said < 0 or waited - said >= 60:
             print(f"waiting for machine 0 to finish stage {prev[1]} of iteration {prev[0]} "
                   f"({waited:.0f} s so far)", flush=True)
@@ -1577,7 +1601,7 @@ def main(argv: list[str]) -> int:
         else:
             print(f"unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
             return 2
-    except (ConfigError, DataError, FileNotFoundError) as e:
+    except (ConfigError, DataError, FileNotFoundError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
