@@ -1,6 +1,7 @@
 """The loop's bookkeeping, called by run_loop.sh (training env):
 
     python -m online_rlhf.loop plan CONFIG [key=value ...]   # resolve + validate, write stage configs
+    python -m online_rlhf.loop plan-check CONFIG [key=value ...]  # the plan's checks only, nothing written
     python -m online_rlhf.loop check RUN_DIR ITER STAGE       # exit 0 if STAGE is done and fresh, 1 to run (prints env, why), 3 not planned
     python -m online_rlhf.loop fresh-check RUN_DIR            # exit 0 if run_loop.sh --fresh may empty RUN_DIR, else 2 (says why)
     python -m online_rlhf.loop pairs-check RUN_DIR ITER       # exit 1 (with why and what to change) if ITER's pairs stage made 0 pairs
@@ -270,7 +271,7 @@ def _check_dpo_config(d: dict, i: int, prov: list[tuple[str, Any, str]]) -> None
                           + " Change them so that trl.DPOConfig accepts them (nothing has run yet).") from None
 
 
-def plan(config_path: str | None, overrides: list[str]) -> Path:
+def plan(config_path: str | None, overrides: list[str], write: bool = True) -> Path:
     """Resolve the config, write the run dir's config.yaml, stage configs, plan.json and prompt
     slices; print shell assignments (RUN_DIR, ITERATIONS, ...) for run_loop.sh to ``eval``.
 
@@ -278,6 +279,10 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
     first; the files are written only once the whole plan has passed (:class:`_PlanFiles`), so a
     plan refused on the way (e.g. a missing ``train_prompts`` file, at the top level or in
     ``per_iteration``) leaves an existing run directory as it was, and creates nothing.
+
+    ``write=False`` runs every check and writes and prints nothing (``loop plan-check``:
+    ``run_loop.sh --fresh`` runs it before it empties the old run, so a plan that would be refused
+    leaves the old run in place).
 
     Raises:
         ConfigError, DataError, FileNotFoundError: as :func:`resolve` and the prompt loaders; nothing
@@ -339,6 +344,8 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
              "DRY_RUN": int(cfg.dry_run)}
     files.add(run_dir / "plan_warnings.json", json_text(warnings))
     body = yaml.safe_dump(run_config_dict(cfg), sort_keys=False, allow_unicode=True)
+    if not write:
+        return run_dir
     # Every check has passed: now the files. config.yaml last, so that a write cut short (disk full)
     # leaves the run's config as it was.
     files.write()
@@ -1547,11 +1554,11 @@ def main(argv: list[str]) -> int:
         return 0
     cmd, args = argv[0], argv[1:]
     try:
-        if cmd in ("plan", "run-dir"):
+        if cmd in ("plan", "plan-check", "run-dir"):
             cfg_path = args[0] if args and "=" not in args[0] else None
             overrides = args[1:] if cfg_path else args
-            if cmd == "plan":
-                plan(cfg_path, overrides)
+            if cmd in ("plan", "plan-check"):  # plan-check: every check of the plan, nothing written
+                plan(cfg_path, overrides, write=cmd == "plan")
             else:  # where the run lives, nothing written (run_loop.sh locks it before any change)
                 cfg = resolve(cfg_path, overrides)
                 print((Path(cfg.output_root) / cfg.run_name).resolve())
