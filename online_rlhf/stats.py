@@ -405,7 +405,7 @@ class GRPOStats(StageStats):
 
     ``groups_in == groups_used + sum(groups_skipped.values())``; a group is one prompt's K responses.
     ``groups_skipped`` reasons: ``all_equal`` (every reward the same: no advantage, no signal),
-    ``fewer_than_2_scored``, ``prompt_too_long``, ``special_text_not_tokenizable``.
+    ``fewer_than_2_scored``, ``prompt_too_long`` and the token-id reasons of docs/skip-reasons.md.
     Per-step values (loss, kl, clip_fraction) are means over the step's completion tokens, as TRL logs them.
     """
 
