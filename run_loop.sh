@@ -111,6 +111,8 @@ if [[ "$FRESH" == 1 ]]; then
   # Only a folder this loop made: empty, with the config.yaml that `loop plan` writes, or with
   # nothing but what an earlier refused plan left (iter_*/configs, plan.json, prompts.jsonl, logs).
   "$TRAIN" -m online_rlhf.loop fresh-check "$RUN_DIR" || { rc=$?; undo_new; exit "$rc"; }
+  # and the new plan must pass (a bad prompt file, say) before the old run is emptied
+  "$TRAIN" -m online_rlhf.loop plan-check "$CONFIG" "${OVERRIDES[@]}" || { rc=$?; undo_new; exit "$rc"; }
   say "fresh start: removing the contents of $RUN_DIR"
   find "$RUN_DIR" -mindepth 1 -maxdepth 1 ! -name .lock -exec rm -rf -- {} +
 fi
@@ -130,7 +132,7 @@ trap 'say "interrupted; $RESUME_HINT"; [[ -n "$CHILD" ]] && kill -TERM -- -"$CHI
 # run_stage ITER STAGE: skip when done and fresh (or not in this run's plan, e.g. sft when it is
 # off); else run it as its config file says (`loop exec`), with a log and a live status line.
 run_stage() {
-  local i="$1" stage="$2" rc=0 env
+  local i="$1" stage="$2" rc=0 env why
   env="$("$TRAIN" -m online_rlhf.loop check "$RUN_DIR" "$i" "$stage")" || rc=$?
   case "$rc" in
     0) say "iteration $i/$ITERATIONS · $stage: done earlier, skipped"; return 0 ;;
@@ -138,6 +140,8 @@ run_stage() {
     1) ;;
     *) exit "$rc" ;;
   esac
+  why="${env#*$'\n'}"; env="${env%%$'\n'*}"   # check prints the env, then why the stage runs
+  [[ "$why" != "not run yet" && "$why" != "$env" ]] && say "iteration $i/$ITERATIONS · $stage: runs again: $why"
   local log="$RUN_DIR/iter_$i/logs/$stage.log" start=$SECONDS
   mkdir -p "$(dirname "$log")"
   say "iteration $i/$ITERATIONS · $stage ($env env) · log $log"
@@ -154,14 +158,17 @@ run_stage() {
     say "FAILED: iteration $i · stage $stage (exit $rc). Log: $log"
     tail -n 25 "$log" | sed 's/^/    | /' >&2
     if grep -q '^error: ' "$log"; then   # the stage's own one-line reason, below any launcher traceback
-      say "reason: $(grep '^error: ' "$log" | tail -n 1 | cut -c8-)"
+      reason="$(grep '^error: ' "$log" | tail -n 1 | cut -c8-)"
+      say "reason: $reason"
+      hint="$("$TRAIN" -m online_rlhf.loop output-hint "$RUN_DIR" "$reason" 2>/dev/null)" || true
+      [[ -n "$hint" ]] && say "$hint"
     fi
     exit 1
   fi
   "$TRAIN" -m online_rlhf.loop mark "$RUN_DIR" "$i" "$stage" "$((SECONDS - start))"
   say "iteration $i/$ITERATIONS · $stage: finished in $((SECONDS - start))s"
-  # the stage's own warnings (its "WARNING: " / "warning: " lines, not libraries' log lines) on the console too
-  grep -E '^(WARNING: |warning: )' "$log" | awk '!seen[$0]++' | head -n 5 | cut -c1-300 |
+  # the stage's warnings on the console too: its own and those of the libraries it runs (online_rlhf/console.py)
+  "$TRAIN" -m online_rlhf.console warnings "$log" 2>/dev/null |
     while IFS= read -r line; do say "  $stage: $line"; done || true
 }
 

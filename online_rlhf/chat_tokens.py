@@ -38,8 +38,27 @@ from .config import ConfigError
 _CONTENT_VARIANTS = (lambda s: s, str.strip, str.lstrip, str.rstrip)
 
 
+# Why a conversation's ids could not be built (ChatTokenError.reason): the skip reasons the
+# tokenizing stages count (docs/skip-reasons.md lists them).
+SPECIAL_TEXT_NOT_TOKENIZABLE = "special_text_not_tokenizable"
+PROMPT_RENDERED_DIFFERENTLY = "template_renders_prompt_differently"
+RESPONSE_NOT_TOKENIZABLE_ALONE = "response_not_tokenizable_alone"
+
+
 class ChatTokenError(ValueError):
-    """A conversation cannot be tokenized with its contents as plain text (the message says why)."""
+    """A conversation cannot be tokenized with its contents as plain text (the message says why).
+
+    Attributes:
+        reason: one of :data:`SPECIAL_TEXT_NOT_TOKENIZABLE` (a content holds a special-token string
+            the template or tokenizer does not let us keep as text), :data:`PROMPT_RENDERED_DIFFERENTLY`
+            (the template writes the prompt differently once a response follows) or
+            :data:`RESPONSE_NOT_TOKENIZABLE_ALONE` (the response text, tokenized on its own, does not
+            decode back to itself); the stages count skips under it.
+    """
+
+    def __init__(self, message: str, reason: str = SPECIAL_TEXT_NOT_TOKENIZABLE):
+        super().__init__(message)
+        self.reason = reason
 
 
 def special_token_map(tokenizer: Any) -> dict[str, int]:
@@ -225,9 +244,17 @@ def chat_token_ids(tokenizer: Any, messages: Sequence[dict], add_generation_prom
         jinja2 errors / ValueError: the template refuses the messages.
     """
     text = render(tokenizer, messages, add_generation_prompt)
-    if not messages_have_special_text(tokenizer, messages):
-        return _bos_once(tokenizer, _text_ids(tokenizer, text, split_special=False))
-    spans = content_spans(tokenizer, messages, text, add_generation_prompt)
+    spans = (content_spans(tokenizer, messages, text, add_generation_prompt)
+             if messages_have_special_text(tokenizer, messages) else None)
+    return _bos_once(tokenizer, _segment_ids(tokenizer, text, spans))
+
+
+def _segment_ids(tokenizer: Any, text: str, spans: list[tuple[int, int]] | None) -> list[int]:
+    """Ids of a piece of rendered text, no BOS rule: ``spans`` (the message contents in it, or None
+    when no content holds a special-token string) are plain text; special strings outside them are
+    the template's markers (see :func:`chat_token_ids`)."""
+    if spans is None:
+        return _text_ids(tokenizer, text, split_special=False)
     specials = special_token_map(tokenizer)
     rx = _special_regex(tokenizer)
     # Template special tokens: special strings in the text outside every content span.
@@ -259,17 +286,27 @@ def chat_token_ids(tokenizer: Any, messages: Sequence[dict], add_generation_prom
         ids += _text_ids(tokenizer, run, split_special=True)
         if k < len(tids):
             ids.append(tids[k])
-    return _bos_once(tokenizer, ids)
+    return ids
 
 
 def prompt_response_ids(tokenizer: Any, prompt: Sequence[dict], *responses: Sequence[dict]
                         ) -> tuple[list[int], list[list[int]]]:
     """Prompt ids and the ids of each response to it, as a preference trainer consumes them.
 
-    ``prompt_ids = chat_token_ids(prompt, add_generation_prompt=True)``; each response's ids are
-    the rest of ``chat_token_ids(prompt + response)`` after that prefix (its contents as plain
-    text, the template's end-of-turn marker and whatever else the template writes after the
-    assistant header).
+    The one rule every tokenizing stage follows (DPO, GRPO, reward-model scoring, KL):
+
+    - ``prompt_ids = chat_token_ids(prompt, add_generation_prompt=True)``: the ids the generator
+      gave the policy;
+    - each response's ids are the rest of ``chat_token_ids(prompt + response)`` after that prefix
+      (its contents as plain text, the template's end-of-turn marker and whatever else the
+      template writes after the assistant header), when the full conversation's ids start with
+      ``prompt_ids``;
+    - otherwise the tokenizer merged the last prompt token with the first response characters
+      (Qwen2/2.5/3's pre-tokenizer joins the generation prompt's ``"\\n"`` and a response's leading
+      ``"\\n"`` into one ``ĊĊ`` token; after TRL issue #2054): the response ids are then the
+      text the template writes after the prompt (the response, its end-of-turn, ...) tokenized on
+      its own, which is what a policy generating after ``prompt_ids`` produces. The pair is kept.
+      That text must decode back to itself (true of byte-level BPE), else the error below.
 
     Args:
         prompt: the prompt messages.
@@ -277,17 +314,68 @@ def prompt_response_ids(tokenizer: Any, prompt: Sequence[dict], *responses: Sequ
     Returns:
         ``(prompt_ids, [response_ids, ...])`` with one id list per response, in order.
     Raises:
-        ChatTokenError: a full conversation's ids do not start with the prompt's (the template
-            renders the prompt differently once a response follows), besides chat_token_ids' errors.
+        ChatTokenError: reason ``template_renders_prompt_differently``: the full conversation's text
+            does not start with the prompt's (the template writes the prompt differently once a
+            response follows); reason ``response_not_tokenizable_alone``: the ids had to be split
+            at a merged token and the text after the prompt does not decode back to itself; besides
+            chat_token_ids' errors (reason ``special_text_not_tokenizable``).
     """
     prompt_ids = chat_token_ids(tokenizer, prompt, add_generation_prompt=True)
+    prompt_text = render(tokenizer, prompt, add_generation_prompt=True)
     out = []
     for response in responses:
-        full = chat_token_ids(tokenizer, list(prompt) + list(response))
-        if full[:len(prompt_ids)] != prompt_ids:
+        messages = list(prompt) + list(response)
+        full = chat_token_ids(tokenizer, messages)
+        if full[:len(prompt_ids)] == prompt_ids:
+            out.append(full[len(prompt_ids):])
+            continue
+        text = render(tokenizer, messages)
+        if not text.startswith(prompt_text):
             raise ChatTokenError(
                 f"the chat template of {_template_name(tokenizer)} renders the prompt differently when a response "
-                "follows (the token ids of prompt + response do not start with those of the prompt with its "
-                "generation prompt); the response tokens cannot be separated from the prompt.")
-        out.append(full[len(prompt_ids):])
+                "follows (the text of prompt + response does not start with the prompt with its generation prompt); "
+                "the response tokens cannot be separated from the prompt. Use a template that writes the prompt the "
+                "same way with and without the answer.", PROMPT_RENDERED_DIFFERENTLY)
+        cut = len(prompt_text)
+        spans = None
+        if messages_have_special_text(tokenizer, messages):
+            spans = [(max(a, cut) - cut, b - cut) for a, b in content_spans(tokenizer, messages, text) if b > cut]
+        ids = _segment_ids(tokenizer, text[cut:], spans)
+        back = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if back != text[cut:]:
+            raise ChatTokenError(
+                f"the tokenizer of {_template_name(tokenizer)} merges the end of the prompt with the start of the "
+                f"response, and the response tokenized on its own does not decode back to itself ({text[cut:][:40]!r} "
+                f"-> {back[:40]!r}); the response tokens cannot be separated from the prompt. Save the generated "
+                "token ids with the records (generation.save_token_ids=true) or strip the response's leading "
+                "whitespace.", RESPONSE_NOT_TOKENIZABLE_ALONE)
+        out.append(ids)
     return prompt_ids, out
+
+
+def turn_terminator(tokenizer: Any, chat_template: str | None = None) -> str | None:
+    """The special-token string the chat template writes right after an assistant message's content
+    (its end-of-turn: ``<|im_end|>`` for ChatML, ``<|eot_id|>`` for Llama-3, ``<end_of_turn>`` for
+    Gemma, ``</s>`` for Mistral), found by rendering ``[user, assistant]`` once.
+
+    It is not always the tokenizer's eos: Qwen base checkpoints have eos ``<|endoftext|>`` and a
+    ChatML template. Returns None when the template writes no special token after the content
+    (only whitespace may come between) or refuses the probe conversation.
+
+    Args:
+        chat_template: a Jinja template to use instead of the tokenizer's (e.g. the one Axolotl
+            will train with).
+    """
+    nonce = f"\ue000{secrets.randbelow(10 ** 12)}\ue001"
+    try:
+        msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": nonce}]
+        text = (render(tokenizer, msgs) if chat_template is None
+                else tokenizer.apply_chat_template(msgs, tokenize=False, chat_template=chat_template))
+    except Exception:  # noqa: BLE001 - no template, or one that refuses this conversation: no terminator known
+        return None
+    rx = _special_regex(tokenizer)
+    if nonce not in text or rx is None:
+        return None
+    after = text[text.rindex(nonce) + len(nonce):]
+    m = rx.search(after)
+    return m.group() if m is not None and not after[:m.start()].strip() else None

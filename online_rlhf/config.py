@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 
 
 class ConfigError(ValueError):
@@ -223,9 +223,26 @@ def format_validation_error(err: ValidationError, cls: type[BaseModel], source: 
             # the input is the whole mapping, not one offending value
             msg = e["msg"].removeprefix("Value error, ")
             lines.append(f"  - {msg}." if not e["loc"] else f"  - {key}: {msg}.")
+        elif e["type"] == "string_type" and isinstance(e.get("input"), (int, float)):
+            # YAML read an unquoted number (or true/false) where text is expected: say how to quote it
+            raw = str(e["input"]).lower() if isinstance(e["input"], bool) else str(e["input"])
+            leaf = ".".join(str(p) for p in e["loc"])
+            lines.append(f"  - {key}: expected text, but YAML reads {raw} as {'a bool' if isinstance(e['input'], bool) else 'a number'}. Quote it: "
+                         f"{leaf}=\"'{raw}'\" on the command line, {e['loc'][-1]}: '{raw}' in a YAML file.")
         else:
-            lines.append(f"  - {key}: {e['msg']} (got {_short_repr(e.get('input'))}).")
+            lines.append(f"  - {key}: {e['msg'].removeprefix('Value error, ')} (got {_short_repr(e.get('input'))}).")
     return "\n".join(lines)
+
+
+def _number_not_bool(annotation: Any) -> bool:
+    """Whether a field type takes an int or a float but not a bool (``int``, ``Optional[float]``,
+    ``Union[int, Literal["auto"]]``...); pydantic's lax mode would take ``true`` as 1 there."""
+    import typing
+
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return any(_number_not_bool(a) for a in args) and bool not in args
+    return annotation in (int, float)
 
 
 def _short_repr(value: Any, limit: int = 80) -> str:
@@ -238,6 +255,17 @@ class StageConfig(BaseModel):
     """Base class of every stage config: unknown keys are errors, values are validated on assignment."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _refuse_bool_as_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """A YAML boolean (``true``, ``yes``, ``on``...) for an integer or float key is an error, not 1 or 0
+        (pydantic's lax mode would turn ``iterations=true`` into 1 iteration)."""
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(value, bool) and field is not None and _number_not_bool(field.annotation):
+            raise ValueError(f"expected a number, got the YAML boolean {str(value).lower()} (true/false, yes/no, "
+                             "on/off are booleans in YAML); give a number")
+        return value
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "<dict>"):

@@ -1,7 +1,8 @@
 """The loop's bookkeeping, called by run_loop.sh (training env):
 
     python -m online_rlhf.loop plan CONFIG [key=value ...]   # resolve + validate, write stage configs
-    python -m online_rlhf.loop check RUN_DIR ITER STAGE       # exit 0 if STAGE is done and fresh, 1 to run, 3 not planned
+    python -m online_rlhf.loop plan-check CONFIG [key=value ...]  # the plan's checks only, nothing written
+    python -m online_rlhf.loop check RUN_DIR ITER STAGE       # exit 0 if STAGE is done and fresh, 1 to run (prints env, why), 3 not planned
     python -m online_rlhf.loop fresh-check RUN_DIR            # exit 0 if run_loop.sh --fresh may empty RUN_DIR, else 2 (says why)
     python -m online_rlhf.loop pairs-check RUN_DIR ITER       # exit 1 (with why and what to change) if ITER's pairs stage made 0 pairs
     python -m online_rlhf.loop exec RUN_DIR ITER STAGE [machine_rank=R] [key=value ...]  # run STAGE as its config file says
@@ -9,6 +10,7 @@
                                                               # key=value: appended to the stage's command, e.g. dry_run=true)
     python -m online_rlhf.loop dry-run RUN_DIR                # each model stage once in dry mode; fit table; exit 1 if one does not fit
     python -m online_rlhf.loop mark RUN_DIR ITER STAGE SECONDS
+    python -m online_rlhf.loop output-hint RUN_DIR MESSAGE    # which stage wrote a run file MESSAGE names, how to regenerate it
     python -m online_rlhf.loop metrics RUN_DIR ITER           # one row of metrics.jsonl
     python -m online_rlhf.loop report RUN_DIR                 # report.md + report.png (+ wandb)
 
@@ -21,7 +23,8 @@ holds everything it needs, launch settings included (``num_shards``, ``num_proce
 ``launch_profile``), with comments saying how to run it by hand and where each value that is not
 the stage's default came from. A stage's freshness hash covers its config values and its inputs,
 so any changed setting or a re-made input reruns that stage and, through its outputs, every stage
-after it.
+after it; its ``.done`` also records the size and hash of its outputs, so an output changed after
+the stage finished (cut, edited) reruns the stage that wrote it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shlex
 import statistics
 import sys
@@ -41,8 +45,8 @@ import yaml
 from .config import ConfigError, apply_overrides, load_yaml
 from .jsonl import DataError, json_text, read_json, read_jsonl, write_json, write_jsonl, atomic_open
 from .paths import PROJECT_ROOT, default_model_dir, local_folder_prefix, resolve_model, setup_cache_env
-from .rundir import fingerprint, is_done, mark_done
-from .stage_configs import GenerateConfig, LoopConfig, SFTStageConfig
+from .rundir import changed_outputs, fingerprint, is_done, mark_done
+from .stage_configs import DPOStageConfig, GenerateConfig, LoopConfig, SFTStageConfig
 from .stage_table import (STAGES, Stage, iteration_config, launch_command, prompt_source, stage_file, stage_machines,
                           starting_policy)
 from .stats import DPOStats, DryRunStats, GRPOStats, PairsStats, RewardStats, StageStats, stats_path
@@ -237,7 +241,37 @@ def stage_dict(cfg: LoopConfig, run_dir: Path, i: int, stage: str) -> dict:
     return STAGES[stage].build(iteration_config(cfg, i), run_dir, i)
 
 
-def plan(config_path: str | None, overrides: list[str]) -> Path:
+def _check_dpo_config(d: dict, i: int, prov: list[tuple[str, Any, str]]) -> None:
+    """Build iteration ``i``'s ``trl.DPOConfig`` from its resolved DPO stage config ``d`` as the
+    stage will (``run_dpo.build_dpo_args``, with the planned process count; nothing is written), so
+    that values TRL refuses together (e.g. ``loss_type: sigmoid`` with the recipe's
+    ``loss_weights: [1, 1]``) stop the plan instead of the DPO stage after generation, rewards and
+    pairs. Skipped where TRL is not installed (the stage itself always has it).
+
+    Raises:
+        ConfigError: TRL's message, the iteration, and each ``dpo`` key it names with its value and
+            where it was set (the stage YAML's provenance).
+    """
+    try:
+        import torch
+
+        from .stages.run_dpo import build_dpo_args
+    except ImportError:
+        return
+    cfg = DPOStageConfig.model_validate(d)
+    try:
+        build_dpo_args(cfg, Path(f"{d['output_dir']}.work"), torch.cuda.is_available(),
+                       world_size=d.get("num_processes") or 1)
+    except ConfigError as e:
+        msg = str(e).removeprefix("training: ")
+        named = [(k, v, o) for k, v, o in prov if k.startswith("training.")
+                 and re.search(rf"(?<![\w.]){re.escape(k.split('.', 1)[1])}(?!\w)", msg)]
+        keys = "; ".join(f"dpo.{k}={json.dumps(v, default=str)} ({o})" for k, v, o in named)
+        raise ConfigError(f"iteration {i}, stage dpo: {msg}" + (f" The keys: {keys}." if keys else "")
+                          + " Change them so that trl.DPOConfig accepts them (nothing has run yet).") from None
+
+
+def plan(config_path: str | None, overrides: list[str], write: bool = True) -> Path:
     """Resolve the config, write the run dir's config.yaml, stage configs, plan.json and prompt
     slices; print shell assignments (RUN_DIR, ITERATIONS, ...) for run_loop.sh to ``eval``.
 
@@ -245,6 +279,10 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
     first; the files are written only once the whole plan has passed (:class:`_PlanFiles`), so a
     plan refused on the way (e.g. a missing ``train_prompts`` file, at the top level or in
     ``per_iteration``) leaves an existing run directory as it was, and creates nothing.
+
+    ``write=False`` runs every check and writes and prints nothing (``loop plan-check``:
+    ``run_loop.sh --fresh`` runs it before it empties the old run, so a plan that would be refused
+    leaves the old run in place).
 
     Raises:
         ConfigError, DataError, FileNotFoundError: as :func:`resolve` and the prompt loaders; nothing
@@ -278,8 +316,10 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
             if c.launcher == "local" and stage_machines(stage, d) > 1:
                 note = (f"(machine 0's part; machine k of {stage_machines(stage, d)} runs the same with machine_rank k: "
                         f"`.venv-train/bin/python -m online_rlhf.loop exec {run_dir} {i} {stage.name} machine_rank=k`)")
-            header = _stage_header(stage, i, layers, command,
-                                   _provenance(stage, d, c, i, layers, start=starting_policy(c, run_dir)), note)
+            prov = _provenance(stage, d, c, i, layers, start=starting_policy(c, run_dir))
+            if stage.name == "dpo":
+                _check_dpo_config(d, i, prov)
+            header = _stage_header(stage, i, layers, command, prov, note)
             files.add(path, header + yaml.safe_dump(d, sort_keys=False, allow_unicode=True))
             inputs, outputs = stage.io(d)
             entries[stage.name] = {"env": stage.env, "config": str(path), "command": command,
@@ -304,6 +344,8 @@ def plan(config_path: str | None, overrides: list[str]) -> Path:
              "DRY_RUN": int(cfg.dry_run)}
     files.add(run_dir / "plan_warnings.json", json_text(warnings))
     body = yaml.safe_dump(run_config_dict(cfg), sort_keys=False, allow_unicode=True)
+    if not write:
+        return run_dir
     # Every check has passed: now the files. config.yaml last, so that a write cut short (disk full)
     # leaves the run's config as it was.
     files.write()
@@ -879,13 +921,37 @@ def previous_stage(run_dir: Path, i: int, stage: str) -> tuple[int, str] | None:
     return None
 
 
+def _last_activity(run_dir: Path) -> float:
+    """Newest modification time of what machine 0's loop writes as it goes: the stages' logs and
+    ``.done`` markers (0.0 when there is none yet)."""
+    times = [p.stat().st_mtime for pat in ("iter_*/logs/*.log", "iter_*/*.done") for p in run_dir.glob(pat)]
+    return max(times, default=0.0)
+
+
 def _wait_for_previous_stage(run_dir: Path, i: int, stage: str, poll_s: float) -> None:
+    """Wait until machine 0 has finished the stage before ``stage`` (:func:`previous_stage`).
+
+    Gives up when machine 0 has written nothing in the run directory (no stage log grew, no stage
+    was marked done) for ``$ONLINE_RLHF_WAIT_TIMEOUT_S`` seconds (default 3600; 0 = wait for ever):
+    its loop has failed or was stopped, and this machine would poll for ever.
+
+    Raises:
+        TimeoutError: naming the stage waited for, the silence and how to go on.
+    """
     prev = previous_stage(run_dir, i, stage)
     if prev is None:
         return
+    timeout_s = float(os.environ.get("ONLINE_RLHF_WAIT_TIMEOUT_S", "3600"))
     t0, said = time.monotonic(), -1.0
     while not check(run_dir, *prev):
         waited = time.monotonic() - t0
+        silent = time.time() - max(_last_activity(run_dir), time.time() - waited)
+        if timeout_s > 0 and silent > timeout_s:
+            raise TimeoutError(
+                f"waited {waited:.0f} s for machine 0 to finish stage {prev[1]} of iteration {prev[0]}, and machine 0 "
+                f"has written nothing in {run_dir} (no stage log, no .done) for {silent:.0f} s: its run_loop.sh has "
+                "failed or was stopped (see its console and iter_*/logs/). Rerun it on machine 0, then this "
+                "machine's command again (ONLINE_RLHF_WAIT_TIMEOUT_S sets this limit; 0 waits for ever).")
         if said < 0 or waited - said >= 60:
             print(f"waiting for machine 0 to finish stage {prev[1]} of iteration {prev[0]} "
                   f"({waited:.0f} s so far)", flush=True)
@@ -898,19 +964,70 @@ def _marker(run_dir: Path, i: int, stage: str) -> Path:
 
 
 def check(run_dir: Path, i: int, stage: str) -> bool:
-    """True when the stage's ``.done`` exists, its hash matches, its outputs exist (a checkpoint
-    folder only counts with its weights: ``*.safetensors`` or ``pytorch_model*.bin``) and its stats
-    file reads back through the stage's stats class (a stage whose stats are missing or broken
-    runs again, rather than stopping ``metrics`` later)."""
+    """True when the stage is done and fresh (:func:`stale_reason` gives None)."""
+    return stale_reason(run_dir, i, stage) is None
+
+
+def _recorded_outputs(run_dir: Path, i: int, stage: str) -> list[str]:
+    """The files and folders whose size and hash ``<stage>.done`` records: the stage's outputs and
+    its stats file."""
+    outs = _stage_entry(run_dir, i, stage)["outputs"]
+    return [*outs, str(stats_path(outs[0]))] if outs else []
+
+
+def stale_reason(run_dir: Path, i: int, stage: str) -> str | None:
+    """Why the stage must run (one line), or None when it is done and fresh: its ``.done`` exists,
+    its hash matches (config and inputs unchanged), its outputs exist (a checkpoint folder only
+    counts with its weights: ``*.safetensors`` or ``pytorch_model*.bin``) and are the ones it wrote
+    (size and hash as recorded in ``.done``: an output cut or edited after the stage finished makes
+    it run again, instead of later stages using it silently), and its stats file reads back through
+    the stage's stats class (a stage whose stats are missing or broken runs again, rather than
+    stopping ``metrics`` later)."""
     e = _stage_entry(run_dir, i, stage)
-    if not (is_done(_marker(run_dir, i, stage), stage_hash(run_dir, i, stage))
-            and all(_output_present(Path(o)) for o in e["outputs"])):
-        return False
+    marker = _marker(run_dir, i, stage)
+    if not marker.is_file():
+        return "not run yet"
+    if not is_done(marker, stage_hash(run_dir, i, stage)):
+        return "its config or inputs changed since it finished"
+    missing = [o for o in e["outputs"] if not _output_present(Path(o))]
+    if missing:
+        return f"its output {missing[0]} is missing"
     try:
         STAGES[stage].stats.read(stats_path(e["outputs"][0]))
     except (FileNotFoundError, DataError):
-        return False
-    return True
+        return f"its stats file {stats_path(e['outputs'][0])} is missing or not valid"
+    try:
+        changed = changed_outputs(marker, _recorded_outputs(run_dir, i, stage), root=run_dir)
+    except (FileNotFoundError, DataError):
+        return f"its marker {marker} is not readable"
+    if changed:
+        return f"its output changed after the stage finished ({'; '.join(changed)})"
+    return None
+
+
+def output_hint(run_dir: Path, message: str) -> str | None:
+    """For a stage's error ``message`` that names a line of a file another stage of the run wrote
+    (``<file>:<line>``: its content is bad): which stage wrote it and how to regenerate it (the first
+    such file named). None when it names none.
+
+    A stage output that is not what its stage left (:func:`stale_reason`) is rewritten by rerunning
+    the same command, since that stage then runs again; otherwise removing the file does it.
+    """
+    for plan_path in sorted(run_dir.glob("iter_*/plan.json"), key=lambda p: int(p.parent.name.split("_")[1])):
+        i = int(plan_path.parent.name.split("_")[1])
+        try:
+            entries = read_json(plan_path)
+        except (FileNotFoundError, DataError):
+            continue
+        for stage, e in entries.items():
+            for o in e.get("outputs", []):
+                if o and re.search(re.escape(o) + r":\d+", message):  # names a line of it: its content is bad
+                    why = stale_reason(run_dir, i, stage)
+                    how = (f"rerun the same command: stage {stage} runs again first ({why}) and rewrites it"
+                           if why is not None else f"remove it (rm -r {shlex.quote(o)}) and rerun the same command: "
+                           f"stage {stage} runs again and rewrites it")
+                    return f"{o} is the output of stage {stage} of iteration {i}; do not edit it by hand: {how}."
+    return None
 
 
 def _output_present(path: Path) -> bool:
@@ -922,8 +1039,11 @@ def _output_present(path: Path) -> bool:
 
 
 def mark(run_dir: Path, i: int, stage: str, seconds: float) -> None:
-    """Write the stage's ``.done`` marker; a stage of the evaluation cache also stores its output there."""
-    mark_done(_marker(run_dir, i, stage), stage_hash(run_dir, i, stage), seconds=round(seconds, 2))
+    """Write the stage's ``.done``: its config-and-inputs hash, the size and hash of its outputs and
+    stats file as they are now (:func:`stale_reason` compares them on the next run), the seconds. A
+    stage of the evaluation cache (``online_rlhf.eval_cache``) also stores its output there."""
+    mark_done(_marker(run_dir, i, stage), stage_hash(run_dir, i, stage), outputs=_recorded_outputs(run_dir, i, stage),
+              root=run_dir, seconds=round(seconds, 2))
     e = _stage_entry(run_dir, i, stage)
     key = _eval_cache_key(run_dir, i, stage, e, yaml.safe_load(Path(e["config"]).read_text(encoding="utf-8")))
     if key:
@@ -1475,11 +1595,11 @@ def main(argv: list[str]) -> int:
         return 0
     cmd, args = argv[0], argv[1:]
     try:
-        if cmd in ("plan", "run-dir"):
+        if cmd in ("plan", "plan-check", "run-dir"):
             cfg_path = args[0] if args and "=" not in args[0] else None
             overrides = args[1:] if cfg_path else args
-            if cmd == "plan":
-                plan(cfg_path, overrides)
+            if cmd in ("plan", "plan-check"):  # plan-check: every check of the plan, nothing written
+                plan(cfg_path, overrides, write=cmd == "plan")
             else:  # where the run lives, nothing written (run_loop.sh locks it before any change)
                 cfg = resolve(cfg_path, overrides)
                 print((Path(cfg.output_root) / cfg.run_name).resolve())
@@ -1493,13 +1613,15 @@ def main(argv: list[str]) -> int:
             if line:
                 print(line)
                 return 1
-        elif cmd == "check":  # 0 done and fresh, 1 to run (prints the stage's env), 3 not in this iteration's plan
+        elif cmd == "check":  # 0 done and fresh, 1 to run (prints the stage's env, then why), 3 not in the plan
             entries = read_json(Path(args[0]) / f"iter_{int(args[1])}" / "plan.json")
             if args[2] not in entries:
                 return 3
-            if check(Path(args[0]), int(args[1]), args[2]):
+            why = stale_reason(Path(args[0]), int(args[1]), args[2])
+            if why is None:
                 return 0
             print(entries[args[2]]["env"])
+            print(why)
             return 1
         elif cmd == "exec":  # exec RUN_DIR ITER STAGE [machine_rank=R] [key=value ...]
             ranks = [a.split("=", 1)[1] for a in args[3:] if a.startswith("machine_rank=")]
@@ -1511,6 +1633,10 @@ def main(argv: list[str]) -> int:
                        machine_rank=rank)
         elif cmd == "dry-run":
             return dry_run(Path(args[0]))
+        elif cmd == "output-hint":  # output-hint RUN_DIR MESSAGE: which stage wrote a file the message names
+            line = output_hint(Path(args[0]), " ".join(args[1:]))
+            if line:
+                print(line)
         elif cmd == "mark":
             mark(Path(args[0]), int(args[1]), args[2], float(args[3]))
         elif cmd == "metrics":
@@ -1523,7 +1649,7 @@ def main(argv: list[str]) -> int:
         else:
             print(f"unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
             return 2
-    except (ConfigError, DataError, FileNotFoundError) as e:
+    except (ConfigError, DataError, FileNotFoundError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

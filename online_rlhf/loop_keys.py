@@ -95,7 +95,7 @@ def section_problems(cls: type[BaseModel], owned: dict[str, str], section: Any, 
         for err in e.errors():
             if err["loc"] and err["loc"][0] in section:  # field errors; model-level ones are the stage's
                 loc = ".".join(str(p) for p in err["loc"])
-                out.append(f"{path}.{loc}: {err['msg']} (got {err.get('input')!r:.80}).")
+                out.append(f"{path}.{loc}: {err['msg'].removeprefix('Value error, ')} (got {err.get('input')!r:.80}).")
     return out
 
 

@@ -33,7 +33,8 @@ import sys
 from collections import Counter
 from typing import Any, Optional, Sequence
 
-from .chat_tokens import chat_token_ids, count_special_texts, messages_have_special_text
+from .chat_tokens import (PROMPT_RENDERED_DIFFERENTLY, ChatTokenError, chat_token_ids, count_special_texts,
+                          messages_have_special_text, prompt_response_ids)
 from .config import ConfigError
 from .stats import ScoreResult
 
@@ -126,8 +127,12 @@ class RewardModel:
     def encode(self, prompt: list[dict], response: str) -> tuple[list[int], dict]:
         """Token ids of ``prompt + [assistant: response]`` rendered with the RM's chat template.
 
-        ``online_rlhf.chat_tokens.chat_token_ids``: only the template's own markers are special
-        ids; a special-token string inside the prompt or the response is tokenized as text.
+        ``online_rlhf.chat_tokens.prompt_response_ids``, the rule of every tokenizing stage: prompt
+        ids with the generation prompt, then the response's ids (its text on its own where the
+        tokenizer would merge it with the prompt's last token, e.g. Qwen2's ``"\\n"`` + ``"\\n"``), so
+        the RM scores the ids the policy produced; the whole conversation's ids when the template
+        writes the prompt differently once a response follows. Only the template's own markers are
+        special ids; a special-token string inside the prompt or the response is tokenized as text.
 
         Returns:
             (ids, info): ``ids`` has at most ``max_length`` ids with BOS exactly once (when the
@@ -139,17 +144,23 @@ class RewardModel:
                 contents beyond stripping whitespace.
             jinja2 / ValueError from the chat template on messages it refuses.
         """
-        messages = list(prompt) + [{"role": "assistant", "content": response}]
-        ids = chat_token_ids(self.tokenizer, messages)
+        response_msgs = [{"role": "assistant", "content": response}]
+        try:
+            prompt_ids, (response_ids,) = prompt_response_ids(self.tokenizer, list(prompt), response_msgs)
+            ids, n_prompt = prompt_ids + response_ids, len(prompt_ids)
+        except ChatTokenError as e:
+            if e.reason != PROMPT_RENDERED_DIFFERENTLY:
+                raise
+            # the RM needs no split: the whole conversation as its template writes it
+            ids, n_prompt = chat_token_ids(self.tokenizer, list(prompt) + response_msgs), None
         info = {"truncated": False, "response_truncated": False}
         if len(ids) <= self.max_length:
             return ids, info
         head = 1 if self.bos_id is not None and ids[:1] == [self.bos_id] else 0
         drop = len(ids) - self.max_length
         info["truncated"] = True
-        prompt_ids = chat_token_ids(self.tokenizer, list(prompt), add_generation_prompt=True)
-        if ids[:len(prompt_ids)] == prompt_ids:
-            info["response_truncated"] = head + drop > len(prompt_ids)
+        if n_prompt is not None:
+            info["response_truncated"] = head + drop > n_prompt
         return ids[:head] + ids[head + drop:], info
 
     def _ids(self, text: str) -> list[int]:

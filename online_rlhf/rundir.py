@@ -1,7 +1,9 @@
-"""Stage completion markers: ``<stage>.done`` holds a hash of the stage's config and inputs.
+"""Stage completion markers: ``<stage>.done`` holds a hash of the stage's config and inputs, and
+the size and hash of each of its outputs as the stage left them.
 
-A stage is skipped on rerun only when its marker exists and the hash matches (README.md, "Run
-directory"). The marker is written last and atomically, after the stage's outputs.
+A stage is skipped on rerun only when its marker exists, the hash matches and its outputs are
+unchanged (README.md, "Run directory"; an output cut, edited or replaced after the stage finished
+makes the stage run again). The marker is written last and atomically, after the stage's outputs.
 """
 
 from __future__ import annotations
@@ -56,6 +58,58 @@ def fingerprint(config: Any, inputs: Iterable[str | os.PathLike] = (), root: str
     return h.hexdigest()
 
 
+def _label(p: Path, root: str | os.PathLike | None) -> str:
+    if root is not None and p.is_absolute() and p.is_relative_to(root):
+        return "<root>/" + str(p.relative_to(root))
+    return str(p)
+
+
+def output_digests(outputs: Iterable[str | os.PathLike], root: str | os.PathLike | None = None) -> dict[str, dict]:
+    """``{output: {"bytes": size, "sha256": hash}}`` of each output file or folder as it is now.
+
+    The hash is :func:`fingerprint`'s of that one path (a folder: its files in sorted order; files
+    above 64 MiB by size and first/last MiB); ``bytes`` is the file's size or the folder's total
+    (``-1``: missing). Paths under ``root`` are named relative to it, as in :func:`fingerprint`.
+    """
+    out = {}
+    for o in outputs:
+        p = Path(o)
+        if p.is_dir():
+            size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
+        else:
+            size = p.stat().st_size if p.is_file() else -1
+        out[_label(p, root)] = {"bytes": size, "sha256": fingerprint({}, [p], root=root)}
+    return out
+
+
+def changed_outputs(marker: str | os.PathLike, outputs: Iterable[str | os.PathLike],
+                    root: str | os.PathLike | None = None) -> list[str]:
+    """One line per output of ``outputs`` whose size or hash differs from what ``marker`` recorded
+    when the stage finished (``"<path>: 1234 -> 617 bytes"``, ``"<path>: same size, other content"``,
+    ``"<path>: missing"``). Empty when all match, or when the marker records no outputs (written
+    before they were recorded: nothing to compare).
+
+    Raises:
+        FileNotFoundError, DataError: no marker, or one that is not JSON.
+    """
+    recorded = read_json(marker).get("outputs")
+    if not isinstance(recorded, dict):
+        return []
+    now = output_digests(outputs, root)
+    lines = []
+    for label, cur in now.items():
+        then = recorded.get(label)
+        if then is None or then == cur:
+            continue
+        if cur["bytes"] < 0:
+            lines.append(f"{label}: missing")
+        elif then.get("bytes") != cur["bytes"]:
+            lines.append(f"{label}: {then.get('bytes')} -> {cur['bytes']} bytes")
+        else:
+            lines.append(f"{label}: same size, other content")
+    return lines
+
+
 def is_done(marker: str | os.PathLike, digest: str) -> bool:
     """True when ``marker`` exists and records ``digest``."""
     try:
@@ -64,6 +118,10 @@ def is_done(marker: str | os.PathLike, digest: str) -> bool:
         return False
 
 
-def mark_done(marker: str | os.PathLike, digest: str, **info: Any) -> None:
-    """Atomically write ``marker`` with ``digest`` and any extra info (e.g. wall seconds)."""
-    write_json(marker, {"hash": digest, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **info})
+def mark_done(marker: str | os.PathLike, digest: str, outputs: Iterable[str | os.PathLike] = (),
+              root: str | os.PathLike | None = None, **info: Any) -> None:
+    """Atomically write ``marker`` with ``digest``, the size and hash of each of ``outputs`` as they
+    are now (:func:`output_digests`, checked back by :func:`changed_outputs`) and any extra info
+    (e.g. wall seconds)."""
+    write_json(marker, {"hash": digest, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                        "outputs": output_digests(outputs, root), **info})

@@ -408,7 +408,7 @@ class GRPOStats(StageStats):
 
     ``groups_in == groups_used + sum(groups_skipped.values())``; a group is one prompt's K responses.
     ``groups_skipped`` reasons: ``all_equal`` (every reward the same: no advantage, no signal),
-    ``fewer_than_2_scored``, ``prompt_too_long``, ``special_text_not_tokenizable``.
+    ``fewer_than_2_scored``, ``prompt_too_long`` and the token-id reasons of docs/skip-reasons.md.
     Per-step values (loss, kl, clip_fraction) are means over the step's completion tokens, as TRL logs them.
     """
 
@@ -481,6 +481,7 @@ class SFTStats(StageStats):
     eos_token: str
     eos_token_id: int
     pad_token_id: int
+    eot_tokens: Optional[list[str]] = None  # Axolotl's eot_tokens set by the stage (the template's turn terminator when it is not the eos)
 
 
 class SFTDataStats(StageStats):

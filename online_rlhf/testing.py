@@ -2,6 +2,8 @@
 
 ``make_tiny_tokenizer`` trains a byte-level BPE on a small built-in corpus, so any text
 (non-ASCII included) encodes; it has a ChatML chat template and ``<|im_end|>`` as eos/pad.
+``make_qwen2_style_tokenizer`` builds one like Qwen2's (newlines merge across the prompt/response
+boundary; eos ``<|endoftext|>`` is not the ChatML turn terminator ``<|im_end|>``).
 ``make_tiny_policy`` saves a 2-layer Llama causal LM with that tokenizer (vLLM and TRL load it);
 ``make_tiny_reward_model`` saves a 1-label ``LlamaForSequenceClassification``.
 ``chatml_reference_ids`` builds the token ids of a ChatML conversation piece by piece (marker ids
@@ -60,6 +62,41 @@ def make_tiny_tokenizer(bos_in_template: bool = False, vocab_size: int = 512, pa
     return hf
 
 
+# Qwen2's pre-tokenizer split (tokenizer.json of the Qwen2/2.5/3 checkpoints): a run of newlines
+# (with the spaces before it) is one piece, so "\n" + "\n" across the prompt/response boundary
+# becomes one piece, and one token once BPE has merged "\u010a\u010a".
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")
+
+
+def make_qwen2_style_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` built like Qwen2's, trained here (no hub).
+
+    Qwen2's split regex (:data:`QWEN2_SPLIT`) then byte-level without its own regex; specials
+    ``<|endoftext|>`` (eos = pad, as in the Qwen base checkpoints), ``<|im_start|>``, ``<|im_end|>``
+    (the ChatML turn terminator, not the eos); no BOS; the ChatML template. Its vocabulary has the
+    ``"\n\n"`` token, so a generation prompt ending ``"\n"`` followed by a response starting
+    ``"\n"`` tokenizes to one merged token.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([t + "\n\n" for t in _CORPUS] * 4, trainer=trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                 padding_side="left", model_max_length=4096)
+    hf.chat_template = CHATML_TEMPLATE.replace("bos_token_in_template", "false")
+    assert len(hf("x\n\ny", add_special_tokens=False)["input_ids"]) == 3, "no merged newline token"
+    return hf
+
+
 def chatml_reference_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = False,
                          bos: bool = False, system_default: str | None = None) -> list[int]:
     """Token ids of a ChatML conversation built piece by piece, independently of the stages' code.
@@ -106,16 +143,18 @@ def _llama_config(tokenizer, **kw):
     )
 
 
-def make_tiny_policy(out_dir: str | os.PathLike, seed: int = 0, bos_in_template: bool = False, **config_kw) -> Path:
+def make_tiny_policy(out_dir: str | os.PathLike, seed: int = 0, bos_in_template: bool = False, tokenizer=None,
+                     **config_kw) -> Path:
     """Save a random 2-layer Llama causal LM (+ tokenizer, chat template, generation_config) to ``out_dir``.
 
     Hidden size 128 with 4 heads: head_dim 32, the smallest vLLM's CPU attention supports (16 fails).
+    ``tokenizer`` replaces the tiny tokenizer (e.g. :func:`make_qwen2_style_tokenizer`).
     """
     import torch
     from transformers import GenerationConfig, LlamaForCausalLM
 
     out = Path(out_dir)
-    tok = make_tiny_tokenizer(bos_in_template=bos_in_template)
+    tok = tokenizer if tokenizer is not None else make_tiny_tokenizer(bos_in_template=bos_in_template)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(_llama_config(tok, **config_kw))
     model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=[tok.eos_token_id],
@@ -126,17 +165,20 @@ def make_tiny_policy(out_dir: str | os.PathLike, seed: int = 0, bos_in_template:
 
 
 def make_tiny_reward_model(out_dir: str | os.PathLike, seed: int = 0, padding_side: str = "right",
-                           pad_equals_eos: bool = True, bos_in_template: bool = False) -> Path:
+                           pad_equals_eos: bool = True, bos_in_template: bool = False, tokenizer=None) -> Path:
     """Save a random 1-label ``LlamaForSequenceClassification`` reward model to ``out_dir``.
 
-    ``pad_equals_eos=False`` gives the tokenizer a distinct ``<|unk|>`` pad token.
+    ``pad_equals_eos=False`` gives the tokenizer a distinct ``<|unk|>`` pad token; ``tokenizer``
+    replaces the tiny tokenizer (e.g. :func:`make_qwen2_style_tokenizer`; the other options then
+    do not apply to it).
     """
     import torch
     from transformers import LlamaForSequenceClassification
 
     out = Path(out_dir)
-    tok = make_tiny_tokenizer(bos_in_template=bos_in_template, padding_side=padding_side)
-    if not pad_equals_eos:
+    tok = tokenizer if tokenizer is not None else make_tiny_tokenizer(bos_in_template=bos_in_template,
+                                                                      padding_side=padding_side)
+    if not pad_equals_eos and tokenizer is None:
         tok.pad_token = "<|unk|>"
     torch.manual_seed(seed)
     cfg = _llama_config(tok, num_labels=1)

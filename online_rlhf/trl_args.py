@@ -220,6 +220,9 @@ def check_axolotl_keys(keys: dict, prefix: str = "", also_known: set[str] = froz
     """
     if keys.get("plugins"):
         return
+    import os
+
+    os.environ.setdefault("AXOLOTL_DO_NOT_TRACK", "1")  # importing Axolotl must not start its telemetry
     try:
         with contextlib.redirect_stderr(io.StringIO()):
             from axolotl.utils.schemas.config import AxolotlInputConfig

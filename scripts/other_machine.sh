@@ -8,7 +8,8 @@
 # `python -m online_rlhf.loop exec RUN_DIR ITER STAGE machine_rank=k`, which skips the stages that
 # run on machine 0 only and those already done, and waits for machine 0 to finish the stage before
 # each distributed one (DPO, a reward model, generation shards), so both machines meet there.
-# Rerun it after a failure, like run_loop.sh on machine 0.
+# Rerun it after a failure, like run_loop.sh on machine 0. It stops (exit 2) when machine 0 has
+# written nothing in the run directory for ONLINE_RLHF_WAIT_TIMEOUT_S seconds (default 3600; 0: never).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 [[ $# -eq 2 ]] || { echo "usage: bash scripts/other_machine.sh RUN_DIR MACHINE_RANK" >&2; exit 2; }

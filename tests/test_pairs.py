@@ -95,7 +95,7 @@ def test_stage_prints_the_low_diversity_warning(tmp_path):
     write_jsonl(src, [rec([0.5] * 3, responses=["x"] * 3, rid=f"p{i}") for i in range(3)])
     res = subprocess.run([sys.executable, str(ROOT / "annotate_data" / "make_pairs.py"), f"input={src}",
                           f"output={tmp_path / 'pairs.jsonl'}"], capture_output=True, text=True, cwd=ROOT)
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 2, res.stderr  # 0 pairs is a failure (issue 24), after the warnings and the stats
     assert "WARNING: make_pairs: 3 of 3 prompts have fewer than 2 distinct responses" in res.stderr
     stats = PairsStats.read(stats_path(tmp_path / "pairs.jsonl"))
     assert stats.skipped == {"identical_responses": 3} and stats.warnings
@@ -271,7 +271,10 @@ def test_no_pairs_from_a_non_empty_input_warns_with_the_reasons_and_the_fix(tmp_
     assert empty["warnings"] == []
     src = tmp_path / "rewards.jsonl"
     write_jsonl(src, cut)
-    make_pairs.main(PairsConfig(input=str(src), output=str(tmp_path / "pairs.jsonl")))
+    from online_rlhf.jsonl import DataError
+
+    with pytest.raises(DataError, match=r"0 pairs from 2 prompts .*Change: .*pairs\.truncated=penalize"):
+        make_pairs.main(PairsConfig(input=str(src), output=str(tmp_path / "pairs.jsonl")))  # issue 24: not exit 0
     assert "WARNING: make_pairs: 0 pairs from 2 prompts" in capsys.readouterr().err
 
 

@@ -233,7 +233,8 @@ def main(cfg: RewardConfig) -> RewardStats | None:
     go to stderr and the stats' ``warnings``.
 
     Raises:
-        DataError: a malformed input record, a bad reward value, or no record could be scored.
+        DataError: a malformed input record, a bad reward value, an input without records, or no
+            record could be scored.
     """
     setup_cache_env()
     check_process_count(cfg.num_processes, f"rewards (source={cfg.source})")
@@ -243,6 +244,10 @@ def main(cfg: RewardConfig) -> RewardStats | None:
         return dry_runs.rewards(cfg)
     t0 = time.time()
     records, blank_lines = read_generated(cfg.input)
+    if not records:  # an empty result is a failure (exit 2), not an empty rewards file the next stage trips over
+        raise DataError(f"{cfg.input}: no generated record to score ({blank_lines} blank lines); nothing was written. "
+                        f"See why the generation stage wrote none in {stats_path(cfg.input)} (skipped prompts), or "
+                        "give it prompts.")
     scorable = [r for r in records if r["responses"]]
     examples: dict[str, list[str]] = {}
     skipped: Counter = Counter()

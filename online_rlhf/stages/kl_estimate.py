@@ -19,7 +19,8 @@ negative; the mean is >= 0 only in expectation.
    (``online_rlhf.chat_tokens.prompt_response_ids``: the policy's chat template, contents as
    plain text), cut to what was sampled: through the end-of-turn token for a finished response
    (``finish_reason`` stop), before it for one cut at ``max_tokens`` (``length``); a response
-   whose ids cannot be built is left out and counted (``special_text_not_tokenizable``);
+   whose ids cannot be built is left out and counted under ``ChatTokenError.reason``
+   (docs/skip-reasons.md);
 3. sum the response tokens' log-probs under the policy, then under the reference (one model in
    memory at a time, on the GPU when there is one; TRL's ``selective_log_softmax``), in batches
    of ``batch_size``;
@@ -36,7 +37,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from online_rlhf.chat_tokens import ChatTokenError, prompt_response_ids
+from online_rlhf.chat_tokens import ChatTokenError, prompt_response_ids, turn_terminator
 from online_rlhf.config import run_main
 from online_rlhf.evaluation import kl_summary
 from online_rlhf.hardware import stage_threads
@@ -51,7 +52,8 @@ from online_rlhf.stats import KLStats, stats_path
 def response_token_ids(tokenizer: Any, prompt: list[dict], response: str, finish_reason: str
                        ) -> tuple[list[int], list[int]]:
     """``(prompt ids, response ids)`` of one sampled response, as the policy generated them: the
-    DPO stage's ids (``prompt_response_ids``) cut after the last EOS id for a finished response,
+    DPO stage's ids (``prompt_response_ids``) cut after the last end-of-turn id (the template's
+    terminator, ``chat_tokens.turn_terminator``; the eos when it has none) for a finished response,
     before it for one cut at max_tokens (the template's text after the end-of-turn token was not
     sampled).
 
@@ -59,9 +61,12 @@ def response_token_ids(tokenizer: Any, prompt: list[dict], response: str, finish
         ChatTokenError: the conversation cannot be tokenized with its contents as plain text.
     """
     prompt_ids, (ids,) = prompt_response_ids(tokenizer, prompt, [{"role": "assistant", "content": response}])
-    eos = tokenizer.eos_token_id
-    if eos is not None and eos in ids:
-        last = len(ids) - 1 - ids[::-1].index(eos)
+    end = tokenizer.eos_token_id
+    terminator = turn_terminator(tokenizer)  # ChatML's <|im_end|> where the eos is <|endoftext|> (Qwen base)
+    if terminator is not None:
+        end = tokenizer.convert_tokens_to_ids(terminator)
+    if end is not None and end in ids:
+        last = len(ids) - 1 - ids[::-1].index(end)
         ids = ids[:last + 1] if finish_reason == "stop" else ids[:last]
     return prompt_ids, ids
 
@@ -165,8 +170,8 @@ def main(cfg: KLConfig) -> KLStats:
                 seqs.append(response_token_ids(tokenizer, rec["prompt"], resp, finish))
                 where.append((n, j))
                 from_text.append(True)
-            except ChatTokenError:
-                skipped["special_text_not_tokenizable"] += 1
+            except ChatTokenError as e:
+                skipped[e.reason] += 1
     if not seqs:
         raise DataError(f"{cfg.input}: no sampled response to estimate the KL on (skipped: {dict(skipped)}).")
     lp_pol = _log_probs_under(policy, seqs, cfg, pad_id)

@@ -21,7 +21,7 @@ import time
 
 
 from online_rlhf.config import run_main
-from online_rlhf.jsonl import iter_jsonl, write_jsonl
+from online_rlhf.jsonl import DataError, iter_jsonl, write_jsonl
 from online_rlhf.pairs import build_pairs
 from online_rlhf.paths import setup_cache_env
 from online_rlhf.stage_configs import PairsConfig
@@ -34,7 +34,8 @@ def main(cfg: PairsConfig) -> PairsStats:
     Warnings (e.g. most prompts have fewer than 2 distinct responses) go to stderr and the stats.
 
     Raises:
-        DataError: a malformed record, a NaN/inf or non-number reward, or an id seen twice.
+        DataError: a malformed record, a NaN/inf or non-number reward, or an id seen twice; or no pair
+            at all (after writing the empty output and the stats: why, and which keys to change).
     """
     setup_cache_env()
     t0 = time.time()
@@ -54,6 +55,13 @@ def main(cfg: PairsConfig) -> PairsStats:
     print(f"make_pairs: {stats.records_in} prompts -> {stats.pairs_out} pairs (skipped: {skipped}) -> {cfg.output}")
     for w in stats.warnings:
         print(f"WARNING: {w}", file=sys.stderr)
+    if stats.pairs_out == 0:  # an empty result is a failure (exit 2), not a success DPO then trips over
+        causes, fixes = stats.no_pair_causes()
+        why = "; ".join(causes) if stats.records_in else "the rewards file has no records"
+        fix = "; ".join(fixes) if stats.records_in else "more train prompts (prompts_per_iteration, train_prompts)"
+        raise DataError(f"{cfg.input}: 0 pairs from {stats.records_in} prompts (written: {cfg.output} and its stats "
+                        f"{stats_path(cfg.output)}). Why: {why or 'see skipped_examples in the stats'}. Change: "
+                        f"{fix or 'see skipped_examples in the stats'}.")
     return stats
 
 

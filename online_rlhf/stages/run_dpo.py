@@ -112,12 +112,21 @@ def per_device_batch(cfg: DPOStageConfig, world_size: int) -> dict:
     return {} if per is None else {"per_device_train_batch_size": per}
 
 
-def build_dpo_args(cfg: DPOStageConfig, work_dir: Path, on_gpu: bool, overrides: dict | None = None):
+def build_dpo_args(cfg: DPOStageConfig, work_dir: Path, on_gpu: bool, overrides: dict | None = None,
+                   world_size: int | None = None):
     """``trl.DPOConfig`` from the stage defaults + ``cfg.training`` (+ ``overrides``, e.g. the dry
-    run's ``max_steps=1``); invalid values raise ConfigError."""
+    run's ``max_steps=1``); invalid values raise ConfigError. Nothing is written (``work_dir`` is
+    only named), so the loop's plan builds it too, before any stage runs.
+
+    Args:
+        world_size: the processes ``train_batch_size`` is split over (default: this run's
+            ``WORLD_SIZE``; the plan passes the planned ``num_processes``). The DDP settings follow
+            this run's ``WORLD_SIZE`` (in the plan: 1, no process group to set up).
+    """
     from trl import DPOConfig
 
-    kw = {**training_defaults(on_gpu, _world_size()), **per_device_batch(cfg, _world_size()),
+    world = _world_size() if world_size is None else world_size
+    kw = {**training_defaults(on_gpu, _world_size()), **per_device_batch(cfg, world),
           **check_dpo_training(cfg.training), **(overrides or {})}
     if not on_gpu and kw.get("bf16"):
         compute_dtype("cpu", "bfloat16")  # warns when the CPU has no native bf16
@@ -245,9 +254,13 @@ def tokenize_pairs(pairs: list[dict], tokenizer) -> tuple[list[dict], dict]:
 
     Returns:
         (pairs with ``prompt_ids``, ``chosen_ids``, ``rejected_ids`` added, info) with info =
-        ``{"dropped": {"special_text_not_tokenizable": n}, "examples": {reason: ["file:line (why)"]}}``:
-        a pair is dropped only when a content holds a special-token string and the template rewrites
-        contents beyond stripping whitespace, or renders the prompt differently once a response follows.
+        ``{"dropped": {reason: n}, "examples": {reason: ["file:line (why)"]}}``, reason
+        ``ChatTokenError.reason``: ``special_text_not_tokenizable`` (a content holds a special-token
+        string and the template rewrites contents beyond stripping whitespace),
+        ``template_renders_prompt_differently`` (the template writes the prompt differently once a
+        response follows) or ``response_not_tokenizable_alone``. A response whose first characters
+        merge with the prompt's last token (Qwen2's ``"\\n"`` + ``"\\n"``) is kept: its ids are its
+        text tokenized on its own (``prompt_response_ids``).
     """
     out, dropped, examples = [], Counter(), {}
     for p in pairs:
@@ -255,8 +268,8 @@ def tokenize_pairs(pairs: list[dict], tokenizer) -> tuple[list[dict], dict]:
             prompt_ids, (chosen_ids, rejected_ids) = prompt_response_ids(tokenizer, p["prompt"], p["chosen"],
                                                                          p["rejected"])
         except ChatTokenError as e:
-            dropped["special_text_not_tokenizable"] += 1
-            ex = examples.setdefault("special_text_not_tokenizable", [])
+            dropped[e.reason] += 1
+            ex = examples.setdefault(e.reason, [])
             if len(ex) < _MAX_EXAMPLES:
                 ex.append(f"{p['_where']} ({e})")
             continue

@@ -184,7 +184,7 @@ def build_completions(groups: list[dict], advantages, usable, tokenizer, max_len
                 prompt_ids, resp_ids = prompt_response_ids(
                     tokenizer, g["prompt"], *[[{"role": "assistant", "content": g["responses"][k]}] for k in scored])
             except ChatTokenError as e:
-                skip("special_text_not_tokenizable", g, str(e))
+                skip(e.reason, g, str(e))
                 continue
         if max_length is not None and len(prompt_ids) >= max_length:
             skip("prompt_too_long", g, f"{len(prompt_ids)} prompt tokens")
@@ -222,6 +222,12 @@ _SKIP_ADVICE = {
                        "or shorten the prompts",
     "special_text_not_tokenizable": "the texts hold chat-template markers that cannot be tokenized as text: save the "
                                     "sampled token ids (generation.save_token_ids, on by default for grpo)",
+    "template_renders_prompt_differently": "the policy's chat template writes the prompt differently once a response "
+                                           "follows: save the sampled token ids (generation.save_token_ids, on by "
+                                           "default for grpo) or use another chat template",
+    "response_not_tokenizable_alone": "the responses' first characters merge with the prompt's last token and do "
+                                      "not re-tokenize on their own: save the sampled token ids "
+                                      "(generation.save_token_ids, on by default for grpo)",
 }
 
 

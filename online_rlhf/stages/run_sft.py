@@ -18,7 +18,8 @@ Order of work (top to bottom in :func:`main`):
      with its file and line, before Axolotl or any model is loaded;
   3. the resolved Axolotl config (``datasets[0].path`` = the dataset, ``output_dir`` =
      ``<output_dir>.tmp``, eos = pad = the base model's eos unless ``special_tokens`` says
-     otherwise, our log plugin) is written to ``<output_dir>.axolotl.yaml``;
+     otherwise, ``eot_tokens`` = the chat template's turn terminator when it is not the eos
+     (:func:`turn_end_tokens`), our log plugin) is written to ``<output_dir>.axolotl.yaml``;
   4. ``python -m axolotl.cli.train <yaml>`` (or ``accelerate launch -m axolotl.cli.train``) runs
      with ``AXOLOTL_DO_NOT_TRACK=1``, by way of ``online_rlhf.stages.axolotl_train`` (the same
      after this package's logging filter, see ``online_rlhf/__init__.py``); its log is echoed;
@@ -54,15 +55,19 @@ from pathlib import Path
 
 import yaml
 
-from online_rlhf.chat_tokens import has_special_text
-from online_rlhf.config import ConfigError, run_main
-from online_rlhf.hardware import compute_dtype, describe, stage_threads
-from online_rlhf.jsonl import DataError, iter_jsonl, read_json
-from online_rlhf.paths import PROJECT_ROOT, resolve_model, setup_cache_env
-from online_rlhf.records import ROLES, check_messages
-from online_rlhf.stage_configs import SFTStageConfig
-from online_rlhf.stats import SFTStats, stats_path
-from online_rlhf.trl_args import check_axolotl_keys as _check_axolotl_keys
+# Axolotl's telemetry is on unless this is set; the stage sets it itself (not only run_loop.sh), so a
+# by-hand run never tries to reach the telemetry host, whichever module imports Axolotl first.
+os.environ.setdefault("AXOLOTL_DO_NOT_TRACK", "1")
+
+from online_rlhf.chat_tokens import has_special_text, turn_terminator  # noqa: E402
+from online_rlhf.config import ConfigError, run_main  # noqa: E402
+from online_rlhf.hardware import compute_dtype, describe, stage_threads  # noqa: E402
+from online_rlhf.jsonl import DataError, iter_jsonl, read_json  # noqa: E402
+from online_rlhf.paths import PROJECT_ROOT, resolve_model, setup_cache_env  # noqa: E402
+from online_rlhf.records import ROLES, check_messages  # noqa: E402
+from online_rlhf.stage_configs import SFTStageConfig  # noqa: E402
+from online_rlhf.stats import SFTStats, stats_path  # noqa: E402
+from online_rlhf.trl_args import check_axolotl_keys as _check_axolotl_keys  # noqa: E402
 
 PLUGIN = "online_rlhf.stages.axolotl_plugin.TrainLogPlugin"
 AXOLOTL_TRAIN = "online_rlhf.stages.axolotl_train"  # axolotl.cli.train, after online_rlhf's logging filter
@@ -180,8 +185,63 @@ def _abs_path(value: str) -> str:
     raise ConfigError(f"{value}: no such file (looked in {Path.cwd()} and {PROJECT_ROOT}).")
 
 
-def axolotl_config(cfg: SFTStageConfig, base: str, eos: str, tmp: Path, prepared: Path) -> dict:
-    """The Axolotl config to run: the file's Axolotl keys plus the keys the stage sets."""
+def _training_template(ax: dict, entry: dict, tokenizer) -> str | None:
+    """The chat template Axolotl will train with (its own choice from ``chat_template`` /
+    ``chat_template_jinja`` of the config or the dataset entry); None when it cannot be found."""
+    try:
+        from axolotl.utils.chat_templates import get_chat_template_from_config
+    except ImportError:
+        return tokenizer.chat_template if ax.get("chat_template", "tokenizer_default") == "tokenizer_default" else None
+    try:
+        return get_chat_template_from_config(ax, ds_cfg=entry, tokenizer=tokenizer)
+    except ValueError:
+        return None
+
+
+def turn_end_tokens(ax: dict, entry: dict, tokenizer, eos: str) -> list[str] | None:
+    """Axolotl's ``eot_tokens`` for this run: the chat template's turn terminator when it is not the
+    eos (after axolotl issue #3754).
+
+    Axolotl 0.19 trains the end of an assistant turn only for the tokens in ``eot_tokens``, which
+    default to the tokenizer's eos. Where the eos is not what the template ends a turn with (Qwen
+    base: eos ``<|endoftext|>``, ChatML ``<|im_end|>``; Llama-3 base and ``<|eot_id|>``; Gemma and
+    ``<end_of_turn>``) every terminator gets label -100 and the model never learns to end a turn.
+    The terminator is read from the template Axolotl trains with
+    (``online_rlhf.chat_tokens.turn_terminator``).
+
+    Returns:
+        ``[terminator]`` to set; None to leave Axolotl's default (the config sets ``eot_tokens``
+        itself, or the terminator is the eos).
+    Raises:
+        ConfigError: the template writes no special token after an assistant message and no eos
+            either (no turn end to train), naming the fix.
+    """
+    if ax.get("eot_tokens") is not None:
+        return None
+    template = _training_template(ax, entry, tokenizer)
+    if template is None:
+        return None
+    terminator = turn_terminator(tokenizer, chat_template=template)
+    if terminator is not None:
+        return None if terminator == eos else [terminator]
+    if eos in template or "eos_token" in template:
+        return None  # the template writes the eos somewhere: Axolotl's default trains it
+    raise ConfigError(f"the chat template SFT trains with writes no special token after an assistant message, and "
+                      f"not the eos {eos!r} either: the model would never learn to end a turn. Set eot_tokens: "
+                      "[<the template's turn-ending token>] in the SFT config, or use a chat template that ends each "
+                      "turn with a special token (chat_template / chat_template_jinja).")
+
+
+def axolotl_config(cfg: SFTStageConfig, base: str, eos: str, tmp: Path, prepared: Path, tokenizer=None) -> dict:
+    """The Axolotl config to run: the file's Axolotl keys plus the keys the stage sets.
+
+    With ``tokenizer`` (the base model's), ``eot_tokens`` is set to the chat template's turn
+    terminator when that is not the eos (:func:`turn_end_tokens`).
+
+    Raises:
+        ConfigError: a key the stage owns, a LoRA adapter, ``rl``, a dataset entry it cannot use,
+            or a template with no turn end (:func:`turn_end_tokens`).
+    """
     ax = dict(cfg.model_extra or {})
     for key, why in _STAGE_OWNED.items():
         if key in ax:
@@ -203,6 +263,10 @@ def axolotl_config(cfg: SFTStageConfig, base: str, eos: str, tmp: Path, prepared
     ax.setdefault("chat_template", "tokenizer_default")
     ax.setdefault("val_set_size", 0)
     ax.setdefault("save_strategy", "no")  # intermediate checkpoints would be deleted anyway
+    if tokenizer is not None:
+        eot = turn_end_tokens(ax, entry, tokenizer, special["eos_token"])
+        if eot is not None:
+            ax["eot_tokens"] = eot
     return {"base_model": base, **ax, "datasets": [entry], "special_tokens": special,
             "plugins": [*(ax.get("plugins") or []), PLUGIN],
             "output_dir": str(tmp), "dataset_prepared_path": str(prepared)}
@@ -274,13 +338,15 @@ def run_axolotl(cmd: list[str]) -> tuple[dict, deque]:
     return dropped, tail
 
 
-def finalize_checkpoint(ckpt: Path, base: str, eos: str) -> dict:
+def finalize_checkpoint(ckpt: Path, base: str, eos: str, eot_tokens: list[str] | None = None) -> dict:
     """Turn Axolotl's output_dir into a clean HF checkpoint, in place.
 
     Keeps weights, config, tokenizer files and chat template; removes the rest. Sets eos = pad =
     ``eos`` in tokenizer, config and generation_config; copies the base model's generation_config
-    (falls back to one built from the config); keeps the trained chat template, or copies the
-    base tokenizer's when Axolotl saved none; turns ``use_cache`` back on.
+    (falls back to one built from the config); ``eot_tokens`` (the turn terminator SFT trained) are
+    added to generation_config's eos ids, so that generation stops where a turn ends; keeps the
+    trained chat template, or copies the base tokenizer's when Axolotl saved none; turns
+    ``use_cache`` back on.
 
     Returns a summary: removed entries, where the chat template came from, eos/pad ids.
     Raises:
@@ -322,7 +388,8 @@ def finalize_checkpoint(ckpt: Path, base: str, eos: str) -> dict:
         gen = GenerationConfig.from_model_config(config)
         gen_from = "model config"
     ids = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
-    gen.eos_token_id = [eos_id, *[i for i in ids if i is not None and i != eos_id]]
+    ids += [tok.convert_tokens_to_ids(t) for t in eot_tokens or ()]
+    gen.eos_token_id = [eos_id, *dict.fromkeys(i for i in ids if i is not None and i != eos_id)]
     gen.pad_token_id = eos_id
     gen.save_pretrained(ckpt)
     return {"removed_from_checkpoint": removed, "chat_template_from": template_from,
@@ -389,7 +456,10 @@ def main(cfg: SFTStageConfig) -> SFTStats:
               file=sys.stderr, flush=True)
 
     # 3. the resolved Axolotl config.
-    ax = axolotl_config(cfg, base, eos, tmp, prepared)
+    ax = axolotl_config(cfg, base, eos, tmp, prepared, tokenizer=base_tok)
+    if ax.get("eot_tokens") and not extra.get("eot_tokens"):
+        print(f"[sft] the chat template ends a turn with {ax['eot_tokens'][0]!r}, not the eos {eos!r}: eot_tokens = "
+              f"{ax['eot_tokens']} (Axolotl then trains the turn terminator; it also stops generation)", flush=True)
     if cfg.dry_run:  # memory check with transformers at Axolotl's shapes; nothing written but the result
         from online_rlhf.stages import dry_runs
 
@@ -409,7 +479,7 @@ def main(cfg: SFTStageConfig) -> SFTStats:
     (tmp / TRAIN_LOG).unlink()
 
     # 5. clean checkpoint, then rename.
-    summary = finalize_checkpoint(tmp, base, eos)
+    summary = finalize_checkpoint(tmp, base, eos, ax.get("eot_tokens"))
     _replace_dir(tmp, out)
     shutil.rmtree(prepared, ignore_errors=True)
 
@@ -423,6 +493,7 @@ def main(cfg: SFTStageConfig) -> SFTStats:
                      axolotl_config=str(yaml_path), rows_in=rows_in, rows_used=rows_used, dropped=dropped,
                      **loss_summary(train_log), wall_seconds=round(time.monotonic() - t0, 1),
                      launcher=cfg.launcher, sequence_len=ax.get("sequence_len"), special_token_text=special,
+                     eot_tokens=ax.get("eot_tokens"),
                      hardware=describe("cuda" if _on_gpu() else "cpu", _precision(ax),
                                        threads=None if _on_gpu() else stage_threads()),
                      **summary)
