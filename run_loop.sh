@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Online iterative RLHF, one line per stage (README.md):
+# Online iterative RLHF (README.md); the stages come from the stage table (online_rlhf/stage_table.py):
 #   [sft once] -> for i in 1..N: generate (vLLM) -> rewards -> pairs -> DPO -> held-out eval
 #   (+ KL from the starting policy; IFEval at iteration 0 and the last, ifeval.when)
 # The model of iteration i is the policy of iteration i+1.
 #
 # Usage: bash run_loop.sh [CONFIG] [key=value ...] [--fresh]
-#   CONFIG defaults to configs/loop.yaml (the embedded default: SmolLM2-135M + IFBench verifier).
+#   CONFIG defaults to configs/loop.yaml (the embedded default: SmolLM2-135M on IF prompts, verifier reward).
 #   Rerunning the same command resumes at the first stage whose .done marker is missing or stale.
 #   --fresh (or fresh=true) empties the run directory first (only one this loop made).
 #   dry_run=true plans, then runs SFT (if enabled) and iteration 1's generate / rewards (reward
@@ -172,26 +172,17 @@ run_stage() {
     while IFS= read -r line; do say "  $stage: $line"; done || true
 }
 
-run_stage 0 sft
-run_stage 0 eval_generate
-run_stage 0 eval_rewards
-run_stage 0 ifeval_generate                          # IFEval: ifeval.when (ends: iteration 0 and the last)
-run_stage 0 ifeval_score
-"$TRAIN" -m online_rlhf.loop metrics "$RUN_DIR" 0 | while read -r line; do say "$line"; done
-for ((i = 1; i <= ITERATIONS; i++)); do
-  run_stage "$i" generate
-  run_stage "$i" rewards
-  run_stage "$i" pairs
-  rc=0; why="$("$TRAIN" -m online_rlhf.loop pairs-check "$RUN_DIR" "$i")" || rc=$?   # 0 pairs: stop before DPO
-  case "$rc" in 0) ;; 1) say "STOPPED: $why"; exit 1 ;; *) exit "$rc" ;; esac
-  run_stage "$i" dpo
-  run_stage "$i" grpo
-  run_stage "$i" eval_generate
-  run_stage "$i" eval_rewards
-  run_stage "$i" kl_generate                         # KL(policy || start): sampled held-out answers (kl_samples)
-  run_stage "$i" kl
-  run_stage "$i" ifeval_generate
-  run_stage "$i" ifeval_score
+# Each iteration's planned stages in the stage table's order (online_rlhf/stage_table.py; iteration 0:
+# SFT when enabled, then the starting policy's evaluations), each followed by its row's `after` check
+# (pairs: stop before DPO when it made 0 pairs), then the iteration's metrics line.
+for ((i = 0; i <= ITERATIONS; i++)); do
+  STAGE_LIST="$("$TRAIN" -m online_rlhf.loop stages "$RUN_DIR" "$i")"
+  while read -r stage hook <&3; do   # fd 3: a stage reading stdin cannot eat the list
+    run_stage "$i" "$stage"
+    [[ "$hook" == after ]] || continue
+    rc=0; why="$("$TRAIN" -m online_rlhf.loop after "$RUN_DIR" "$i" "$stage")" || rc=$?
+    case "$rc" in 0) ;; 1) say "STOPPED: $why"; exit 1 ;; *) exit "$rc" ;; esac
+  done 3<<< "$STAGE_LIST"
   "$TRAIN" -m online_rlhf.loop metrics "$RUN_DIR" "$i" | while read -r line; do say "$line"; done
 done
 REPORT="$("$TRAIN" -m online_rlhf.loop report "$RUN_DIR")"

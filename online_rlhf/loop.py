@@ -4,6 +4,9 @@
     python -m online_rlhf.loop plan-check CONFIG [key=value ...]  # the plan's checks only, nothing written
     python -m online_rlhf.loop check RUN_DIR ITER STAGE       # exit 0 if STAGE is done and fresh, 1 to run (prints env, why), 3 not planned
     python -m online_rlhf.loop fresh-check RUN_DIR            # exit 0 if run_loop.sh --fresh may empty RUN_DIR, else 2 (says why)
+    python -m online_rlhf.loop stages RUN_DIR ITER            # ITER's planned stages, one per line, in the stage table's order
+                                                              # ("<name> after": its row has an `after` check)
+    python -m online_rlhf.loop after RUN_DIR ITER STAGE       # exit 1 (with why) when STAGE's row says the loop stops after it
     python -m online_rlhf.loop pairs-check RUN_DIR ITER       # exit 1 (with why and what to change) if ITER's pairs stage made 0 pairs
     python -m online_rlhf.loop exec RUN_DIR ITER STAGE [machine_rank=R] [key=value ...]  # run STAGE as its config file says
                                                               # (R > 0: this machine's part of a multi-machine stage;
@@ -29,6 +32,7 @@ the stage finished (cut, edited) reruns the stage that wrote it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -47,7 +51,8 @@ from .jsonl import DataError, json_text, read_json, read_jsonl, write_json, writ
 from .paths import PROJECT_ROOT, default_model_dir, local_folder_prefix, resolve_model, setup_cache_env
 from .rundir import changed_outputs, fingerprint, is_done, mark_done
 from .stage_configs import DPOStageConfig, GenerateConfig, LoopConfig, SFTStageConfig
-from .stage_table import (STAGES, Stage, iteration_config, launch_command, prompt_source, stage_file, stage_machines,
+from .stage_table import (STAGES, Stage, iteration_config, launch_command, no_pairs_stop, prompt_source, stage_file,
+                          stage_machines,
                           starting_policy)
 from .stats import DPOStats, DryRunStats, GRPOStats, PairsStats, RewardStats, StageStats, stats_path
 from .loop_keys import check_loop_keys
@@ -271,9 +276,10 @@ def _check_dpo_config(d: dict, i: int, prov: list[tuple[str, Any, str]]) -> None
                           + " Change them so that trl.DPOConfig accepts them (nothing has run yet).") from None
 
 
-def plan(config_path: str | None, overrides: list[str], write: bool = True) -> Path:
+def plan(config_path: str | None, overrides: list[str], write: bool = True, shell_out=None) -> Path:
     """Resolve the config, write the run dir's config.yaml, stage configs, plan.json and prompt
-    slices; print shell assignments (RUN_DIR, ITERATIONS, ...) for run_loop.sh to ``eval``.
+    slices; print shell assignments (RUN_DIR, ITERATIONS, ...) for run_loop.sh to ``eval``, to
+    ``shell_out`` (default: stdout).
 
     Every file's content is built and every input (prompt sets, models, verifier fields) checked
     first; the files are written only once the whole plan has passed (:class:`_PlanFiles`), so a
@@ -358,8 +364,34 @@ def plan(config_path: str | None, overrides: list[str], write: bool = True) -> P
     _write_run_config(run_dir, body, f"{RUN_CONFIG_HEADER} {config_path or 'defaults'} "
                       f"{' '.join(o for o in overrides if o.split('=', 1)[0] != 'dry_run')}\n")
     for k, v in shell.items():
-        print(f"{k}={shlex.quote(str(v))}")
+        print(f"{k}={shlex.quote(str(v))}", file=shell_out or sys.stdout, flush=True)
     return run_dir
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """File descriptor 1 goes to stderr inside (libraries the plan's checks import print lines such
+    as "[INFO] Running in WANDB offline mode" on stdout, which run_loop.sh would ``eval``); yields a
+    file object on the real stdout."""
+    try:
+        real_fd = sys.stdout.fileno() == 1
+    except (AttributeError, OSError, ValueError):  # a stream without a descriptor (a test's capture)
+        real_fd = False
+    if not real_fd:
+        yield sys.stdout
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    real = os.fdopen(os.dup(saved), "w")
+    try:
+        yield real
+    finally:
+        sys.stdout.flush()
+        real.flush()
+        real.close()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 # The layout an interrupted or refused plan of earlier versions could leave behind (no config.yaml):
@@ -781,32 +813,6 @@ def _stage_entry(run_dir: Path, i: int, stage: str) -> dict:
     if stage not in entries:
         raise ConfigError(f"{plan_path}: no stage {stage!r}; stages: {', '.join(entries)}.")
     return entries[stage]
-
-
-def no_pairs_stop(run_dir: Path, i: int) -> str | None:
-    """The line that stops the loop after iteration ``i``'s pairs stage when it made 0 pairs (DPO
-    would have nothing to train on and fail), from the pairs stats (:class:`PairsStats`): the
-    iteration, the pairs file, why its prompts gave no pair and what to change
-    (:meth:`PairsStats.no_pair_causes`). None when the iteration has no pairs stage (GRPO: its
-    stage keeps the policy when no group has a reward spread) or the file has pairs.
-
-    Raises:
-        FileNotFoundError, DataError: the iteration's plan.json or the pairs stats are missing or
-            not valid (the messages name the file).
-    """
-    entries = read_json(run_dir / f"iter_{i}" / "plan.json")
-    if "pairs" not in entries or "dpo" not in entries:
-        return None
-    pairs_file = entries["pairs"]["outputs"][0]
-    st = PairsStats.read(stats_path(pairs_file))
-    if st.pairs_out > 0:
-        return None
-    causes, fixes = st.no_pair_causes()
-    why = "; ".join(causes) if st.records_in else "the rewards file had no records"
-    fix = "; ".join(fixes) if st.records_in else "more train prompts (prompts_per_iteration, train_prompts)"
-    return (f"iteration {i}: 0 pairs in {pairs_file} from {st.records_in} prompts, so DPO has nothing to train on; "
-            f"stopped before DPO. Why: {why or 'see skipped_examples in ' + str(stats_path(pairs_file))}. "
-            f"Change: {fix or 'see skipped_examples in the pairs stats'}; then rerun the same command.")
 
 
 def stage_hash(run_dir: Path, i: int, stage: str) -> str:
@@ -1599,7 +1605,8 @@ def main(argv: list[str]) -> int:
             cfg_path = args[0] if args and "=" not in args[0] else None
             overrides = args[1:] if cfg_path else args
             if cmd in ("plan", "plan-check"):  # plan-check: every check of the plan, nothing written
-                plan(cfg_path, overrides, write=cmd == "plan")
+                with _stdout_to_stderr() as real_stdout:
+                    plan(cfg_path, overrides, write=cmd == "plan", shell_out=real_stdout)
             else:  # where the run lives, nothing written (run_loop.sh locks it before any change)
                 cfg = resolve(cfg_path, overrides)
                 print((Path(cfg.output_root) / cfg.run_name).resolve())
@@ -1610,6 +1617,15 @@ def main(argv: list[str]) -> int:
                 return 2
         elif cmd == "pairs-check":  # 0: go on; 1: the iteration made 0 pairs (prints why and what to change)
             line = no_pairs_stop(Path(args[0]), int(args[1]))
+            if line:
+                print(line)
+                return 1
+        elif cmd == "stages":  # the iteration's stages in the stage table's order, "<name> after" for a row with a hook
+            for name in read_json(Path(args[0]) / f"iter_{int(args[1])}" / "plan.json"):
+                print(name + (" after" if STAGES[name].after is not None else ""))
+        elif cmd == "after":  # 0: go on; 1: the stage's row says stop (prints why), e.g. pairs made 0 pairs
+            hook = STAGES[args[2]].after
+            line = hook(Path(args[0]), int(args[1])) if hook is not None else None
             if line:
                 print(line)
                 return 1

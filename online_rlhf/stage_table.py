@@ -4,11 +4,13 @@ outputs, and which stats class its stats file follows. Importable without torch 
 
 ``online_rlhf.loop plan`` walks this table to write each stage's YAML (everything the stage needs,
 launch settings included) and ``plan.json``; ``online_rlhf.loop exec`` starts a stage from its YAML
-with :func:`launch_command`; ``run_loop.sh`` has one ``run_stage`` line per stage.
+with :func:`launch_command`; ``run_loop.sh`` and ``scripts/other_machine.sh`` run each iteration's
+planned stages in this table's order (``loop stages RUN_DIR I``), and ``loop after`` runs a row's
+``after`` hook.
 
-Adding a stage: its config class (``online_rlhf.stage_configs``), its module
-(``online_rlhf/stages/``) with a thin entry script, one :class:`Stage` row here with the function
-that wires its config from the loop config, and one ``run_stage`` line in ``run_loop.sh``.
+Adding a stage: its config class (``online_rlhf.stage_configs``), its stats class
+(``online_rlhf.stats``), its module (``online_rlhf/stages/``) with a thin entry script, and one
+:class:`Stage` row here with the function that wires its config from the loop config.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from .config import ConfigError, deep_merge, load_yaml
 from .paths import PROJECT_ROOT, default_data_dir, default_model_dir
 from .stage_configs import (DPOStageConfig, GenerateConfig, GRPOStageConfig, IFEvalScoreConfig, KLConfig, LoopConfig,
                             PairsConfig, RewardConfig, SFTStageConfig, StageConfig)
+from .jsonl import read_json
 from .stats import (DPOStats, GenerateStats, GRPOStats, IFEvalStats, KLStats, PairsStats, RewardStats, SFTStats,
-                    StageStats)
+                    StageStats, stats_path)
 
 
 def check_process_count(planned: Optional[int], where: str) -> None:
@@ -251,6 +254,32 @@ def _grpo(c: LoopConfig, run_dir: Path, i: int) -> dict:
             "launch_profile": c.launch_profile, **_machines(c)}
 
 
+def no_pairs_stop(run_dir: Path, i: int) -> str | None:
+    """The line that stops the loop after iteration ``i``'s pairs stage when it made 0 pairs (DPO
+    would have nothing to train on and fail), from the pairs stats (:class:`PairsStats`): the
+    iteration, the pairs file, why its prompts gave no pair and what to change
+    (:meth:`PairsStats.no_pair_causes`). None when the iteration has no pairs stage (GRPO: its
+    stage keeps the policy when no group has a reward spread) or the file has pairs.
+
+    Raises:
+        FileNotFoundError, DataError: the iteration's plan.json or the pairs stats are missing or
+            not valid (the messages name the file).
+    """
+    entries = read_json(run_dir / f"iter_{i}" / "plan.json")
+    if "pairs" not in entries or "dpo" not in entries:
+        return None
+    pairs_file = entries["pairs"]["outputs"][0]
+    st = PairsStats.read(stats_path(pairs_file))
+    if st.pairs_out > 0:
+        return None
+    causes, fixes = st.no_pair_causes()
+    why = "; ".join(causes) if st.records_in else "the rewards file had no records"
+    fix = "; ".join(fixes) if st.records_in else "more train prompts (prompts_per_iteration, train_prompts)"
+    return (f"iteration {i}: 0 pairs in {pairs_file} from {st.records_in} prompts, so DPO has nothing to train on; "
+            f"stopped before DPO. Why: {why or 'see skipped_examples in ' + str(stats_path(pairs_file))}. "
+            f"Change: {fix or 'see skipped_examples in the pairs stats'}; then rerun the same command.")
+
+
 def _dpo_run(c: LoopConfig) -> bool:
     return c.algorithm == "dpo"
 
@@ -278,6 +307,8 @@ class Stage:
         enabled: whether the loop runs the stage at all.
         runs: ``(loop config, i) -> bool`` when the iterations the stage runs in depend on the config
             (IFEval: ``ifeval.when``); ``when`` is then not used.
+        after: ``(run dir, i) -> line or None``, run on machine 0 after the stage (``loop after``): a
+            line stops the loop with that reason (pairs: 0 pairs, :func:`no_pairs_stop`).
         cache_iteration_0: its iteration-0 output depends only on the starting policy, the prompts
             and its settings, so ``loop exec`` reuses it from an earlier run (``online_rlhf.eval_cache``).
     """
@@ -296,6 +327,7 @@ class Stage:
     stage_file_key: Optional[str] = None
     enabled: Callable[[LoopConfig], bool] = field(default=lambda c: True)
     runs: Optional[Callable[[LoopConfig, int], bool]] = None
+    after: Optional[Callable[[Path, int], Optional[str]]] = None
     cache_iteration_0: bool = False
 
     def runs_in(self, cfg: LoopConfig, i: int) -> bool:
@@ -320,7 +352,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("rewards", "train", "annotate_data/get_rewards.py", "accelerate", RewardConfig, ("input", "reward_model"),
           ("output",), RewardStats, "train", _rewards, ("reward",)),
     Stage("pairs", "train", "annotate_data/make_pairs.py", "python", PairsConfig, ("input",), ("output",),
-          PairsStats, "train", _pairs, ("pairs",), enabled=_dpo_run),
+          PairsStats, "train", _pairs, ("pairs",), enabled=_dpo_run, after=no_pairs_stop),
     Stage("dpo", "train", "dpo_iteration/run_dpo.py", "accelerate", DPOStageConfig, ("policy", "pairs", "reference"),
           ("output_dir",), DPOStats, "train", _dpo, ("dpo",), "dpo_config", enabled=_dpo_run),
     Stage("grpo", "train", "grpo_iteration/run_grpo.py", "accelerate", GRPOStageConfig,

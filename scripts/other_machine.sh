@@ -4,7 +4,7 @@
 #   bash scripts/other_machine.sh RUN_DIR MACHINE_RANK
 #
 # Start it on machine k (1 .. num_machines-1) once machine 0's `bash run_loop.sh ...` has printed its
-# run directory. It goes through the stages in run_loop.sh's order with
+# run directory. It goes through each iteration's planned stages in the stage table's order (as run_loop.sh) with
 # `python -m online_rlhf.loop exec RUN_DIR ITER STAGE machine_rank=k`, which skips the stages that
 # run on machine 0 only and those already done, and waits for machine 0 to finish the stage before
 # each distributed one (DPO, a reward model, generation shards), so both machines meet there.
@@ -19,14 +19,7 @@ TRAIN="$ROOT/.venv-train/bin/python"
 ITERATIONS="$("$TRAIN" -c 'import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))["iterations"])' "$RUN_DIR/config.yaml")"
 stage() { echo "[machine $RANK] iteration $1 · $2"; "$TRAIN" -m online_rlhf.loop exec "$RUN_DIR" "$1" "$2" machine_rank="$RANK"; }
 
-stage 0 eval_generate
-stage 0 eval_rewards
-for ((i = 1; i <= ITERATIONS; i++)); do
-  stage "$i" generate
-  stage "$i" rewards
-  stage "$i" pairs
-  stage "$i" dpo
-  stage "$i" eval_generate
-  stage "$i" eval_rewards
+for ((i = 0; i <= ITERATIONS; i++)); do   # each iteration's planned stages, in the stage table's order
+  while read -r s _ <&3; do stage "$i" "$s"; done 3<<< "$("$TRAIN" -m online_rlhf.loop stages "$RUN_DIR" "$i")"
 done
 echo "[machine $RANK] all stages done"

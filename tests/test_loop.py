@@ -813,3 +813,17 @@ def test_the_loop_stops_after_a_pairs_stage_that_made_no_pair_saying_why_and_wha
 def test_grpo_iterations_have_no_pairs_stop(small_cfg):
     run = loop.plan(None, small_cfg + ["algorithm=grpo"])
     assert loop.no_pairs_stop(run, 1) is None
+
+
+def test_plan_stdout_holds_only_the_shell_assignments_run_loop_evals(small_cfg):
+    """Libraries the plan's checks import (TRL, with WANDB_MODE=offline) print on stdout; run_loop.sh
+    `eval`s that stdout, so anything else there would be run as a command."""
+    import os
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "online_rlhf.loop", "plan", *small_cfg], capture_output=True, text=True,
+                       cwd=ROOT, env={**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = p.stdout.splitlines()
+    assert [ln.split("=", 1)[0] for ln in lines] == ["RUN_DIR", "ITERATIONS", "LAUNCH_PROFILE", "DRY_RUN"], p.stdout

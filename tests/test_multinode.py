@@ -11,6 +11,7 @@ only the address differs. They are ``slow`` (each launch starts torch, transform
 from __future__ import annotations
 
 import json
+import re
 import os
 import shlex
 import subprocess
@@ -350,14 +351,22 @@ def test_slurm_batch_script_runs_the_loop_on_the_first_node(tmp_path, gpus):
     assert sum(a.startswith("num_processes=") for a in args) == 1
 
 
-def test_other_machine_script_skips_done_and_machine_0_stages(tmp_path):
-    # every stage of a planned two-machine run done (outputs made up, markers written): machine 1's
-    # script goes through all of them in run_loop.sh's order and starts nothing
+def test_other_machine_script_takes_part_in_every_planned_stage(tmp_path, capsys):
+    # every stage of a planned two-machine run done (outputs made up, markers written), with KL and
+    # IFEval on: machine 1's script goes through every stage the plan holds, in the stage table's
+    # order (GRPO, kl_generate and ifeval_generate included: a hand-written list had missed them),
+    # and starts nothing
     from online_rlhf import loop
 
-    run = _plan(tmp_path, *TWO, "num_processes=4")
+    algorithm = "dpo"
+    grpo = _plan(tmp_path / "g", *TWO, "num_processes=4", "algorithm=grpo")  # `loop stages` lists GRPO's update too
+    capsys.readouterr()
+    assert loop.main(["stages", str(grpo), "1"]) == 0 and "grpo" in capsys.readouterr().out.split()
+    run = _plan(tmp_path, *TWO, "num_processes=4", f"algorithm={algorithm}", "kl_samples=1", "ifeval.when=every")
+    planned = []
     for i in (0, 1):
         for name, e in json.loads((run / f"iter_{i}" / "plan.json").read_text()).items():
+            planned.append(f"iteration {i} · {name}")
             for out in map(Path, e["outputs"]):
                 if out.suffix:
                     out.write_text("{}\n")
@@ -367,12 +376,26 @@ def test_other_machine_script_skips_done_and_machine_0_stages(tmp_path):
                     (out / "model.safetensors").write_text("")
                 example_stats(STAGES[name].stats).write(stats_path(out))  # a finished stage has its stats
             loop.mark(run, i, name, 1.0)
+    assert {algorithm, "kl_generate", "ifeval_generate"} <= {p.split(" · ")[1] for p in planned}
     r = subprocess.run(["bash", str(ROOT / "scripts" / "other_machine.sh"), str(run), "1"], capture_output=True,
                        text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert r.stdout.count("is done and fresh; nothing to run on machine 1") == 2 + 5  # eval x2, then 5 in iteration 1
-    assert "stage pairs of iteration 1 runs on machine 0 only" in r.stdout and "all stages done" in r.stdout
-    assert "+ " not in r.stdout  # no command started
+    visited = [ln.split("] ", 1)[1] for ln in r.stdout.splitlines() if ln.startswith("[machine 1] iteration")]
+    assert visited == planned
+    assert "+ " not in r.stdout and "all stages done" in r.stdout  # no command started
+    # the distributed ones were checked as done, the others are machine 0's
+    assert f"stage {algorithm} of iteration 1 is done and fresh; nothing to run on machine 1" in r.stdout
+    assert "stage ifeval_generate of iteration 1 is done and fresh" in r.stdout
+    assert "stage ifeval_score of iteration 1 runs on machine 0 only" in r.stdout
+
+
+def test_no_script_keeps_its_own_list_of_stages():
+    """The stage table is the only list: run_loop.sh and other_machine.sh name no stage of it."""
+    for script in ("run_loop.sh", "scripts/other_machine.sh"):
+        text = (ROOT / script).read_text()
+        assert "online_rlhf.loop stages" in text, script
+        for name in STAGES:  # no `run_stage 0 eval_generate` / `stage "$i" dpo` line of its own
+            assert not re.search(rf"^\s*(run_stage|stage)\s+\S+\s+{name}\s*$", text, re.M), (script, name)
 
 
 def test_threads_are_split_between_the_ranks_of_this_machine():
