@@ -130,11 +130,33 @@ def _cached_worker():
     return _CACHE["cls"]
 
 
+def _end_when_orphaned(poll_s: float = 1.0) -> None:
+    """A daemon thread: once the parent (the front) is gone, SIGKILL this process group (the
+    manager, Mosec's Rust server, the workers), so a killed front leaves no engine behind."""
+    import signal
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.killpg(os.getpid(), signal.SIGKILL)
+
+    if os.getpgid(0) != os.getpid():  # not a group leader (started by hand): nothing of ours to end as a group
+        return
+
+    threading.Thread(target=watch, daemon=True, name="end-when-orphaned").start()
+
+
 def main() -> None:
     """Entry of the engine subprocess: ``python -c 'from online_rlhf.reward_engine import main; main()'
-    --address 127.0.0.1 --port P --timeout MS --capacity N`` with :data:`ENV_SPEC` set."""
+    --address 127.0.0.1 --port P --timeout MS --capacity N`` with :data:`ENV_SPEC` set, started
+    in its own process group by the front."""
     from mosec import Server
 
+    _end_when_orphaned()
     spec = json.loads(os.environ[ENV_SPEC])
     n = spec["workers"]
     if spec["devices"]:

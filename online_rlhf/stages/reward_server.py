@@ -104,15 +104,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:  # preexec_fn: the engine gets SIGTERM when the front dies (Linux)
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
 def worker_layout(workers: Union[int, str]) -> tuple[int, int, list[str]]:
     """(workers, torch threads per worker, CUDA_VISIBLE_DEVICES per worker or ``[]`` on CPU).
 
@@ -183,8 +174,9 @@ class MosecEngine:
         cmd = [sys.executable, "-c", "from online_rlhf.reward_engine import main; main()", "--address", "127.0.0.1",
                "--port", str(self.port), "--timeout", str(int(self.timeout_s * 1000)),
                "--capacity", str(self.capacity), "--log-level", "warning"]
-        # own session: a Ctrl-C in the terminal reaches the front only, which drains, then stops the engine
-        self.proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent, start_new_session=True)
+        # Own session (process group): a Ctrl-C in the terminal reaches the front only, which drains, then
+        # stops the engine; the engine ends itself when the front is gone (reward_engine.main).
+        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         self.client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.port}", timeout=self.timeout_s + 5,
                                         limits=httpx.Limits(max_connections=self.capacity, max_keepalive_connections=64))
         deadline = time.monotonic() + self.startup_timeout_s
@@ -214,21 +206,27 @@ class MosecEngine:
         if not (len(rewards) == 1 and isinstance(rewards[0], float) and math.isfinite(rewards[0])):
             raise EngineUnavailable(f"the warm-up item got {rewards!r}, not one finite reward")
 
-    async def stop(self) -> None:
-        """Stop the watchdog and the engine (SIGTERM, then SIGKILL after 30 s)."""
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """Stop the watchdog and the engine: SIGTERM, then SIGKILL to its whole process group after
+        ``grace_s``. The front calls this after it has answered its requests in flight; what Mosec may
+        still hold then is work for requests already answered 503 (a lost worker's), so nothing is lost."""
         if self._watchdog:
             self._watchdog.cancel()
         if self.client is not None:
             await self.client.aclose()
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
             return
-        self.proc.terminate()
-        for _ in range(300):
-            if self.proc.poll() is not None:
-                return
-            await asyncio.sleep(0.1)
-        self.proc.kill()
-        self.proc.wait(timeout=10)
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            deadline = time.monotonic() + grace_s
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+        try:  # the Rust server and the workers too, whether or not the manager exited cleanly
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.proc.poll() is None:
+            self.proc.wait(timeout=10)
 
     def _live_workers(self) -> list[int]:
         """Pids of the engine's worker processes that are alive (Mosec spawns them)."""
