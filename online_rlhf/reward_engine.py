@@ -100,7 +100,9 @@ def _worker_class():
                                   max_length=spec["max_length"])
             self.pid = os.getpid()
 
-        def forward(self, data: list[dict]) -> list[dict]:
+        def forward(self, data):
+            if isinstance(data, dict):  # max_batch_requests=1: Mosec hands over the request itself, not a list
+                return self.forward([data])[0]
             prompts = [p for req in data for p in req["prompts"]]
             responses = [r for req in data for r in req["responses"]]
             rewards, _ = self.rm.score(prompts, responses, batch_size=self.batch_size)

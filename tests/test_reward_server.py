@@ -50,6 +50,21 @@ def test_split_rewards_keeps_each_request_its_own_items():
         split_rewards([1, 2, 3, 4, 5], [3, 3])
 
 
+def test_worker_scores_a_merged_batch_and_a_lone_request(rm_dir, local_rm, monkeypatch):
+    from online_rlhf import reward_engine
+    from online_rlhf.reward_engine import ENV_SPEC, engine_spec
+
+    monkeypatch.setenv(ENV_SPEC, json.dumps(engine_spec(str(rm_dir), "auto", 4096, 2, 1, 1, [], 8, 10, 60)))
+    worker = reward_engine.RewardWorker()
+    reqs = [dict(zip(("prompts", "responses"), items(n, f"w{n}"))) for n in (3, 1, 2)]
+    merged = worker.forward(reqs)  # max_batch_requests > 1: a list of requests
+    lone = worker.forward(reqs[0])  # max_batch_requests = 1: Mosec passes the request itself
+    for req, out in zip(reqs, merged):
+        assert out["rewards"] == pytest.approx(local_rm.score(req["prompts"], req["responses"], batch_size=1)[0], abs=1e-5)
+        assert out["batch_requests"] == 3
+    assert lone["rewards"] == pytest.approx(merged[0]["rewards"], abs=1e-5) and lone["batch_requests"] == 1
+
+
 # -- the front with a fake engine ------------------------------------------------------------------
 
 class FakeEngine:
