@@ -123,14 +123,14 @@ def test_queue_bound_answers_503_with_retry_after_and_loses_nothing():
         with ThreadPoolExecutor(2) as pool:
             held = [pool.submit(requests.post, f"{url}/score", json=body, timeout=30) for _ in range(2)]
             deadline = time.monotonic() + 10
-            while requests.get(f"{url}/health", timeout=5).json()["requests_in_service"] < 2:
+            while requests.get(f"{url}/health", timeout=30).json()["requests_in_service"] < 2:
                 assert time.monotonic() < deadline, "the two held requests never reached the service"
                 time.sleep(0.05)
             r = requests.post(f"{url}/score", json=body, timeout=10)
             assert r.status_code == 503 and r.headers["retry-after"] == "7" and "max_queue" in r.json()["detail"]
             eng.gate.set()
             assert [f.result().json() for f in held] == [{"rewards": [4.0]}] * 2
-        h = requests.get(f"{url}/health", timeout=5).json()
+        h = requests.get(f"{url}/health", timeout=30).json()
         assert h["requests_rejected_queue_full"] == 1 and h["requests_in_service"] == 0
 
 
@@ -138,9 +138,9 @@ def test_ready_only_after_start_and_early_requests_wait():
     eng = FakeEngine()
     eng.start_gate.clear()
     with serve_in_thread(build_app(eng, max_items=8)) as url:
-        h = requests.get(f"{url}/health", timeout=5)
+        h = requests.get(f"{url}/health", timeout=30)
         assert h.status_code == 200 and h.json()["status"] == "ok" and h.json()["ready"] is False
-        r = requests.get(f"{url}/ready", timeout=5)
+        r = requests.get(f"{url}/ready", timeout=30)
         assert r.status_code == 503 and "loading" in r.json()["detail"]
         with ThreadPoolExecutor(1) as pool:
             early = pool.submit(requests.post, f"{url}/score", json={"prompts": [P], "responses": ["ab"]}, timeout=30)
@@ -148,11 +148,11 @@ def test_ready_only_after_start_and_early_requests_wait():
             assert not early.done()  # waits for the engine rather than failing
             eng.start_gate.set()
             assert early.result().json() == {"rewards": [2.0]}
-        assert requests.get(f"{url}/ready", timeout=5).status_code == 200
+        assert requests.get(f"{url}/ready", timeout=30).status_code == 200
         eng.problem = "the scoring engine exited with code 1"
-        r = requests.get(f"{url}/ready", timeout=5)
+        r = requests.get(f"{url}/ready", timeout=30)
         assert r.status_code == 503 and "exited with code 1" in r.json()["detail"]
-        h = requests.get(f"{url}/health", timeout=5)
+        h = requests.get(f"{url}/health", timeout=30)
         assert h.status_code == 503 and h.json()["status"] == "failed"
         r = requests.post(f"{url}/score", json={"prompts": [P], "responses": ["ab"]}, timeout=10)
         assert r.status_code == 503 and "exited with code 1" in r.json()["detail"] and "retry-after" in r.headers
@@ -180,19 +180,22 @@ def start_server(rm_dir, *args, env_extra=None):
                             env={**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"reward_server exited early:\n{proc.stdout.read()[-3000:]}")
-        try:
-            if requests.get(f"{url}/ready", timeout=2).status_code == 200:
-                return proc, url
-        except requests.ConnectionError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail("reward_server was not ready within 180 s")
-        time.sleep(0.3)
+    deadline = time.monotonic() + 300
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"reward_server exited early:\n{proc.stdout.read()[-3000:]}")
+            try:
+                if requests.get(f"{url}/ready", timeout=10).status_code == 200:
+                    return proc, url
+            except requests.RequestException:  # not listening yet, or too slow on a busy machine
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("reward_server was not ready within 300 s")
+            time.sleep(0.3)
+    except BaseException:
+        stop_server(proc)  # never leave a server behind
+        raise
 
 
 def stop_server(proc):
@@ -207,7 +210,7 @@ def stop_server(proc):
 
 def engine_processes(url):
     """Pids of the engine's manager and its workers, from /health."""
-    e = requests.get(f"{url}/health", timeout=5).json()["engine"]
+    e = requests.get(f"{url}/health", timeout=30).json()["engine"]
     return [e["pid"], *e["workers_alive"]]
 
 
@@ -253,7 +256,7 @@ def check_all_own(reqs, results, local_rm):
 def test_concurrent_clients_get_their_own_rewards_batched_together(server, local_rm):
     reqs, results = run_clients(server, n_clients=16, n_requests=48, n_items=3)
     check_all_own(reqs, results, local_rm)
-    h = requests.get(f"{server}/health", timeout=5).json()
+    h = requests.get(f"{server}/health", timeout=30).json()
     assert h["status"] == "ok" and h["ready"] and len(h["engine"]["workers_alive"]) == 2
     merged = {int(k): v for k, v in h["engine"]["requests_by_batch_requests"].items()}
     assert any(k > 1 for k in merged), f"no two requests shared a worker call: {merged}"
@@ -284,11 +287,11 @@ def test_client_that_disconnects_mid_request_harms_no_other(server, local_rm):
             s.sendall(head + body[:cut])
     reqs, results = run_clients(server, 8, 16, 3, tag="after-gone")
     check_all_own(reqs, results, local_rm)
-    assert requests.get(f"{server}/ready", timeout=5).status_code == 200
+    assert requests.get(f"{server}/ready", timeout=30).status_code == 200
 
 
 def test_worker_killed_under_load_is_restarted_and_no_result_is_wrong(server, local_rm):
-    victim = requests.get(f"{server}/health", timeout=5).json()["engine"]["workers_alive"][0]
+    victim = requests.get(f"{server}/health", timeout=30).json()["engine"]["workers_alive"][0]
     out = {}
     t = threading.Thread(target=lambda: out.update(r=run_clients(server, 8, 60, 4, retries=5, tag="kill")))
     t.start()
@@ -299,7 +302,7 @@ def test_worker_killed_under_load_is_restarted_and_no_result_is_wrong(server, lo
     check_all_own(*out["r"], local_rm)  # requests on the lost worker were answered 503, retried, then scored
     deadline = time.monotonic() + 120
     while True:  # Mosec starts a new worker; the service is ready throughout
-        h = requests.get(f"{server}/health", timeout=5).json()
+        h = requests.get(f"{server}/health", timeout=30).json()
         if len(h["engine"]["workers_alive"]) == 2 and victim not in h["engine"]["workers_alive"]:
             break
         assert time.monotonic() < deadline, f"no new worker: {h['engine']}"
@@ -312,15 +315,15 @@ def test_worker_killed_under_load_is_restarted_and_no_result_is_wrong(server, lo
 def test_last_worker_killed_fails_readiness_and_says_so(rm_dir):
     proc, url = start_server(rm_dir, "workers=1")
     try:
-        victim = requests.get(f"{url}/health", timeout=5).json()["engine"]["workers_alive"][0]
+        victim = requests.get(f"{url}/health", timeout=30).json()["engine"]["workers_alive"][0]
         os.kill(victim, signal.SIGKILL)
         deadline = time.monotonic() + 60
-        while requests.get(f"{url}/ready", timeout=5).status_code == 200:
+        while requests.get(f"{url}/ready", timeout=30).status_code == 200:
             assert time.monotonic() < deadline, "still ready after its only worker died"
             time.sleep(0.3)
-        r = requests.get(f"{url}/ready", timeout=5)
+        r = requests.get(f"{url}/ready", timeout=30)
         assert "exited" in r.json()["detail"] and "restart the service" in r.json()["detail"]
-        assert requests.get(f"{url}/health", timeout=5).status_code == 503
+        assert requests.get(f"{url}/health", timeout=30).status_code == 503
         with pytest.raises(ConfigError, match="HTTP 503.*exited"):
             score_items(url, [P], ["x"], batch_size=1, timeout_s=10, retries=1, backoff_s=0.1)
     finally:
@@ -341,7 +344,7 @@ def test_sigterm_finishes_the_request_in_flight(rm_dir, local_rm):
         with ThreadPoolExecutor(1) as pool:
             fut = pool.submit(post)
             deadline = time.monotonic() + 30
-            while requests.get(f"{url}/health", timeout=5).json()["requests_in_service"] < 1:
+            while requests.get(f"{url}/health", timeout=30).json()["requests_in_service"] < 1:
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
             proc.send_signal(signal.SIGTERM)
@@ -354,6 +357,6 @@ def test_sigterm_finishes_the_request_in_flight(rm_dir, local_rm):
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has drained
         assert not any(psutil.pid_exists(p) for p in pids)  # the front stopped its engine before exiting
         with pytest.raises(requests.ConnectionError):
-            requests.get(f"{url}/health", timeout=5)
+            requests.get(f"{url}/health", timeout=30)
     finally:
         stop_server(proc)
