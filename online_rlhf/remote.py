@@ -9,6 +9,8 @@ Protocol (served by ``annotate_data/reward_server.py``; any service that speaks 
   counted by cause with example ids; the other responses of its prompt still count.
   Errors: ``4xx {"detail": "..."}`` for a bad request (not retried), ``5xx`` (retried).
 - ``GET {url}/health`` -> ``200 {"status": "ok", "reward_model": "..."}``.
+- When the environment variable ``REWARD_SERVER_TOKEN`` is set and not empty, every request
+  carries ``Authorization: Bearer <token>`` (``annotate_data/reward_server.py`` then requires it).
 
 The client sends ``batch_size`` items per request, waits at most ``timeout_s`` per request, and
 retries connection errors, timeouts, 429 and 5xx ``retries`` times with exponential backoff
@@ -85,10 +87,11 @@ def fetch_items(url: str, prompts: list[list[dict]], responses: list[str], batch
         DataError: a reply without a ``rewards`` list of the right length.
     """
     endpoint = base_url(url, "/score") + "/score"
+    headers = token_headers()
     out: list[Any] = []
     for s in range(0, len(responses), batch_size):
         p, r = prompts[s:s + batch_size], responses[s:s + batch_size]
-        reply = post_json(endpoint, {"prompts": p, "responses": r}, timeout_s, retries, backoff_s)
+        reply = post_json(endpoint, {"prompts": p, "responses": r}, timeout_s, retries, backoff_s, headers=headers)
         rw = reply.get("rewards") if isinstance(reply, dict) else None
         if not isinstance(rw, list) or len(rw) != len(r):
             raise DataError(f"{endpoint}: expected {{\"rewards\": [{len(r)} numbers]}}, got {str(reply)[:200]}")
@@ -148,6 +151,12 @@ def score(records: list[dict], cfg) -> ScoreResult:
                 ex.append(f"{records[ri]['id']} (response {j})")
     return ScoreResult(rewards=out, responses_unscored=causes, examples=examples,
                        source_stats={"url": cfg.url, "requests": math.ceil(len(items) / cfg.batch_size)})
+
+
+def token_headers() -> dict:
+    """Authorization header from ``REWARD_SERVER_TOKEN`` when set (the reward service's bearer token)."""
+    key = os.environ.get("REWARD_SERVER_TOKEN", "").strip()
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def openai_headers() -> dict:
