@@ -266,8 +266,8 @@ def _capture_trainer(monkeypatch) -> dict:
     captured = {}
     make = run_dpo._timed_trainer_class
 
-    def capturing():
-        cls = make()
+    def capturing(*a):
+        cls = make(*a)
 
         class Capturing(cls):
             def __init__(self, *a, **kw):
