@@ -265,7 +265,7 @@ class KLConfig(StageConfig):
     reference: str = Field(..., description="the reference model (dir, Hub id or 'default'), e.g. the starting policy")
     output: str = Field(..., description="per-prompt log-probs (kl.jsonl): {id, logp_policy: [K], logp_reference: [K], kl: [K], response_tokens: [K]}")
     batch_size: int = Field(8, ge=1, description="sequences per forward pass")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of both models for the log-prob passes")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="precision of both models' log-prob passes: auto = float32 weights under bf16 autocast (fp16 on a GPU without bf16) where the hardware computes it natively, with the log-softmax in float32 (as the DPO stage's reference pass runs), else float32; float32 = no autocast; bfloat16 = weights in bf16")
 
     @model_validator(mode="after")
     def _output_is_not_input(self):
