@@ -23,7 +23,7 @@ INFER_PY = ROOT / ".venv-infer" / "bin" / "python"
 PROMPTS = ROOT / ".cache" / "data" / "ifbench_train.jsonl"
 
 
-def _run(script: str, *args: str, python: str = sys.executable, timeout: int = 600) -> str:
+def _run(script: str, *args: str, python: str = sys.executable, timeout: int = 1800) -> str:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     r = subprocess.run([python, str(ROOT / "bench" / script), *args], cwd=ROOT, env=env, capture_output=True,
