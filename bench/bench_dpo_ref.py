@@ -1,9 +1,10 @@
 """DPO steps/s with precomputed reference log-probs vs recomputing them every step.
 
-    OMP_NUM_THREADS=1 .venv-train/bin/python bench/bench_dpo_ref.py [--steps 6] [--batch 4] [--max-length 256]
+    OMP_NUM_THREADS=1 .venv-train/bin/python bench/bench_dpo_ref.py [--steps 6] [--batch 4] [--max-length 256] [--smoke]
 
-Same pairs, same policy (the embedded default if prepared, else a 4-layer random model), one
-process, CPU fp32. Run 1 recomputes the reference log-probs in every step (a second copy of the
+Same pairs, same policy (the embedded default if prepared, else a 4-layer random model; ``--smoke``: a 2-layer
+one, one step of two pairs), one process, the stage's precision (bf16 autocast on a CPU with native
+bf16, else fp32). Run 1 recomputes the reference log-probs in every step (a second copy of the
 policy is loaded as the reference); run 2 computes them once before training
 (``precompute_ref_log_probs``). Prints, for each run, the training-loop steps/s and the
 end-to-end rate (reference precompute + training loop), and the ratios. The training-loop
@@ -61,25 +62,31 @@ def hh_pairs(n: int, path: Path = HH) -> list[dict]:
             for j in range(n)]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--batch", type=int, default=4, help="pairs per step")
     ap.add_argument("--max-length", type=int, default=256)
-    a = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="a random 2-layer model, 1 step of 2 pairs: seconds, for the tests")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.steps, a.batch, a.max_length = 1, 2, 1024  # the tiny byte-level tokenizer: ~500-token prompts
 
     from online_rlhf.stages import run_dpo
 
 
     n = a.steps * a.batch  # one epoch = exactly `steps` steps; precompute covers only these pairs
     work = Path(tempfile.mkdtemp(prefix="bench_dpo_ref_"))
-    if (default_model_dir() / "config.json").is_file():
+    if not a.smoke and (default_model_dir() / "config.json").is_file():
         policy, model_desc = str(default_model_dir()), "SmolLM2-135M-Instruct"
     else:
         from online_rlhf.testing import make_tiny_policy
 
-        policy = str(make_tiny_policy(work / "policy", num_hidden_layers=4, hidden_size=256, intermediate_size=512))
-        model_desc = "random 4-layer Llama (default model not prepared)"
+        if a.smoke:
+            policy, model_desc = str(make_tiny_policy(work / "policy")), "random 2-layer Llama (--smoke)"
+        else:
+            policy = str(make_tiny_policy(work / "policy", num_hidden_layers=4, hidden_size=256, intermediate_size=512))
+            model_desc = "random 4-layer Llama (default model not prepared)"
     pairs = hh_pairs(n)
     unique = len({p["id"].split("_")[0] for p in pairs})
     source = f"HH-RLHF harmless-base test ({unique} distinct)"
@@ -92,15 +99,15 @@ def main() -> None:
                                        "max_length": a.max_length, "learning_rate": 5e-6,
                                        "gradient_checkpointing": False, "precompute_ref_log_probs": precompute})
         s = run_dpo.main(cfg)
-        sec = s["seconds"]
-        results[precompute] = {"steps": s["steps"], "loop_s": sec["train_steps"],
-                               "precompute_s": sec["reference_precompute"],
-                               "loop_steps_per_s": s["steps"] / sec["train_steps"],
-                               "e2e_steps_per_s": s["steps"] / (sec["train_steps"] + sec["reference_precompute"]),
-                               "loss_first": s["train_loss_first"]}
+        sec = s.seconds
+        results[precompute] = {"steps": s.steps, "loop_s": sec.train_steps,
+                               "precompute_s": sec.reference_precompute,
+                               "loop_steps_per_s": s.steps / sec.train_steps,
+                               "e2e_steps_per_s": s.steps / (sec.train_steps + sec.reference_precompute),
+                               "loss_first": s.train_loss_first, "dtype": s.hardware.get("dtype")}
     off, on = results[False], results[True]
     print(f"\nmodel: {model_desc}; pairs: {source}, {n} pairs, batch {a.batch}, max_length {a.max_length}, "
-          f"{a.steps} steps, CPU fp32")
+          f"{a.steps} steps, CPU {on['dtype']}")
     for name, r in (("recompute reference", off), ("precomputed reference", on)):
         print(f"  {name:22s} loop {r['loop_s']:7.1f} s = {r['loop_steps_per_s']:.4f} steps/s; precompute "
               f"{r['precompute_s']:5.1f} s; end-to-end {r['e2e_steps_per_s']:.4f} steps/s; first loss {r['loss_first']:.4f}")

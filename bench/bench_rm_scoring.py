@@ -1,7 +1,7 @@
 """Reward model scoring throughput: sorted-length batches vs one input at a time (RLHFlow's way).
 
     .venv-train/bin/python bench/bench_rm_scoring.py [--prompts 32] [--k 4] [--batch-size 16]
-        [--max-length 1024] [--repeats 2] [--dtype auto|float32|bfloat16]
+        [--max-length 1024] [--repeats 2] [--dtype auto|float32|bfloat16] [--smoke]
 
 Same reward model, same (prompt, response) items, same dtype and device, one run. Three modes:
 
@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 
 
-def build_reward_model(out_dir: Path) -> str:
-    """Save a one-label reward model to ``out_dir``; return a description of it."""
+def build_reward_model(out_dir: Path, tiny: bool = False) -> str:
+    """Save a one-label reward model to ``out_dir`` (``tiny``: the random 2-layer one); return a description of it."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -44,7 +44,7 @@ def build_reward_model(out_dir: Path) -> str:
     from online_rlhf.testing import make_tiny_reward_model
 
     policy = default_model_dir()
-    if (policy / "config.json").is_file():
+    if not tiny and (policy / "config.json").is_file():
         torch.manual_seed(0)
         model = AutoModelForSequenceClassification.from_pretrained(policy, num_labels=1, dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(policy)
@@ -54,7 +54,7 @@ def build_reward_model(out_dir: Path) -> str:
         n = sum(p.numel() for p in model.parameters())
         return f"SmolLM2-135M-Instruct backbone + random score head ({n / 1e6:.1f}M params)"
     make_tiny_reward_model(out_dir)
-    return "tiny random 2-layer Llama RM (default policy not prepared)"
+    return "tiny random 2-layer Llama RM" + ("" if tiny else " (default policy not prepared)")
 
 
 def load_prompts() -> tuple[list[list[dict]], str]:
@@ -88,7 +88,7 @@ def build_items(n_prompts: int, k: int, seed: int = 0) -> tuple[list[list[dict]]
     return prompts, responses, source
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--k", type=int, default=4)
@@ -97,7 +97,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="alternating runs of each mode; the best time counts")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="auto: bf16 on GPU, fp32 on CPU (RewardModel's rule); all modes use the same")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="tiny random RM, 4 items, one repeat: seconds, for the tests")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.prompts, args.k, args.batch_size, args.repeats = 2, 2, 2, 1
 
     import torch
 
@@ -108,7 +111,7 @@ def main() -> None:
     prompts, responses, source = build_items(args.prompts, args.k)
     tmp = tempfile.TemporaryDirectory()
     rm_dir = Path(tmp.name) / "rm"
-    what = build_reward_model(rm_dir)
+    what = build_reward_model(rm_dir, tiny=args.smoke)
     rm = RewardModel(str(rm_dir), dtype=args.dtype, max_length=args.max_length)
     pipe_score = pipeline_scorer(rm_dir, rm.dtype, rm.device, args.max_length)
     lengths = [len(rm.encode(p, r)[0]) for p, r in zip(prompts, responses)]

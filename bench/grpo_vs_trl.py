@@ -13,7 +13,8 @@ hyper-parameters (:data:`GRPO`: Dr. GRPO aggregation, group std scaling, beta 0,
 (a) **ours**: ``bash run_loop.sh configs/loop.yaml algorithm=grpo iterations=1 ...`` in a fresh run
     directory. Timed: from the start of the ``generate`` stage to the end of the ``grpo`` stage, on
     run_loop.sh's own status lines (process starts, model loads, vLLM start-up included). The
-    held-out evaluation still runs but is not counted (2 prompts, 16 tokens).
+    held-out evaluation still runs but is not counted (2 prompts, 16 tokens); IFEval and the KL
+    stages are off.
 (b) **TRL**: ``trl.GRPOTrainer`` over the same prompts for one epoch, in a fresh process of the
     training env (``use_vllm=False``: transformers ``generate``), the verifier as a TRL reward
     function (``bench/iteration_vs_trl.py``'s), the policy saved at the end. Timed: the process's
@@ -118,6 +119,7 @@ def run_ours(args: argparse.Namespace, work: Path) -> dict:
            f"prompts_per_iteration={args.prompts}", f"generation.k={args.k}", f"generation.max_tokens={args.max_tokens}",
            "generation.temperature=1.0", "generation.top_p=1.0", "eval_limit=2", "evaluation.max_tokens=16",
            "reward.source=verifier", "reward.ifeval_mode=loose", "reward.ifeval_score=partial", "ref_model=initial",
+           "ifeval.when=never", "kl_samples=0",
            "num_processes=1", "grpo.truncated_penalty=0.0", "grpo.max_length=null",
            *[f"grpo.{k}={_yaml(v)}" for k, v in GRPO.items()], "--fresh"]
     log_path, stamps = work / "ours.log", {}

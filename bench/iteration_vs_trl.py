@@ -17,8 +17,9 @@ the starting policy).
     ``dpo`` stage, stamped on run_loop.sh's own status lines as they arrive (every process start,
     model load, vLLM start-up and the loop's bookkeeping between stages included). The held-out
     evaluation of iteration 0 and 1 still runs (run_loop.sh has no switch to skip it) but is not
-    counted; it is kept tiny (``--eval-prompts``, 16 tokens). The sum of the four stages'
-    ``.done`` marker seconds is printed too.
+    counted; it is kept tiny (``--eval-prompts``, 16 tokens); IFEval and the KL stages are off
+    (``ifeval.when=never kl_samples=0``). The sum of the four stages' ``.done`` marker seconds is
+    printed too. The DPO batch is the stage's ``train_batch_size`` (:func:`ours_dpo_overrides`).
 (b) **TRL**: ``trl.experimental.online_dpo.OnlineDPOTrainer`` over the same prompts for one epoch,
     in a fresh process of the training env (``use_vllm=False``: transformers ``generate``;
     ``bf16=False``; one process), the verifier wrapped as a TRL reward function; the trained
@@ -206,8 +207,7 @@ def run_ours(args: argparse.Namespace, work: Path) -> dict:
            f"eval_limit={args.eval_prompts}", "evaluation.max_tokens=16",
            "reward.source=verifier", "reward.verifier=auto", "reward.ifeval_mode=loose", "reward.ifeval_score=partial",
            "pairs.strategy=max_min", "pairs.truncated=penalize", f"pairs.truncated_penalty={TRUNCATION_PENALTY}",
-           "ref_model=initial", "dpo.training.loss_type=sigmoid", "dpo.training.precompute_ref_log_probs=true",
-           *[f"dpo.training.{k}={_yaml(v)}" for k, v in DPO.items()], "--fresh"]
+           "ref_model=initial", "ifeval.when=never", "kl_samples=0", *ours_dpo_overrides(), "--fresh"]
     log_path = work / "ours.log"
     stamps: dict[str, tuple[str, float]] = {}
     load0 = _load1()
@@ -248,6 +248,18 @@ def run_ours(args: argparse.Namespace, work: Path) -> dict:
         "truncated": gen_stats.finish_reasons.get("length", 0),
         "load_start": load0, "load_end": _load1(), "log": str(log_path), "run_dir": str(out_root / name),
     }
+
+
+def ours_dpo_overrides() -> list[str]:
+    """The loop's ``dpo`` overrides giving its DPO stage the recipe :data:`DPO` and TRL's plain sigmoid
+    loss. The batch is given as the stage's ``train_batch_size`` (pairs per optimizer step over all
+    its processes: TRL's per-device batch x accumulation on its one process), which the stage splits
+    over its ranks; configs/dpo.yaml's ``train_batch_size`` and a ``per_device_train_batch_size``
+    together are refused. The recipe's ``[sigmoid, sft]`` weights give way to one weight for one loss."""
+    per_step = DPO["per_device_train_batch_size"] * DPO["gradient_accumulation_steps"]
+    keys = {k: v for k, v in DPO.items() if k != "per_device_train_batch_size"}
+    return [f"dpo.train_batch_size={per_step}", "dpo.training.loss_type=sigmoid", "dpo.training.loss_weights=[1.0]",
+            "dpo.training.precompute_ref_log_probs=true", *[f"dpo.training.{k}={_yaml(v)}" for k, v in keys.items()]]
 
 
 # --------------------------------------------------------------------------------------------

@@ -27,7 +27,8 @@ the stage's dtype (bf16 for ``bfloat16`` and ``+ bf16 autocast``, else fp32), me
 
 The last lines give the run's compute floor: the sum of every stage's limit time, i.e. the shortest
 wall the run could take on this machine if every model-running stage ran at the matmul limit and
-nothing else took time. Stats written before the token counts existed lack them: such stages are
+nothing else took time; the very last line is ``share of the limit: P% (...)``, the floor over the
+stages' summed wall seconds, the one figure to compare a run with another. Stats written before the token counts existed lack them: such stages are
 listed as not counted.
 """
 
@@ -192,11 +193,17 @@ def main(argv: list[str] | None = None) -> dict:
               "under load, or on another machine); give the limit measured where the run ran, idle.", file=sys.stderr)
     walls = [_wall(it, p.name[:-5]) for it in iters for p in it.glob("*.done")]
     run_wall = sum(w for w in walls if w is not None)
+    share = floor / run_wall if run_wall else None
     print(f"compute floor (every counted stage at the limit): {floor:.0f} s = {floor / 60:.1f} min; "
-          f"the stages' wall: {run_wall:.0f} s = {run_wall / 60:.1f} min ({100 * floor / run_wall:.0f}% of it at the "
-          "limit)" if run_wall else f"compute floor: {floor:.0f} s")
+          f"the stages' wall: {run_wall:.0f} s = {run_wall / 60:.1f} min" if run_wall else
+          f"compute floor: {floor:.0f} s; no stage wall seconds (no <stage>.done marker)")
+    # the last line: the one figure to compare this run with another (grep-able, the same words always)
+    print(f"share of the limit: {100 * share:.1f}% (compute floor {floor:.0f} s / stages' wall {run_wall:.0f} s; "
+          f"limits fp32 {limits['float32']:.1f}, bf16 {limits['bfloat16']:.1f} GFLOP/s)" if share is not None else
+          "share of the limit: unknown (no stage wall seconds)")
     out = {"cpu_model": cpu_model(), "cpu_capability": cpu_capability(), "cores": usable_cores(),
-           "limits_gflops": limits, "rows": rows, "compute_floor_s": floor, "stages_wall_s": run_wall}
+           "limits_gflops": limits, "rows": rows, "compute_floor_s": floor, "stages_wall_s": run_wall,
+           "share_of_limit": share}
     if args.json:
         write_json(args.json, out)
     return out

@@ -169,6 +169,7 @@ class DPOStageConfig(StageConfig):
     lora: Optional[dict[str, Any]] = Field(None, description="peft.LoraConfig fields; merged into the saved checkpoint")
     attn_implementation: str = Field("sdpa", description="sdpa (CPU/GPU) or flash_attention_2 (GPU with flash-attn)")
     torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="policy/reference load dtype (auto: fp32 on CPU, each checkpoint's stored dtype on GPU; float16 vs bfloat16 checkpoints are refused)")
+    log_probs: Literal["auto", "sequence", "side", "trl"] = Field("auto", description="how the DPO log-probs are computed: LM head and log-softmax only at completion positions (online_rlhf/completion_logps.py), each sequence unpadded (sequence) or chosen and rejected padded separately (side); auto = sequence on CPU, side on GPU; trl = TRL's own computation (full logits, chosen and rejected padded to each other). Settings it does not cover (e.g. loss types other than sigmoid, hinge, ipo, sft) use TRL's, named in the stats")
     num_processes: Optional[int] = Field(None, ge=1, description=_PROCESSES_DOC)
     launch_profile: LaunchProfile = Field("cpu", description=_PROFILE_DOC)
     dry_run: bool = Field(False, description="memory check instead of training: load policy and reference as usual, run one optimizer step (forward + backward + optimizer step, reference log-probs included) on dummy pairs of training.max_length tokens (chosen and rejected) at the real per-device batch and accumulation, and write only <output_dir>.dry_run.json (peak memory, seconds per step); the pairs file is not read, output_dir is not touched")
@@ -264,7 +265,7 @@ class KLConfig(StageConfig):
     reference: str = Field(..., description="the reference model (dir, Hub id or 'default'), e.g. the starting policy")
     output: str = Field(..., description="per-prompt log-probs (kl.jsonl): {id, logp_policy: [K], logp_reference: [K], kl: [K], response_tokens: [K]}")
     batch_size: int = Field(8, ge=1, description="sequences per forward pass")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of both models for the log-prob passes")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="precision of both models' log-prob passes: auto = float32 weights under bf16 autocast (fp16 on a GPU without bf16) where the hardware computes it natively, with the log-softmax in float32 (as the DPO stage's reference pass runs), else float32; float32 = no autocast; bfloat16 = weights in bf16")
 
     @model_validator(mode="after")
     def _output_is_not_input(self):

@@ -69,7 +69,10 @@ def test_shares_and_compute_floor_against_given_limits(tmp_path, capsys):
     assert out["compute_floor_s"] == pytest.approx(floor)
     assert out["stages_wall_s"] == 78
     assert json.loads((tmp_path / "r.json").read_text())["compute_floor_s"] == pytest.approx(floor)
-    assert "compute floor" in capsys.readouterr().out
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert "compute floor" in printed[-2]
+    assert printed[-1].startswith(f"share of the limit: {100 * floor / 78:.1f}% ")  # the last line
+    assert out["share_of_limit"] == pytest.approx(floor / 78)
 
 
 def test_stats_without_token_counts_are_listed_not_counted(tmp_path):

@@ -171,6 +171,7 @@ def test_training_separates_chosen_from_rejected(tmp_path, models):
     assert stats.rewards_accuracies_first == 0.0 and stats.rewards_accuracies_last == 1.0
     assert stats.rewards_margins_last > 0
     assert stats.reference.source == "policy" and stats.reference.precomputed_log_probs
+    assert stats.log_probs == {"layout": "sequence", "trl_because": None}  # the CPU default: completion_logps.py
     on_disk = DPOStats.read(stats_path(tmp_path / "model"))  # the stage's stats round-trip through their class
     assert on_disk == stats and on_disk.steps == 12 and on_disk.seconds.reference_precompute > 0
 
@@ -266,8 +267,8 @@ def _capture_trainer(monkeypatch) -> dict:
     captured = {}
     make = run_dpo._timed_trainer_class
 
-    def capturing():
-        cls = make()
+    def capturing(*a):
+        cls = make(*a)
 
         class Capturing(cls):
             def __init__(self, *a, **kw):
@@ -404,12 +405,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(tmp_path: Path, profile: str, nproc: int, policy: str, ref: str, pairs: Path, name: str) -> dict:
+def _launch(tmp_path: Path, profile: str, nproc: int, policy: str, ref: str, pairs: Path, name: str,
+            *extra: str) -> dict:
+    """One DPO stage under ``accelerate launch``; profile ``ddp``: N-rank DDP over gloo as the loop's
+    ``cpu`` profile starts it with N > 1 (``ACCELERATE_USE_CPU=true ... --multi_gpu``)."""
     accelerate = Path(sys.executable).parent / "accelerate"
     out = tmp_path / name
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [str(accelerate), "launch", "--config_file", str(ROOT / "configs" / "accelerate" / f"{profile}.yaml"),
-           "--num_processes", str(nproc), "--main_process_port", str(_free_port()), str(SCRIPT),
+    if profile == "ddp":
+        env["ACCELERATE_USE_CPU"] = "true"
+        how = ["--multi_gpu"]
+    else:
+        how = ["--config_file", str(ROOT / "configs" / "accelerate" / f"{profile}.yaml")]
+    cmd = [str(accelerate), "launch", *how,
+           "--num_processes", str(nproc), "--main_process_port", str(_free_port()), str(SCRIPT), *extra,
            f"policy={policy}", f"reference={ref}", f"pairs={pairs}", f"output_dir={out}",
            f"training.per_device_train_batch_size={4 // nproc}", "training.max_steps=3",
            "training.learning_rate=1e-4", "training.beta=2.0", "training.max_length=128", "training.gradient_checkpointing=false"]
@@ -419,21 +428,26 @@ def _launch(tmp_path: Path, profile: str, nproc: int, policy: str, ref: str, pai
 
 
 @pytest.mark.slow
-def test_zero2_one_and_two_processes_match_plain(tmp_path, models):
+def test_zero2_ddp_and_trls_log_probs_match_plain(tmp_path, models):
     # 4 pairs, global batch 4: every step sees all pairs whatever the sharding, so the losses of
     # the three launches are comparable step by step (step 1 checks the forward and the
     # reference; steps 2-3 the gradient all-reduce and the optimizer).
     rows = [_pair(i, chosen=f"yes {i}", rejected="no, the sky is green") for i in range(4)]
     pairs = _write_pairs(tmp_path / "pairs.jsonl", rows)
+    # also: DDP over gloo on 2 ranks (the loop's default DPO launch; several forwards per step with
+    # the completion-only log-probs), and TRL's own log-prob computation (log_probs=trl) on 1 process
     runs = {(p, n): _launch(tmp_path, p, n, models["p1"], models["p0"], pairs, f"{p}_{n}")
-            for p, n in (("cpu", 1), ("zero2_cpu", 1), ("zero2_cpu", 2))}
+            for p, n in (("cpu", 1), ("ddp", 2), ("zero2_cpu", 1), ("zero2_cpu", 2))}
+    runs["trl", 1] = _launch(tmp_path, "cpu", 1, models["p1"], models["p0"], pairs, "trl_1", "log_probs=trl")
     plain = runs["cpu", 1]
     assert plain["deepspeed_zero_stage"] is None and runs["zero2_cpu", 2]["deepspeed_zero_stage"] == 2
-    assert runs["zero2_cpu", 2]["num_processes"] == 2
+    assert runs["zero2_cpu", 2]["num_processes"] == 2 and runs["ddp", 2]["num_processes"] == 2
+    assert plain["log_probs"]["layout"] == runs["ddp", 2]["log_probs"]["layout"] == "sequence"
+    assert runs["trl", 1]["log_probs"] == {"layout": None, "trl_because": "turned off"}
     losses = {k: [h["loss"] for h in v["history"]] for k, v in runs.items()}
     print("DPO losses per step:", {f"{p}x{n}": v for (p, n), v in losses.items()})
     assert abs(plain["train_loss_first"] - math.log(2)) > 0.01
-    for key in (("zero2_cpu", 1), ("zero2_cpu", 2)):
+    for key in (("ddp", 2), ("zero2_cpu", 1), ("zero2_cpu", 2), ("trl", 1)):
         assert losses[key] == pytest.approx(losses["cpu", 1], rel=1e-4, abs=1e-5), (key, losses)
     assert losses["cpu", 1][-1] < losses["cpu", 1][0]
 
@@ -489,5 +503,6 @@ def test_reference_pass_runs_under_the_training_autocast(tmp_path, models, monke
     pairs = _write_pairs(tmp_path / "pairs.jsonl", [_pair(i) for i in range(4)])
     stats = run_dpo.main(_cfg(tmp_path, models["p0"], pairs, training={"loss_type": "sigmoid", "max_steps": 1}))
     assert stats.hardware["dtype"] == "float32 + bf16 autocast" and stats.reference.precomputed_log_probs
+    assert stats.log_probs == {"layout": "sequence", "trl_because": None}  # the completion-only path, wrapped forward
     assert abs(stats.history[0]["rewards/chosen"]) < 1e-5 and abs(stats.history[0]["rewards/rejected"]) < 1e-5
     assert stats.train_loss_first == pytest.approx(0.6931472, abs=1e-6)

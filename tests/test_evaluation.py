@@ -224,6 +224,42 @@ def test_kl_log_probs_batched_longest_first_equal_one_sequence_at_a_time(tmp_pat
     assert got[4] == 0.0  # an empty response scores nothing
 
 
+def test_kl_under_bf16_autocast_stays_within_tolerance_of_float32(tmp_path, monkeypatch):
+    """dtype auto on a CPU with native bf16 (forced here): bf16 autocast forwards, float32
+    log-softmax. Tolerance: the KL estimate moves by at most a tenth of its standard error, and
+    every per-response log-prob stays within 2% (+0.05 nats) of the float32 run's; they are not
+    bit-equal (the autocast really ran)."""
+    from online_rlhf.stage_configs import KLConfig
+    from online_rlhf.stages import kl_estimate
+    from online_rlhf.testing import make_tiny_policy
+
+    policy = make_tiny_policy(tmp_path / "p", seed=1, initializer_range=0.1)
+    other = make_tiny_policy(tmp_path / "r", seed=2, initializer_range=0.1)
+    g = np.random.default_rng(0)
+    records = [{"id": f"p{j}", "prompt": [{"role": "user", "content": "q"}], "responses": ["a", "b"],
+                "finish_reasons": ["length", "length"], "response_tokens": [int(n) for n in g.integers(5, 40, 2)],
+                "prompt_token_ids": [int(x) for x in g.integers(5, 500, int(g.integers(3, 30)))]} for j in range(6)]
+    for r in records:
+        r["response_token_ids"] = [[int(x) for x in g.integers(5, 500, n)] for n in r["response_tokens"]]
+    write_jsonl(tmp_path / "in.jsonl", records)
+    run = lambda dtype, out: kl_estimate.main(KLConfig(input=str(tmp_path / "in.jsonl"), policy=str(policy),
+                                                       reference=str(other), output=str(tmp_path / out), dtype=dtype))
+    fp32 = run("float32", "kl32.jsonl")
+    monkeypatch.setenv("ONLINE_RLHF_CPU_BF16", "1")
+    auto = run("auto", "kl_auto.jsonl")
+    assert fp32.dtype == "float32" and auto.dtype == "float32 + bf16 autocast"
+    assert auto.hardware["dtype"] == "float32 + bf16 autocast"
+    flat = lambda name, k: [x for r in read_jsonl(tmp_path / name) for x in r[k]]
+    assert max(abs(x) for x in flat("kl32.jsonl", "kl")) > 1.0  # two different random models: KLs far from 0
+    # the estimate moves by less than a tenth of its own standard error (the Monte Carlo noise)
+    assert abs(auto.kl_mean - fp32.kl_mean) <= 0.1 * fp32.kl_se
+    a, b = flat("kl_auto.jsonl", "logp_policy"), flat("kl32.jsonl", "logp_policy")
+    assert a == pytest.approx(b, rel=0.02, abs=0.05) and a != b
+    monkeypatch.setenv("ONLINE_RLHF_CPU_BF16", "0")  # no native bf16: auto is plain float32
+    assert run("auto", "kl_off.jsonl").dtype == "float32"
+    assert kl_estimate.precision("bfloat16", "cpu") == ("bfloat16", None)
+
+
 def test_kl_counts_length_mismatches_only_for_re_tokenized_responses(tmp_path):
     """``retokenized_length_differs`` is about text re-tokenized here; a record with the sampled ids
     is scored on those ids, whatever its ``response_tokens`` says."""

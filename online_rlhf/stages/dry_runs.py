@@ -187,7 +187,7 @@ def dpo(cfg, args, lora_config, policy_path: str, ref_path: Optional[str], pol_d
                 ref_model = R._load_causal_lm(ref_path, ref_dtype, cfg.attn_implementation, trust)
             elif not args.precompute_ref_log_probs and lora_config is None:
                 ref_model = R._load_causal_lm(policy_path, pol_dtype, cfg.attn_implementation, trust)
-            trainer = R._timed_trainer_class()(model=policy, ref_model=ref_model, args=args, train_dataset=train_ds,
+            trainer = R._timed_trainer_class(R.log_probs_layout(cfg.log_probs, on_gpu))(model=policy, ref_model=ref_model, args=args, train_dataset=train_ds,
                                                processing_class=tokenizer, peft_config=lora_config)
             trainer.add_callback(StepTimer())
             if args.precompute_ref_log_probs and trainer.ref_model is not None:

@@ -22,8 +22,9 @@ negative; the mean is >= 0 only in expectation.
    whose ids cannot be built is left out and counted under ``ChatTokenError.reason``
    (docs/skip-reasons.md);
 3. sum the response tokens' log-probs under the policy, then under the reference (one model in
-   memory at a time, on the GPU when there is one; TRL's ``selective_log_softmax``), in batches
-   of ``batch_size``;
+   memory at a time, on the GPU when there is one; TRL's ``selective_log_softmax`` in float32), in
+   batches of ``batch_size``; ``dtype: auto`` runs the forwards under bf16 autocast where the
+   hardware has native bf16 (:func:`precision`), as the DPO stage's reference pass does;
 4. write ``{id, logp_policy: [K], logp_reference: [K], kl: [K], response_tokens: [K]}`` per prompt
    and the stats (:class:`~online_rlhf.stats.KLStats`: mean and standard error in nats).
 
@@ -71,8 +72,8 @@ def response_token_ids(tokenizer: Any, prompt: list[dict], response: str, finish
     return prompt_ids, ids
 
 
-def sequence_log_probs(model: Any, seqs: list[tuple[list[int], list[int]]], batch_size: int, pad_id: int
-                       ) -> list[float]:
+def sequence_log_probs(model: Any, seqs: list[tuple[list[int], list[int]]], batch_size: int, pad_id: int,
+                       autocast: str | None = None) -> list[float]:
     """Sum of ``log p(response token | prefix)`` over each sequence's response tokens.
 
     Sequences are batched longest first (less padding), and the LM head runs only from the
@@ -83,14 +84,21 @@ def sequence_log_probs(model: Any, seqs: list[tuple[list[int], list[int]]], batc
         model: a causal LM (``transformers``), in eval mode.
         seqs: ``(prompt ids, response ids)`` per sequence.
         pad_id: the id right padding uses (masked out).
+        autocast: ``"bfloat16"`` / ``"float16"``: the forward runs under ``torch.autocast`` in that
+            dtype on the model's device (matrix products in half precision); the logits are cast
+            to float32 before the log-softmax either way (a bf16 log-softmax over the vocabulary
+            is off by ~0.05 nats per token). None: the model's own dtype.
     Returns:
         one float (nats, <= 0) per sequence, in order.
     """
+    import contextlib
+
     import torch
     from trl.trainer.utils import selective_log_softmax
 
     out: list[float] = [0.0] * len(seqs)
     device = next(model.parameters()).device
+    amp = (lambda: torch.autocast(device.type, dtype=getattr(torch, autocast))) if autocast else contextlib.nullcontext
     order = sorted(range(len(seqs)), key=lambda i: -(len(seqs[i][0]) + len(seqs[i][1])))
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
@@ -108,7 +116,9 @@ def sequence_log_probs(model: Any, seqs: list[tuple[list[int], list[int]]], batc
         ids, attn, resp = ids.to(device), attn.to(device), resp.to(device)
         keep = torch.arange(first, width - 1, device=device)  # logits at positions first..T-2 predict first+1..T-1
         with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=attn, logits_to_keep=keep).logits.float()  # (B, T-1-first, V)
+            with amp():
+                logits = model(input_ids=ids, attention_mask=attn, logits_to_keep=keep).logits
+            logits = logits.float()  # (B, T-1-first, V)
             logps = selective_log_softmax(logits, ids[:, first + 1:])  # (B, T-1-first)
         sums = (logps * resp[:, first + 1:]).sum(dim=1).tolist()  # (B,)
         for i, v in zip(idx, sums):
@@ -122,15 +132,36 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def precision(dtype: str, device_type: str) -> tuple[str, str | None]:
+    """``(weights dtype, autocast dtype or None)`` of the log-prob passes for ``KLConfig.dtype``.
+
+    ``auto``: float32 weights, autocast in :func:`online_rlhf.hardware.compute_dtype`'s choice
+    where that is a half type (bf16 on a CPU with native bf16 and on Ampere+ GPUs, fp16 on older
+    GPUs), else no autocast; ``float32``: no autocast; ``bfloat16``: bf16 weights, no autocast.
+    """
+    from online_rlhf.hardware import compute_dtype
+
+    if dtype != "auto":
+        return dtype, None
+    fast = compute_dtype(device_type)
+    return "float32", (None if fast == "float32" else fast)
+
+
+def precision_label(weights: str, autocast: str | None) -> str:
+    """The stats' dtype text: ``"float32 + bf16 autocast"`` as the DPO stage writes it, or the weights dtype."""
+    return weights if autocast is None else f"{weights} + {autocast.replace('bfloat', 'bf').replace('float', 'fp')} autocast"
+
+
 def _log_probs_under(path: str, seqs: list[tuple[list[int], list[int]]], cfg: KLConfig, pad_id: int) -> list[float]:
     import torch
     from transformers import AutoModelForCausalLM
 
     if _device() == "cpu":
         torch.set_num_threads(stage_threads())  # the stage runs alone: every free core
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cfg.dtype)).eval().to(_device())
+    weights, autocast = precision(cfg.dtype, _device())
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, weights)).eval().to(_device())
     try:
-        return sequence_log_probs(model, seqs, cfg.batch_size, pad_id)
+        return sequence_log_probs(model, seqs, cfg.batch_size, pad_id, autocast)
     finally:
         del model
 
@@ -185,6 +216,7 @@ def main(cfg: KLConfig) -> KLStats:
         row["kl"].append(a - b)
         row["response_tokens"].append(len(r))
     write_jsonl(cfg.output, [rows[n] for n in sorted(rows)])
+    label = precision_label(*precision(cfg.dtype, _device()))
     summary = kl_summary([a - b for a, b in zip(lp_pol, lp_ref)])
     # Responses re-tokenized from the text (no sampled ids): count those whose ids here are not as
     # many as were sampled (a tokenizer that does not round-trip its own output). The sampled ids,
@@ -196,10 +228,10 @@ def main(cfg: KLConfig) -> KLStats:
         print(f"WARNING: {differs} of {retokenized} re-tokenized responses have another token count than was "
               "sampled; the KL estimate then scores other sequences than the policy drew.", file=sys.stderr)
     stats = KLStats(stage="kl", input=cfg.input, output=cfg.output, policy=cfg.policy, reference=cfg.reference,
-                    records_in=len(records), skipped=dict(skipped), dtype=cfg.dtype, **summary,
+                    records_in=len(records), skipped=dict(skipped), dtype=label, **summary,
                     retokenized_length_differs=differs, retokenized=retokenized,
                     mean_response_tokens=round(sum(len(r) for _, r in seqs) / len(seqs), 2),
-                    hardware=describe(_device(), cfg.dtype), seconds=round(time.time() - t0, 2),
+                    hardware=describe(_device(), label), seconds=round(time.time() - t0, 2),
                     tokens=sum(len(p) + len(r) for p, r in seqs))
     stats.write(stats_path(cfg.output))
     print(f"kl_estimate: KL(policy || reference) = {summary['kl_mean']:.4f} nats per response "

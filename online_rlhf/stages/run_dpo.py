@@ -336,6 +336,16 @@ def check_lengths(pairs: list[dict], max_length: int | None, max_prompt_length: 
     return kept, info
 
 
+def log_probs_layout(log_probs: str, on_gpu: bool) -> str | None:
+    """The :mod:`online_rlhf.completion_logps` layout for ``cfg.log_probs``: ``auto`` is
+    ``"sequence"`` on CPU (no padding at all; measured fastest there, bench/bench_dpo_step.py) and
+    ``"side"`` on GPU (two larger products per step instead of 2B small ones; not measured: no GPU
+    was lent); ``trl`` is None (TRL's own computation)."""
+    if log_probs == "auto":
+        return "side" if on_gpu else "sequence"
+    return None if log_probs == "trl" else log_probs
+
+
 def _load_causal_lm(path: str, dtype: str, attn: str, trust_remote_code: bool):
     import torch
     from transformers import AutoModelForCausalLM
@@ -373,8 +383,15 @@ def prepared_forward(accelerator, model):
             del model.forward  # back to the class's method
 
 
-def _timed_trainer_class():
+def _timed_trainer_class(layout: str | None = "sequence"):
+    """The stage's ``trl.DPOTrainer`` subclass. ``layout``: how :mod:`online_rlhf.completion_logps`
+    runs the rows (``"sequence"``, ``"side"``), or None for TRL's own log-prob computation."""
     from trl import DPOTrainer
+
+    from online_rlhf.completion_logps import row_groups
+
+    if layout is not None:
+        row_groups(2, layout)  # ValueError on an unknown layout
 
     class TimedDPOTrainer(DPOTrainer):
         """DPOTrainer that trains on the stage's token ids and records the seconds spent precomputing
@@ -389,6 +406,44 @@ def _timed_trainer_class():
         """
 
         precompute_seconds = 0.0
+        # Log-probs from the completion positions only, rows unpadded (online_rlhf.completion_logps),
+        # in this layout; None = TRL's own computation. Settings that need TRL's code (e.g. another
+        # loss type) turn it off at the first use: `completion_logps_refused` keeps the reason.
+        completion_logps_request: str | None = layout
+        completion_logps_refused: str | None = None
+        _completion_layout_resolved = False
+        _completion_layout: str | None = None
+
+        def completion_layout(self) -> str | None:
+            """The layout :mod:`online_rlhf.completion_logps` runs in for this trainer, or None when
+            TRL's ``_compute_loss`` runs (the request was None, or ``fast_path_refusal`` named a
+            reason, kept in ``completion_logps_refused``). Decided once, at the first batch."""
+            if not self._completion_layout_resolved:
+                from online_rlhf.completion_logps import fast_path_refusal
+
+                if self.completion_logps_request is None:
+                    self.completion_logps_refused = "turned off"
+                else:
+                    self.completion_logps_refused = fast_path_refusal(self)
+                self._completion_layout = None if self.completion_logps_refused else self.completion_logps_request
+                self._completion_layout_resolved = True
+            return self._completion_layout
+
+        def _compute_loss(self, model, inputs, return_outputs):
+            layout = self.completion_layout()
+            if layout is None or return_outputs:  # return_outputs wants the full logits
+                return super()._compute_loss(model, inputs, return_outputs)
+            from online_rlhf.completion_logps import compute_loss
+
+            return compute_loss(self, model, inputs, layout)
+
+        def compute_ref_log_probs(self, model, inputs):
+            layout = self.completion_layout()
+            if layout is None:
+                return super().compute_ref_log_probs(model, inputs)
+            from online_rlhf.completion_logps import reference_logps
+
+            return reference_logps(self, model, inputs, layout).chunk(2)
 
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
             if not {"prompt_ids", "chosen_ids", "rejected_ids"} <= set(dataset.column_names or ()):
@@ -564,7 +619,7 @@ def main(cfg: DPOStageConfig) -> DPOStats:
 
     # 4. train
     t0 = time.perf_counter()
-    trainer = _timed_trainer_class()(model=policy, ref_model=ref_model, args=args, train_dataset=train_ds,
+    trainer = _timed_trainer_class(log_probs_layout(cfg.log_probs, on_gpu))(model=policy, ref_model=ref_model, args=args, train_dataset=train_ds,
                                      processing_class=tokenizer, peft_config=lora_config)
     init_s = time.perf_counter() - t0
     if len(trainer.train_dataset) != len(kept):  # TRL dropped something we did not count
@@ -623,6 +678,7 @@ def main(cfg: DPOStageConfig) -> DPOStats:
         deepspeed_zero_stage=args.deepspeed_plugin.zero_stage if args.deepspeed_plugin else None,
         steps=trainer.state.global_step,
         sequence_tokens=len_info["sequence_tokens"],
+        log_probs={"layout": trainer.completion_layout(), "trl_because": trainer.completion_logps_refused},
         epochs=round(float(trainer.state.epoch or 0.0), 4),
         train_loss_mean=train_out.training_loss,
         **summarize_log_history(trainer.state.log_history),
