@@ -11,7 +11,8 @@ bash scripts/setup_envs.sh all
 .venv-train/bin/python scripts/prepare_default.py
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 rc=0
-.venv-train/bin/python -m pytest -m "not vllm" tests "$@" || rc=$?
+# The two TRL-comparison benches (marker trl_comparison) take tens of minutes: `-m trl_comparison` runs them.
+.venv-train/bin/python -m pytest -m "not vllm and not trl_comparison" tests "$@" || rc=$?
 # vLLM tests live in files that import only what the inference env has.
 .venv-infer/bin/python -m pytest -m vllm tests/test_generation*.py "$@" || { r=$?; [[ $r -eq 5 ]] || rc=$r; }
 exit "$rc"

@@ -83,6 +83,7 @@ def _needs_full_envs():
 
 
 @pytest.mark.slow
+@pytest.mark.trl_comparison
 def test_iteration_vs_trl_then_breakdown_and_roofline_on_its_run(tmp_path):
     from online_rlhf.testing import make_tiny_policy
 
@@ -99,6 +100,7 @@ def test_iteration_vs_trl_then_breakdown_and_roofline_on_its_run(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.trl_comparison
 def test_grpo_vs_trl(tmp_path):
     from online_rlhf.testing import make_tiny_policy
 
