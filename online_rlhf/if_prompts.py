@@ -38,6 +38,7 @@ import re
 import sys
 from collections import Counter
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator, Optional
 
 from pydantic import Field, model_validator
@@ -259,6 +260,7 @@ def build(base: list[dict], cfg: IFPromptsConfig, against: list[dict] | None) ->
     out: list[dict] = []
     per_prompt: Counter = Counter()
     per_id: Counter = Counter()
+    short = 0
     for row in base:
         if cfg.n is not None and len(out) >= cfg.n:
             break
@@ -284,9 +286,12 @@ def build(base: list[dict], cfg: IFPromptsConfig, against: list[dict] | None) ->
                     "base_id": str(row["id"]), **extra})
         per_prompt[len(chosen)] += 1
         per_id.update(chosen)
+        if len(chosen) < cfg.min_constraints:  # every compatible id was used up: counted, never silent
+            short += 1
     stats = {"base_prompts_in": len(base), "prompts_out": len(out), "skipped": dict(skipped),
              "skipped_examples": examples, "constraints_per_prompt": {str(k): v for k, v in sorted(per_prompt.items())},
              "prompts_per_instruction": dict(sorted(per_id.items())),
+             "prompts_below_min_constraints": short,
              "decontamination": None if against is None else {"against_prompts": len(against), "ngram": cfg.ngram,
                                                               "ngrams": len(grams)},
              "seed": cfg.seed, "min_constraints": cfg.min_constraints, "max_constraints": cfg.max_constraints,
@@ -317,7 +322,17 @@ def main(cfg: IFPromptsConfig) -> dict:
             raise ConfigError(f"decontaminate=default: {path} is missing; run .venv-train/bin/python "
                               "scripts/prepare_default.py first, or give decontaminate=<file> (or null: off).")
         against = load_prompts(path)
+    if cfg.input is not None and Path(cfg.output).resolve() == Path(cfg.input).resolve():
+        raise ConfigError(f"output={cfg.output} is the input file; write the IF prompts to another file.")
+    if Path(cfg.output).is_dir():
+        raise ConfigError(f"output={cfg.output} is a folder; give a file name, e.g. {Path(cfg.output) / 'if_prompts.jsonl'}.")
+    if Path(cfg.output).suffix != ".jsonl":
+        raise ConfigError(f"output={cfg.output}: the IF prompts are written as JSONL; name the file *.jsonl.")
     records, stats = build(base, cfg, against)
+    if stats["prompts_below_min_constraints"]:
+        print(f"warning: {stats['prompts_below_min_constraints']} prompt(s) got fewer than min_constraints="
+              f"{cfg.min_constraints} constraints: the registry's conflicts left no compatible instruction id for them "
+              "(prompts_below_min_constraints in the stats).", file=sys.stderr)
     if not records:
         from .jsonl import DataError
 

@@ -1,7 +1,7 @@
 """A recipe over several seeds, and one table that says whether it made the model better.
 
     .venv-train/bin/python -m online_rlhf.seeds configs/if_dpo.yaml --seeds 1 2 3
-    .venv-train/bin/python -m online_rlhf.seeds configs/if_dpo.yaml --seeds 1 2 3 dpo.training.beta=0.05
+    .venv-train/bin/python -m online_rlhf.seeds configs/if_dpo.yaml dpo.training.beta=0.05 --seeds 1 2 3   # runs if_dpo_<hash>_seedS
     .venv-train/bin/python -m online_rlhf.seeds configs/if_dpo.yaml --seeds 1 2 3 --table-only
 
 Runs ``bash run_loop.sh CONFIG seed=S run_name=<run_name>_seed<S> [overrides]`` for each seed in
@@ -37,8 +37,18 @@ from .jsonl import DataError, read_jsonl, write_json
 from .paths import PROJECT_ROOT
 
 
+def recipe_name(base: str, overrides: list[str] = ()) -> str:
+    """The recipe's name: ``base`` (the config's run_name), plus ``_<8 hex of sha256>`` of the sorted
+    overrides when there are any, so that a variant never reuses or overwrites another recipe's runs."""
+    import hashlib
+
+    if not overrides:
+        return base
+    return f"{base}_{hashlib.sha256(' '.join(sorted(overrides)).encode()).hexdigest()[:8]}"
+
+
 def run_name_of(base: str, seed: int) -> str:
-    """``<base>_seed<seed>``: the run directory name of one seed."""
+    """``<base>_seed<seed>``: the run directory name of one seed (``base`` from :func:`recipe_name`)."""
     return f"{base}_seed{seed}"
 
 
@@ -123,7 +133,7 @@ def seed_summary(run_dir: Path) -> dict[str, Any]:
             "gained": test["new_only"], "lost": test["base_only"], "mcnemar_p": test["p_value"],
             "length_constraints_strict": length,
             "heldout_reward": [rows[0].get("eval_reward_mean"), rows[last].get("eval_reward_mean")],
-            "heldout_diff": vs0.get("mean_diff"), "heldout_p": vs0.get("p_value"),
+            "heldout_diff": vs0.get("diff"), "heldout_p": vs0.get("p_value"),
             "median_tokens": [rows[0].get("eval_median_response_tokens"), rows[last].get("eval_median_response_tokens")],
             "kl": kl, "stage_seconds": round(seconds, 1)}
 
@@ -215,11 +225,18 @@ def run_seed(config: str, seed: int, base: str, overrides: list[str]) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m online_rlhf.seeds", description=__doc__.split("\n\n")[0])
     ap.add_argument("config", help="the recipe's loop YAML (e.g. configs/if_dpo.yaml)")
-    ap.add_argument("overrides", nargs="*", help="key=value overrides for every seed (not seed= or run_name=)")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="seeds to run (default 1 2 3)")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides for every seed (not seed= or run_name=); a "
+                    "recipe with overrides gets its own run names: <run_name>_<hash of the overrides>_seed<S>")
+    ap.add_argument("--seeds", nargs="+", default=["1", "2", "3"], help="seeds to run (default 1 2 3)")
     ap.add_argument("--table-only", action="store_true", help="run nothing; tabulate the seeds' finished runs")
     args = ap.parse_args(argv)
+    # key=value words given after --seeds are overrides too
+    args.overrides += [w for w in args.seeds if "=" in w]
     try:
+        bad = [w for w in args.seeds if "=" not in w and not w.lstrip("-").isdigit()]
+        if bad:
+            raise ConfigError(f"--seeds {' '.join(bad)}: seeds are whole numbers.")
+        args.seeds = [int(w) for w in args.seeds if "=" not in w]
         from .loop import resolve
 
         for o in args.overrides:
@@ -227,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"{o!r}: overrides are key=value.")
             if o.split("=", 1)[0] in ("seed", "run_name"):
                 raise ConfigError(f"{o}: the seeds command sets seed= and run_name= itself (one run per --seeds value).")
+        if not Path(args.config).is_file() and not (PROJECT_ROOT / args.config).is_file():
+            raise ConfigError(f"{args.config}: no such recipe file (give the loop YAML, e.g. configs/if_dpo.yaml).")
         if len(set(args.seeds)) != len(args.seeds):
             raise ConfigError(f"--seeds {' '.join(map(str, args.seeds))}: a seed is given twice.")
         # paths as run_loop.sh takes them: the config from here (else the project root), output_root=
@@ -238,13 +257,18 @@ def main(argv: list[str] | None = None) -> int:
                           for o in args.overrides]
         cfg = resolve(args.config, args.overrides)
         root = Path(cfg.output_root) if Path(cfg.output_root).is_absolute() else PROJECT_ROOT / cfg.output_root
+        name = recipe_name(cfg.run_name, args.overrides)
         walls: dict[int, float] = {}
         if not args.table_only:
             for s in args.seeds:
-                walls[s] = run_seed(args.config, s, cfg.run_name, args.overrides)
+                walls[s] = run_seed(args.config, s, name, args.overrides)
         summaries = []
         for s in args.seeds:
-            row = seed_summary(root / run_name_of(cfg.run_name, s))
+            run = root / run_name_of(name, s)
+            if (run / ".lock").is_file() and not (run / "report.md").is_file():
+                raise DataError(f"{run}: seed {s} has not finished (no report.md yet); wait for it or run it, then "
+                                "tabulate again.")
+            row = seed_summary(run)
             row["seed"] = s
             row["wall_s"] = round(walls[s], 1) if s in walls else None
             summaries.append(row)
@@ -252,8 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     pool = pooled(summaries)
-    out = root / f"{cfg.run_name}_seeds"
-    title = f"{cfg.run_name}: {len(summaries)} seeds ({args.config}{' ' + ' '.join(args.overrides) if args.overrides else ''})"
+    out = root / f"{name}_seeds"
+    title = f"{name}: {len(summaries)} seeds ({args.config}{' ' + ' '.join(args.overrides) if args.overrides else ''})"
     text = table(summaries, pool, title)
     out.mkdir(parents=True, exist_ok=True)
     from .jsonl import atomic_open

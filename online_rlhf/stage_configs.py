@@ -337,7 +337,7 @@ class LoopConfig(StageConfig):
     iterations: int = Field(2, ge=1, description="number of generate -> reward -> pairs -> DPO rounds")
     policy: str = Field("default", description="starting policy: dir, Hub id or 'default'")
     sft: dict[str, Any] = Field(default_factory=lambda: {"enabled": False}, description="enabled: run sft/ first; config: Axolotl YAML; overrides")
-    train_prompts: str = Field("default", description="train prompt set ('default' = IFBench train split)")
+    train_prompts: str = Field("default", description="train prompt set ('default' = the IF prompts .cache/data/if_train.jsonl: IFEval constraint types on the project's own templates)")
     eval_prompts: str = Field("default", description="held-out prompt set ('default' = IFBench held-out split)")
     prompt_field: Optional[str] = Field(None, description="prompt column (text or message list) of the train set, if not messages/prompt; also of the held-out set unless eval_prompt_field is set")
     eval_prompt_field: Optional[str] = Field(None, description="prompt column of the held-out set (default: prompt_field)")

@@ -104,7 +104,7 @@ def test_rerun_skips_every_stage(full_run):
     p = _run_loop(args, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     # iteration 0: held-out eval + IFEval; 1: 6 stages + KL (2); 2: the same + IFEval (ifeval.when=ends)
-    assert p.stdout.count("done earlier, skipped") == 4 + 8 + 10
+    assert p.stdout.count("done earlier, skipped") == 4 + 10 + 10  # configs/loop.yaml: IFEval every iteration
     assert (run_dir / "metrics.jsonl").read_text() == before
 
 
@@ -192,9 +192,9 @@ def test_a_refused_first_run_leaves_nothing_and_fresh_clears_the_leftovers_of_ol
     (trap / "iter_1" / "configs").mkdir(parents=True)
     (trap / "iter_1" / "configs" / "generate.yaml").write_text("k: 3\n")
     (trap / ".lock").write_text("")
-    p = _run_loop([*args, "--fresh"], timeout=300)
-    assert p.returncode == 2 and "fresh start" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
-    assert not (trap / "iter_1").exists()
+    p = _run_loop([*args, "--fresh"], timeout=300)  # the plan is checked before anything is emptied
+    assert p.returncode == 2 and "fresh start" not in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+    assert (trap / "iter_1" / "configs" / "generate.yaml").exists()
 
 
 def test_second_loop_on_a_busy_run_dir_is_refused(tiny_policy, tmp_path):
@@ -216,11 +216,11 @@ def test_second_loop_on_a_busy_run_dir_is_refused(tiny_policy, tmp_path):
     assert p.returncode == 1 and "in use by another run_loop.sh" in p.stderr
     assert (tmp_path / "busy" / "iter_0" / "kept.txt").read_text() == "still here"
     assert not (tmp_path / "busy" / "config.yaml").exists()
-    # free again, and a run dir (it has a config.yaml): --fresh clears it (the plan then stops on a
-    # bad held-out prompt file, before any stage)
+    # free again, and a run dir (it has a config.yaml): --fresh first checks the new plan, which stops
+    # on a bad held-out prompt file, so the old run is left as it was
     (tmp_path / "busy" / "config.yaml").write_text("# online_rlhf run config, resolved from an earlier run\n")
     bad = tmp_path / "bad_eval.jsonl"
     bad.write_text('{"id": "e0", "prompt": "fine"}\n{not json\n')
     p = _run_loop([*args, f"eval_prompts={bad}", "--fresh"], timeout=300)
     assert p.returncode != 0 and f"{bad}:2" in p.stderr, p.stderr[-2000:]
-    assert "fresh start" in p.stdout and not (tmp_path / "busy" / "iter_0" / "kept.txt").exists()
+    assert "fresh start" not in p.stdout and (tmp_path / "busy" / "iter_0" / "kept.txt").exists()

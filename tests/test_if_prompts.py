@@ -106,3 +106,14 @@ def test_the_default_if_prompts_share_no_8gram_with_ifeval():
     bases = {r["base_id"]: r["messages"][-1]["content"] for r in train}
     templates = {r["id"]: r["prompt"][0]["content"] for r in ifp.template_prompts()}
     assert all(not (ifp.word_ngrams(templates[b], 8) & grams) for b in bases)
+
+
+def test_output_over_the_input_or_a_folder_is_refused_and_a_short_draw_is_counted(tmp_path):
+    src = tmp_path / "in.jsonl"
+    write_jsonl(src, [{"id": "a", "prompt": "Describe a sunrise."}])
+    for out, msg in ((src, "is the input file"), (tmp_path, "is a folder"), (tmp_path / "o.parquet", "name the file")):
+        with pytest.raises(ConfigError, match=msg):
+            ifp.main(ifp.IFPromptsConfig(input=str(src), output=str(out), decontaminate=None))
+    # 25 ids cannot all be combined: a prompt asked for 20 gets fewer, and the stats count it
+    _, stats = ifp.build(ifp.template_prompts(20), _cfg(tmp_path, min_constraints=20, max_constraints=20), None)
+    assert stats["prompts_below_min_constraints"] == 20

@@ -24,7 +24,7 @@ def _run(root: Path, seed: int, base_pass: list[bool], last_pass: list[bool], la
     rows = [{"iteration": 0, "eval_reward_mean": 0.1, "eval_median_response_tokens": 200, "kl": {"kl_mean": 0.0},
              "stage_seconds": {"eval_generate": 10.0}},
             {"iteration": last, "eval_reward_mean": 0.1 + heldout_diff, "eval_median_response_tokens": 150,
-             "eval_reward_vs_0": {"mean_diff": heldout_diff, "p_value": 0.04}, "kl": {"kl_mean": 1.5},
+             "eval_reward_vs_0": {"diff": heldout_diff, "p_value": 0.04}, "kl": {"kl_mean": 1.5},
              "stage_seconds": {"generate": 100.0, "dpo": 50.0}}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return run
@@ -76,3 +76,16 @@ def test_seed_and_run_name_overrides_are_refused(capsys):
     assert "sets seed= and run_name= itself" in capsys.readouterr().err
     assert seeds.main(["configs/loop.yaml", "--seeds", "1", "1", "--table-only"]) == 2
     assert "given twice" in capsys.readouterr().err
+
+
+def test_a_variant_recipe_gets_its_own_run_names_and_overrides_may_follow_seeds(tmp_path, capsys):
+    assert seeds.recipe_name("rec") == "rec"
+    a, b = seeds.recipe_name("rec", ["dpo.training.beta=0.05"]), seeds.recipe_name("rec", ["dpo.training.beta=0.2"])
+    assert a != b and a.startswith("rec_") and seeds.recipe_name("rec", ["x=1", "y=2"]) == seeds.recipe_name("rec", ["y=2", "x=1"])
+    # words after --seeds with '=' are overrides; the variant's runs are looked for under its own name
+    rc = seeds.main(["configs/loop.yaml", f"output_root={tmp_path}", "--seeds", "1", "dpo.training.beta=0.05",
+                     "--table-only"])
+    want = seeds.recipe_name("default", ["dpo.training.beta=0.05", f"output_root={tmp_path}"]) + "_seed1"
+    assert rc == 2 and f"{tmp_path / want}/metrics.jsonl: missing" in capsys.readouterr().err
+    assert seeds.main(["configs/loop.yaml", "--seeds", "one", "--table-only"]) == 2
+    assert "whole numbers" in capsys.readouterr().err
