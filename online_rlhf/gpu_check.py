@@ -47,6 +47,7 @@ from typing import Callable, Optional
 
 from .jsonl import read_json, write_json, write_jsonl
 from .paths import PROJECT_ROOT, default_model_dir
+from .testing import constraint_prompts
 
 COMPONENTS = ("plan", "generation", "rm_scoring", "dpo_zero2", "tied_weights", "grpo", "loop")
 MODELS = ("tiny", "default")
@@ -136,17 +137,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _constraint_prompts(path: Path, n: int, prefix: str) -> Path:
-    """``n`` prompts with instruction-following constraints that short random text meets sometimes
-    (so the verifier's partial credit differs between K responses and the loop's pairs exist)."""
-    ids = ["keywords:letter_frequency", "length_constraints:number_words", "punctuation:no_comma"]
-    kwargs = [{"letter": "e", "let_frequency": 2, "let_relation": "at least"},
-              {"relation": "less than", "num_words": 8}, {}]
-    write_jsonl(path, [{"id": f"{prefix}{j}", "prompt": f"Say something short about topic {j}.",
-                        "instruction_id_list": ids, "kwargs": kwargs} for j in range(n)])
-    return path
 
 
 def _model_dir(model: str, work: Path) -> Path:
@@ -319,8 +309,8 @@ def build_checks(args: argparse.Namespace, work: Path, gpus: int, attn: str) -> 
     Raises: nothing; a model whose plan fails gets a failed ``plan`` check and no others.
     """
     checks: list[Check] = []
-    _constraint_prompts(work / "prompts" / "train.jsonl", PROMPTS_PER_GPU * gpus, "t")
-    _constraint_prompts(work / "prompts" / "eval.jsonl", 2 * gpus, "e")
+    constraint_prompts(work / "prompts" / "train.jsonl", PROMPTS_PER_GPU * gpus, "t")
+    constraint_prompts(work / "prompts" / "eval.jsonl", 2 * gpus, "e")
     t = args.timeout_s
     for model in args.models:
         t0 = time.monotonic()

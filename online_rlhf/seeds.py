@@ -101,7 +101,6 @@ def seed_summary(run_dir: Path) -> dict[str, Any]:
         DataError: no metrics, or a missing IFEval result at iteration 0 or the last (names the file).
     """
     from .evaluation import mcnemar_exact
-    from .jsonl import read_json
 
     mpath = run_dir / "metrics.jsonl"
     if not mpath.is_file():
@@ -123,11 +122,7 @@ def seed_summary(run_dir: Path) -> dict[str, Any]:
     vs0 = rows[last].get("eval_reward_vs_0") or {}
     kl = (rows[last].get("kl") or {}).get("kl_mean")
     seconds = sum(v or 0.0 for r in rows.values() for v in (r.get("stage_seconds") or {}).values())
-    try:
-        seed = read_json(run_dir / "plan.json").get("seed") if (run_dir / "plan.json").is_file() else None
-    except DataError:
-        seed = None
-    return {"run_dir": str(run_dir), "seed": seed, "iteration": last, "prompts": len(common),
+    return {"run_dir": str(run_dir), "seed": None, "iteration": last, "prompts": len(common),
             "ifeval_prompt_strict": ps, "ifeval_prompt_strict_diff": ps[1] - ps[0],
             "ifeval_instruction_strict": ins, "ifeval_instruction_strict_diff": ins[1] - ins[0],
             "gained": test["new_only"], "lost": test["base_only"], "mcnemar_p": test["p_value"],

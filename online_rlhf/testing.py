@@ -299,3 +299,16 @@ def example_stats(cls, **overrides):
                     "mean_response_tokens": 10.0, "dtype": "float32", "hardware": hw, "seconds": 1.0},
     }
     return cls.model_validate({**examples[cls], **overrides})
+
+
+def constraint_prompts(path: Path, n: int, prefix: str) -> Path:
+    """``n`` prompts with instruction-following constraints that short random text meets sometimes
+    (so the verifier's partial credit differs between K responses and the loop's pairs exist)."""
+    from .jsonl import write_jsonl
+
+    ids = ["keywords:letter_frequency", "length_constraints:number_words", "punctuation:no_comma"]
+    kwargs = [{"letter": "e", "let_frequency": 2, "let_relation": "at least"},
+              {"relation": "less than", "num_words": 8}, {}]
+    write_jsonl(path, [{"id": f"{prefix}{j}", "prompt": f"Say something short about topic {j}.",
+                        "instruction_id_list": ids, "kwargs": kwargs} for j in range(n)])
+    return path

@@ -18,7 +18,7 @@ import yaml
 
 from online_rlhf.jsonl import read_json, read_jsonl, write_jsonl
 from online_rlhf.paths import default_data_dir, default_model_dir
-from online_rlhf.testing import make_tiny_policy
+from online_rlhf.testing import constraint_prompts, make_tiny_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow]
@@ -42,21 +42,12 @@ def tiny_policy(tmp_path_factory):
     return make_tiny_policy(tmp_path_factory.mktemp("policy") / "tiny", seed=3)
 
 
-def _constraint_prompts(path: Path, n: int, prefix: str) -> Path:
-    ids = ["keywords:letter_frequency", "length_constraints:number_words", "punctuation:no_comma"]
-    kwargs = [{"letter": "e", "let_frequency": 2, "let_relation": "at least"},
-              {"relation": "less than", "num_words": 8}, {}]
-    write_jsonl(path, [{"id": f"{prefix}{j}", "prompt": f"Say something short about topic {j}.",
-                        "instruction_id_list": ids, "kwargs": kwargs} for j in range(n)])
-    return path
-
-
 @pytest.fixture(scope="module")
 def full_run(tiny_policy, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
     data = tmp_path_factory.mktemp("prompts")
-    train = _constraint_prompts(data / "train.jsonl", 12, "t")
-    evals = _constraint_prompts(data / "eval.jsonl", 6, "e")
+    train = constraint_prompts(data / "train.jsonl", 12, "t")
+    evals = constraint_prompts(data / "eval.jsonl", 6, "e")
     args = ["configs/loop.yaml", f"policy={tiny_policy}", f"output_root={out}", "run_name=full",
             f"train_prompts={train}", f"eval_prompts={evals}", *SMALL]
     p = _run_loop(args)
