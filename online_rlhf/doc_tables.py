@@ -1,0 +1,324 @@
+"""The key and stats tables of the docs pages, generated from the classes that define them.
+
+Each stage page under ``docs/`` holds, between two marker comments, a Markdown table of its config
+class (``online_rlhf.stage_configs``: key, type, default, description, and the loop key that sets
+it) and one of its stats class (``online_rlhf.stats``: key, type)::
+
+    <!-- keys:dpo start -->
+    ...generated table...
+    <!-- keys:dpo end -->
+
+The classes are the one source of these facts; a page's prose around the tables is written by hand.
+:data:`PAGES` says which page documents which rows of the stage table and which tables it holds.
+
+    python -m online_rlhf.doc_tables --write    # rewrite every table in place
+    python -m online_rlhf.doc_tables --check    # exit 1, naming each table that disagrees with its class
+
+``tests/test_docs.py`` runs the check and also fails when a stage of
+:data:`online_rlhf.stage_table.STAGES` has no page. Importable without torch or vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel
+
+from .config import StageConfig
+from .paths import PROJECT_ROOT
+from .stage_configs import (LOOP_OWNED, DPOStageConfig, GenerateConfig, GRPOStageConfig, IFEvalScoreConfig,
+                            IFEvalSection, KLConfig, LoopConfig, PairsConfig, RewardConfig, SFTDataConfig,
+                            SFTStageConfig)
+from .stats import (DPOStats, GenerateShardStats, GenerateStats, GRPOStats, IFEvalStats, KLStats, PairsStats,
+                    RewardStats, SFTDataStats, SFTStats)
+
+
+@dataclass(frozen=True)
+class Table:
+    """One generated table of a page.
+
+    Attributes:
+        name: the marker's name (``<!-- keys:<name> start -->``), unique over all pages.
+        kind: ``keys`` (a config class) or ``stats`` (a stats class).
+        cls: the pydantic class the table is rendered from.
+        sections: the loop sections whose keys feed this config (``("dpo",)``), for the column
+            "set in the loop as"; empty when no loop section does.
+        stage: the stage-table row whose ``build`` sets the keys of a config with no loop section
+            (the column then says which keys the plan sets and which keep their default).
+    """
+
+    name: str
+    kind: Literal["keys", "stats"]
+    cls: type[BaseModel]
+    sections: tuple[str, ...] = ()
+    stage: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Page:
+    """A docs page and what it documents: ``path`` (from the project root), the rows of the stage
+    table it is the page of (``stages``; none for a page that is not a stage's) and its tables."""
+
+    path: str
+    stages: tuple[str, ...]
+    tables: tuple[Table, ...]
+
+
+PAGES: tuple[Page, ...] = (
+    Page("docs/generation.md", ("generate", "eval_generate", "kl_generate", "ifeval_generate"), (
+        Table("generation", "keys", GenerateConfig, ("generation", "evaluation")),
+        Table("generation", "stats", GenerateStats),
+        Table("generation_shard", "stats", GenerateShardStats))),
+    Page("docs/rewards.md", ("rewards", "eval_rewards"), (
+        Table("rewards", "keys", RewardConfig, ("reward",)),
+        Table("rewards", "stats", RewardStats))),
+    Page("docs/pairs.md", ("pairs",), (
+        Table("pairs", "keys", PairsConfig, ("pairs",)),
+        Table("pairs", "stats", PairsStats))),
+    Page("docs/dpo.md", ("dpo",), (
+        Table("dpo", "keys", DPOStageConfig, ("dpo",)),
+        Table("dpo", "stats", DPOStats))),
+    Page("docs/grpo.md", ("grpo",), (
+        Table("grpo", "keys", GRPOStageConfig, ("grpo",)),
+        Table("grpo", "stats", GRPOStats))),
+    Page("docs/sft.md", ("sft",), (
+        Table("sft", "keys", SFTStageConfig, ("sft",)),
+        Table("sft", "stats", SFTStats),
+        Table("sft_data", "keys", SFTDataConfig),
+        Table("sft_data", "stats", SFTDataStats))),
+    Page("docs/kl.md", ("kl",), (
+        Table("kl", "keys", KLConfig, stage="kl"),
+        Table("kl", "stats", KLStats))),
+    Page("docs/ifeval-score.md", ("ifeval_score",), (
+        Table("ifeval_score", "keys", IFEvalScoreConfig, stage="ifeval_score"),
+        Table("ifeval_score", "stats", IFEvalStats))),
+    Page("docs/custom.md", (), (
+        Table("loop", "keys", LoopConfig),)),
+    Page("docs/evaluation.md", (), (
+        Table("ifeval_section", "keys", IFEvalSection, ("ifeval",)),)),
+)
+
+# Keys of the loop's `sft` section that the loop sets itself (online_rlhf.loop_keys refuses them
+# there); the section has no class of its own, so LOOP_OWNED has no entry for it.
+_SFT_OWNED = ("base_model", "output_dir", "dry_run")
+
+
+def _cell(text: str) -> str:
+    """Text safe inside a Markdown table cell: on one line, ``|`` escaped, and outside code spans
+    ``\\``, ``<`` and ``*`` escaped so that ``<output>`` or ``*.safetensors`` render as written."""
+    parts = " ".join(str(text).split()).split("`")
+    for i, part in enumerate(parts):
+        if i % 2 == 0:  # outside a code span
+            part = part.replace("\\", "\\\\").replace("<", "&lt;").replace("*", "\\*")
+        parts[i] = part.replace("|", "\\|")
+    return "`".join(parts)
+
+
+def summary(cls: type) -> str:
+    """The first paragraph of ``cls``'s docstring on one line, RST double backticks as Markdown's single."""
+    doc = inspect.cleandoc(cls.__doc__ or "")
+    return " ".join(doc.split("\n\n", 1)[0].split()).replace("``", "`")
+
+
+def _is_model(t: Any) -> bool:
+    return isinstance(t, type) and issubclass(t, BaseModel)
+
+
+def type_name(annotation: Any) -> str:
+    """A field's type in words: ``int``, ``float or null``, ``cpu / zero2 / zero3`` (a Literal),
+    ``mapping``, ``list of str``, ``section`` (a loop section typed by a stage class), ``object: a, b``
+    (a nested model with fixed keys)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is type(None):
+        return "null"
+    if origin is Literal:
+        return " / ".join(str(a) for a in args)
+    if origin is typing.Union or (origin is not None and getattr(origin, "__name__", "") == "UnionType"):
+        rest = [a for a in args if a is not type(None)]
+        text = " / ".join(type_name(a) for a in rest)
+        return f"{text} or null" if len(rest) < len(args) else text
+    if origin in (dict, typing.Dict):
+        return "mapping"
+    if origin in (list, typing.List, tuple):
+        return f"list of {type_name(args[0])}" if args else "list"
+    if _is_model(annotation):
+        if not issubclass(annotation, StageConfig):
+            return "object: " + ", ".join(annotation.model_fields)
+        return "section"
+    if annotation is Any:
+        return "any"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _value(v: Any) -> str:
+    """A default as YAML would write it in one line: ``null``, ``true``, ``2e-05``, ``{k: 1}``."""
+    if isinstance(v, BaseModel):
+        v = v.model_dump(mode="json", exclude_unset=True)
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}: {_value(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    if isinstance(v, str):
+        return v if v else '""'
+    return json.dumps(v)
+
+
+def _default(field) -> str:
+    if field.is_required():
+        return "required"
+    value = field.default_factory() if field.default_factory is not None else field.default
+    return "`" + _value(value).replace("|", "\\|") + "`"
+
+
+def _planned_keys(stage: str) -> set[str]:
+    """The keys the loop's plan writes for ``stage`` (its row's ``build`` on the default loop config)."""
+    from .stage_table import STAGES
+
+    return set(STAGES[stage].build(LoopConfig(), Path("/run"), 1))
+
+
+def _loop_column(table: Table, key: str, planned: set[str]) -> str:
+    """Where the loop sets ``key`` of ``table``'s config: its section keys (``dpo.beta``), ``the
+    plan`` (the loop writes it itself, from the run layout or a top-level key), or ``-`` (the loop
+    leaves the stage's default; set it by hand)."""
+    if table.sections == ("ifeval",):
+        return f"`ifeval.{key}`"
+    if table.sections:
+        owned = _SFT_OWNED if table.sections == ("sft",) else LOOP_OWNED[table.sections[0]]
+        return "the plan" if key in owned else ", ".join(f"`{s}.{key}`" for s in table.sections)
+    return "the plan" if key in planned else "-"
+
+
+def render(table: Table) -> str:
+    """The Markdown of ``table``: the text between its two markers, newline-terminated."""
+    cls = table.cls
+    doc = summary(cls)
+    where = "online_rlhf/stage_configs.py" if table.kind == "keys" else "online_rlhf/stats.py"
+    lines = [f"<!-- generated by `python -m online_rlhf.doc_tables --write` from {cls.__name__}; edit the class, "
+             "not this table -->"]
+    if table.kind == "stats":
+        lines += [f"`{cls.__name__}` ({where}), written by {_cell(getattr(cls, 'WRITTEN_BY', ''))}: {_cell(doc)}", "",
+                  "| key | type |", "|---|---|"]
+        for name, f in cls.model_fields.items():
+            kind = type_name(f.annotation)
+            if not f.is_required():
+                kind += f" (absent in older files: `{_value(f.default)}`)"
+            lines.append(f"| `{name}` | {_cell(kind)} |")
+        return "\n".join(lines) + "\n"
+    with_loop = bool(table.sections or table.stage)
+    planned = _planned_keys(table.stage) if table.stage else set()
+    lines += [f"`{cls.__name__}` ({where}): {_cell(doc)}", "",
+              "| key | type | default | in the loop | description |" if with_loop else
+              "| key | type | default | description |",
+              "|---|---|---|---|---|" if with_loop else "|---|---|---|---|"]
+    for name, f in cls.model_fields.items():
+        desc = f.description or ""
+        if _is_model(f.annotation) and not desc:
+            desc = summary(f.annotation)
+        row = [f"`{name}`", _cell(type_name(f.annotation)), _default(f)]
+        if with_loop:
+            row.append(_loop_column(table, name, planned))
+        lines.append("| " + " | ".join([*row, _cell(desc)]) + " |")
+    if cls.model_config.get("extra") == "allow":
+        lines += ["", "Any other key is passed on as is (the class's docstring says to what)."]
+    return "\n".join(lines) + "\n"
+
+
+def _markers(table: Table) -> tuple[str, str]:
+    return f"<!-- {table.kind}:{table.name} start -->\n", f"<!-- {table.kind}:{table.name} end -->"
+
+
+def _span(text: str, table: Table, page: str) -> tuple[int, int]:
+    """``(start, end)`` of the text between ``table``'s markers in ``text``.
+
+    Raises:
+        ValueError: a marker is missing or given twice (naming the page and the marker).
+    """
+    start, end = _markers(table)
+    if text.count(start) != 1 or text.count(end) != 1:
+        raise ValueError(f"{page}: needs the markers {start.strip()} and {end} once each (found "
+                         f"{text.count(start)} and {text.count(end)}).")
+    a = text.index(start) + len(start)
+    b = text.index(end)
+    if b < a:
+        raise ValueError(f"{page}: {end} comes before {start.strip()}.")
+    return a, b
+
+
+def check(root: Path = PROJECT_ROOT) -> list[str]:
+    """Every disagreement between a page's tables and their classes, one line each (empty: none).
+
+    A missing page, a missing or repeated marker, and a table whose text is not what
+    :func:`render` gives all count."""
+    problems = []
+    for page in PAGES:
+        path = root / page.path
+        if not path.is_file():
+            problems.append(f"{page.path}: no such page")
+            continue
+        text = path.read_text(encoding="utf-8")
+        for table in page.tables:
+            try:
+                a, b = _span(text, table, page.path)
+            except ValueError as e:
+                problems.append(str(e))
+                continue
+            if text[a:b] != render(table):
+                problems.append(f"{page.path}: the {table.kind}:{table.name} table differs from {table.cls.__name__} "
+                                "(python -m online_rlhf.doc_tables --write rewrites it)")
+    return problems
+
+
+def write(root: Path = PROJECT_ROOT) -> list[str]:
+    """Rewrite every table in place; return the pages changed.
+
+    Raises:
+        ValueError: a page lacks a table's markers (add them where the table belongs).
+        FileNotFoundError: a page of :data:`PAGES` does not exist.
+    """
+    changed = []
+    for page in PAGES:
+        path = root / page.path
+        text = old = path.read_text(encoding="utf-8")
+        for table in page.tables:
+            a, b = _span(text, table, page.path)
+            text = text[:a] + render(table) + text[b:]
+        if text != old:
+            path.write_text(text, encoding="utf-8")
+            changed.append(page.path)
+    return changed
+
+
+def stage_pages() -> dict[str, str]:
+    """``{stage name: its page}`` for every stage :data:`PAGES` documents."""
+    return {stage: page.path for page in PAGES for stage in page.stages}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m online_rlhf.doc_tables",
+                                 description="The docs pages' key and stats tables, from the config and stats classes.")
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--write", action="store_true", help="rewrite every table in place")
+    mode.add_argument("--check", action="store_true", help="exit 1 when a table disagrees with its class")
+    args = ap.parse_args(argv)
+    if args.write:
+        for p in write():
+            print(f"rewrote {p}")
+        return 0
+    problems = check()
+    for p in problems:
+        print(p, file=sys.stderr)
+    if not problems:
+        print(f"{sum(len(p.tables) for p in PAGES)} tables on {len(PAGES)} pages agree with their classes")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
