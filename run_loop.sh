@@ -119,7 +119,7 @@ fi
 PLAN="$("$TRAIN" -m online_rlhf.loop plan "$CONFIG" "${OVERRIDES[@]}")" || { rc=$?; undo_new; exit "$rc"; }
 eval "$PLAN"    # RUN_DIR ITERATIONS LAUNCH_PROFILE DRY_RUN
 say "run directory: $RUN_DIR ($ITERATIONS iterations, launch profile $LAUNCH_PROFILE)"
-if [[ "$DRY_RUN" == 1 ]]; then   # dry_run=true: memory check of each model stage, then stop (README "Dry run")
+if [[ "$DRY_RUN" == 1 ]]; then   # dry_run=true: memory check of each model stage, then stop (docs/dry-run.md)
   say "dry run: SFT (if enabled) and iteration 1's model stages, one step each at their largest shapes"
   rc=0; "$TRAIN" -m online_rlhf.loop dry-run "$RUN_DIR" || rc=$?
   exit "$rc"

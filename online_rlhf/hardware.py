@@ -125,7 +125,7 @@ def usable_cores() -> int:
 # libgomp (torch's OpenMP on Linux) spins 300k iterations at every barrier before sleeping. When
 # another job takes one of the cores, a spinning thread waits for its descheduled partner at every
 # small op: 2-thread vLLM decoding fell from 112 to 44 tok/s with one core busy (1 thread: 78).
-# 10k spins kept the idle speed (117 tok/s) and lost less under load (53); see README Performance.
+# 10k spins kept the idle speed (117 tok/s) and lost less under load (53); see docs/performance.md.
 THREAD_ENV_DEFAULTS = {"GOMP_SPINCOUNT": "10000"}
 
 

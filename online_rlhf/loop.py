@@ -85,7 +85,7 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
         raise ConfigError(f"{src}: machine_rank={cfg.machine_rank}: run_loop.sh and the plan run on machine 0 only. "
                           f"On machine {cfg.machine_rank}, run each distributed stage of machine 0's run with "
                           f"`.venv-train/bin/python -m online_rlhf.loop exec RUN_DIR ITER STAGE machine_rank={cfg.machine_rank}` "
-                          "(README: Multi-node and SLURM).")
+                          "(docs/multi-node.md).")
     for i in cfg.per_iteration:
         if not 1 <= i <= cfg.iterations:
             raise ConfigError(f"{src}: per_iteration has iteration {i}, but iterations={cfg.iterations}.")
@@ -836,7 +836,7 @@ def exec_stage(run_dir: Path, i: int, stage: str, overrides: list[str] = (), mac
     on machine 0 only returns at once (nothing to run here); a stage that is already done and fresh
     returns too; otherwise it first waits until the stage before it in machine 0's run is done and
     fresh (its inputs are then written), so that machine k can run every stage of the run in order
-    (README: Multi-node and SLURM) and meet machine 0 at each distributed one.
+    (docs/multi-node.md) and meet machine 0 at each distributed one.
 
     Args:
         overrides: ``key=value`` arguments appended to the stage's command (e.g. ``dry_run=true``);

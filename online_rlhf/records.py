@@ -1,4 +1,4 @@
-"""Record formats shared by the stages (README.md, "Run directory and records") and the prompt-set loader.
+"""Record formats shared by the stages (docs/run-directory.md) and the prompt-set loader.
 
 - prompt set (input): ``messages`` (list of ``{role, content}``) or ``prompt`` (string or
   messages) or another text column named by ``prompt_field``; optional ``id``; any task fields.

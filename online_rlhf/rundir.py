@@ -2,7 +2,7 @@
 the size and hash of each of its outputs as the stage left them.
 
 A stage is skipped on rerun only when its marker exists, the hash matches and its outputs are
-unchanged (README.md, "Run directory"; an output cut, edited or replaced after the stage finished
+unchanged (docs/architecture.md, "Freshness"; an output cut, edited or replaced after the stage finished
 makes the stage run again). The marker is written last and atomically, after the stage's outputs.
 """
 

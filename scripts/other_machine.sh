@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Machine k's part of a multi-machine run without SLURM (README: "Multi-node and SLURM").
+# Machine k's part of a multi-machine run without SLURM (docs/multi-node.md).
 #
 #   bash scripts/other_machine.sh RUN_DIR MACHINE_RANK
 #

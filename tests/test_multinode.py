@@ -1,4 +1,4 @@
-"""Multi-node settings (README: "Multi-node and SLURM"): loop config validation, the launch commands
+"""Multi-node settings (docs/multi-node.md): loop config validation, the launch commands
 for several machines (local and SLURM), the plan's stage configs, ``loop exec machine_rank=R``, and a
 two-"machine" simulation on this host of one DPO step and one reward-model scoring pass, compared
 with the single-machine run of the same config.

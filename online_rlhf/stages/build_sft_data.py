@@ -7,7 +7,7 @@ Recipe: RAFT (Dong et al., 2023, "RAFT: Reward rAnked FineTuning for Generative 
 Alignment"): sample K responses per prompt, rank them by reward, fine-tune on the best one. Here a
 prompt is kept when its best eligible response has ``reward >= min_reward``.
 
-Reads one rewards file (generated records + ``rewards``, README.md "Run directory and records"), writes one SFT JSONL
+Reads one rewards file (generated records + ``rewards``, docs/run-directory.md), writes one SFT JSONL
 in the conversational format sft/run_sft.py and Axolotl's ``chat_template`` loader read:
 
     {"id": ..., "messages": [...prompt, {"role": "assistant", "content": best}], "reward": r}

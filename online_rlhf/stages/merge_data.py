@@ -32,7 +32,7 @@ from online_rlhf.stats import GenerateShardStats, GenerateStats, ShardSummary, s
 
 
 def default_shards_dir(output: str | Path) -> Path:
-    """``generated.jsonl`` -> ``generated/`` (the run directory layout in README.md)."""
+    """``generated.jsonl`` -> ``generated/`` (the run directory layout in docs/run-directory.md)."""
     out = Path(output)
     return out.with_suffix("") if out.suffix == ".jsonl" else out.parent / (out.name + "_shards")
 

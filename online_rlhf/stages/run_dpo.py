@@ -585,7 +585,7 @@ def main(cfg: DPOStageConfig) -> DPOStats:
                         f"(dropped: {dict(dropped)}; e.g. {examples}). " + (
                             "Raise training.max_length / max_prompt_length: the prompts are too long."
                             if set(len_info["dropped"]) == set(dropped) else
-                            "Fix the pairs (schema: README 'Run directory and records'; annotate_data/make_pairs.py "
+                            "Fix the pairs (schema: docs/run-directory.md; annotate_data/make_pairs.py "
                             "writes it)" + (", and raise training.max_length / max_prompt_length for the prompts "
                                             "that are too long." if len_info["dropped"] else ".")))
 
