@@ -226,8 +226,9 @@ def render(table: Table) -> str:
         if with_loop:
             row.append(_loop_column(table, name, planned))
         lines.append("| " + " | ".join([*row, _cell(desc)]) + " |")
-    if cls.model_config.get("extra") == "allow":
-        lines += ["", "Any other key is passed on as is (the class's docstring says to what)."]
+    if cls.model_config.get("extra") == "allow":  # the docstring's next paragraph says where other keys go
+        rest = inspect.cleandoc(cls.__doc__ or "").split("\n\n", 1)[1:]
+        lines += ["", " ".join(rest[0].split()).replace("``", "`") if rest else "Any other key is passed on as is."]
     return "\n".join(lines) + "\n"
 
 
