@@ -303,6 +303,8 @@ def stage_pages() -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m online_rlhf.doc_tables --write | --check``; returns the exit code (1: ``--check``
+    found a table that disagrees with its class, each printed to stderr)."""
     ap = argparse.ArgumentParser(prog="python -m online_rlhf.doc_tables",
                                  description="The docs pages' key and stats tables, from the config and stats classes.")
     mode = ap.add_mutually_exclusive_group(required=True)
