@@ -12,7 +12,9 @@ done:
   of each input (model checkpoint, prompt file: hashed as :func:`online_rlhf.rundir.fingerprint`
   does, whatever their path), the dtype the stage will run in on this hardware
   (:func:`online_rlhf.hardware.compute_dtype`; ``ONLINE_RLHF_CPU_BF16`` and ``ATEN_CPU_CAPABILITY``
-  included) and the inference env's requirements file (the vLLM build);
+  included), the inference env's requirements file (the vLLM build) and the source of the modules
+  that turn a prompt into an answer (:data:`DECODE_CODE`: rendering, tokenization, the engine call),
+  so that a new version of that code decodes afresh instead of reusing stale answers;
 - an entry is a folder ``<cache>/eval/<key>/`` holding ``output.jsonl``, ``stats.json`` and
   ``source.json`` (which run and file it came from), written in a temporary sibling and renamed;
 - a hit copies the output and its stats into the run (each atomically), the stats with
@@ -38,6 +40,10 @@ from .rundir import fingerprint
 
 # Config keys that name where the stage writes, not what it computes.
 _OUTPUT_KEYS = ("output", "shards_dir")
+
+# The package modules whose source decides a cached stage's answers (prompt loading, chat template
+# rendering and tokenization, the vLLM call, the shard launcher and merge), relative to the package.
+DECODE_CODE = ("stages/generate.py", "stages/launch.py", "stages/merge_data.py", "chat_tokens.py", "records.py")
 
 
 def cache_root() -> Path:
@@ -69,6 +75,12 @@ def _hardware_key(d: dict) -> dict:
             "requirements_infer": fingerprint({}, [req], root=req.parent) if req.is_file() else None}
 
 
+def code_key() -> str:
+    """sha256 over the source of :data:`DECODE_CODE` (a missing module hashes as missing)."""
+    pkg = Path(__file__).resolve().parent
+    return fingerprint({}, [pkg / m for m in DECODE_CODE], root=pkg)
+
+
 def cache_key(stage: str, d: dict[str, Any], inputs: list[str]) -> str:
     """The cache key of a stage's resolved config ``d`` with input paths ``inputs``.
 
@@ -87,7 +99,8 @@ def cache_key(stage: str, d: dict[str, Any], inputs: list[str]) -> str:
         if k in values:
             values[k] = "<input>"
     contents = [fingerprint({}, [p], root=p) for p in inputs]  # content only: labelled relative to itself
-    return fingerprint({"stage": stage, "config": values, "inputs": contents, "hardware": _hardware_key(d)})
+    return fingerprint({"stage": stage, "config": values, "inputs": contents, "hardware": _hardware_key(d),
+                        "code": code_key()})
 
 
 def lookup(key: str) -> Optional[Path]:

@@ -173,8 +173,18 @@ def _global_random(seed: int) -> Iterator[None]:
         random.setstate(state)
 
 
+def unsatisfiable(iid: str, kwargs: dict) -> bool:
+    """Whether a drawn constraint cannot be met by any answer: the registry's sampler can ask for
+    "less than 1" sentence or word (``length_constraints:number_sentences``/``number_words`` with
+    ``relation: less than`` and a count of 1), which only an empty answer would pass."""
+    count = kwargs.get("num_sentences", kwargs.get("num_words"))
+    return (iid in ("length_constraints:number_sentences", "length_constraints:number_words")
+            and kwargs.get("relation") == "less than" and count is not None and count <= 1)
+
+
 def sample_constraints(base_text: str, rng: random.Random, k: int, ids: list[str], checkers: dict,
-                       conflicts: dict[str, set[str]]) -> tuple[list[str], list[dict], list[str]]:
+                       conflicts: dict[str, set[str]], redrawn: Counter | None = None
+                       ) -> tuple[list[str], list[dict], list[str]]:
     """Up to ``k`` mutually compatible constraints for one prompt.
 
     Args:
@@ -184,6 +194,8 @@ def sample_constraints(base_text: str, rng: random.Random, k: int, ids: list[str
         k: how many constraints to draw; fewer come back only when no compatible id is left.
         ids: the ids that may be drawn (in registry order).
         checkers, conflicts: from :func:`registry`.
+        redrawn: counts, per instruction id, the kwargs drawn again because :func:`unsatisfiable`
+            said no answer could meet them (up to 8 draws; the last one is kept either way).
     Returns:
         ``(instruction ids, kwargs per id, description per id)``; ``repeat_prompt`` is put last, so
         that the text it asks to repeat is the request before it.
@@ -199,14 +211,19 @@ def sample_constraints(base_text: str, rng: random.Random, k: int, ids: list[str
     chosen.sort(key=lambda i: i == "combination:repeat_prompt")
     kwargs, texts = [], []
     for iid in chosen:
-        checker = checkers[iid](iid)
-        with _global_random(rng.getrandbits(64)):
-            if iid == "combination:repeat_prompt":
-                text = checker.build_description(prompt_to_repeat=base_text)
-            else:
-                text = checker.build_description()
-            args = checker.get_instruction_args() or {}
-        kwargs.append({a: v for a, v in args.items() if v is not None})
+        for _ in range(8):
+            checker = checkers[iid](iid)
+            with _global_random(rng.getrandbits(64)):
+                if iid == "combination:repeat_prompt":
+                    text = checker.build_description(prompt_to_repeat=base_text)
+                else:
+                    text = checker.build_description()
+                args = {a: v for a, v in (checker.get_instruction_args() or {}).items() if v is not None}
+            if not unsatisfiable(iid, args):
+                break
+            if redrawn is not None:
+                redrawn[iid] += 1
+        kwargs.append(args)
         texts.append(text)
     return chosen, kwargs, texts
 
@@ -261,6 +278,7 @@ def build(base: list[dict], cfg: IFPromptsConfig, against: list[dict] | None) ->
     per_prompt: Counter = Counter()
     per_id: Counter = Counter()
     short = 0
+    redrawn: Counter = Counter()
     for row in base:
         if cfg.n is not None and len(out) >= cfg.n:
             break
@@ -278,7 +296,7 @@ def build(base: list[dict], cfg: IFPromptsConfig, against: list[dict] | None) ->
         rng = random.Random(f"if-prompts:{cfg.seed}:{row['id']}")
         text = row["prompt"][-1]["content"].strip()
         k = rng.randint(cfg.min_constraints, cfg.max_constraints)
-        chosen, kwargs, texts = sample_constraints(text, rng, k, ids, checkers, conflicts)
+        chosen, kwargs, texts = sample_constraints(text, rng, k, ids, checkers, conflicts, redrawn)
         messages = [dict(m) for m in row["prompt"]]
         messages[-1]["content"] = " ".join([text, *texts])
         extra = {k2: v for k2, v in row.items() if k2 not in ("id", "prompt")}
@@ -292,6 +310,7 @@ def build(base: list[dict], cfg: IFPromptsConfig, against: list[dict] | None) ->
              "skipped_examples": examples, "constraints_per_prompt": {str(k): v for k, v in sorted(per_prompt.items())},
              "prompts_per_instruction": dict(sorted(per_id.items())),
              "prompts_below_min_constraints": short,
+             "unsatisfiable_redrawn": dict(sorted(redrawn.items())),
              "decontamination": None if against is None else {"against_prompts": len(against), "ngram": cfg.ngram,
                                                               "ngrams": len(grams)},
              "seed": cfg.seed, "min_constraints": cfg.min_constraints, "max_constraints": cfg.max_constraints,

@@ -53,6 +53,21 @@ def test_the_key_follows_content_and_settings_not_paths_or_a_greedy_seed(tmp_pat
     assert eval_cache.cache_key("eval_generate", d, [str(m), str(p2)]) != key
 
 
+def test_a_change_to_the_decoding_code_changes_the_key(tmp_path, cache, monkeypatch):
+    # a later version that renders prompts differently must decode afresh, not reuse stale answers
+    m, p = _model(tmp_path / "model"), _prompts(tmp_path / "prompts.jsonl")
+    d = {"model": str(m), "prompts": str(p), "temperature": 0.0, "k": 1, "max_tokens": 64}
+    key = eval_cache.cache_key("eval_generate", d, [str(m), str(p)])
+    pkg = tmp_path / "pkg"
+    for mod in eval_cache.DECODE_CODE:
+        (pkg / mod).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(Path(eval_cache.__file__).parent / mod, pkg / mod)
+    monkeypatch.setattr(eval_cache, "__file__", str(pkg / "eval_cache.py"))
+    assert eval_cache.cache_key("eval_generate", d, [str(m), str(p)]) == key  # same source, any folder
+    (pkg / "chat_tokens.py").write_text((pkg / "chat_tokens.py").read_text() + "\n# changed\n")
+    assert eval_cache.cache_key("eval_generate", d, [str(m), str(p)]) != key
+
+
 def _plan(tmp_path: Path, name: str, *extra: str) -> Path:
     args = [f"train_prompts={_prompts(tmp_path / 'train.jsonl', 6)}", f"eval_prompts={_prompts(tmp_path / 'eval.jsonl')}",
             f"output_root={tmp_path / 'runs'}", f"run_name={name}", f"policy={tmp_path / 'start'}", "iterations=1",

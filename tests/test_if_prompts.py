@@ -117,3 +117,13 @@ def test_output_over_the_input_or_a_folder_is_refused_and_a_short_draw_is_counte
     # 25 ids cannot all be combined: a prompt asked for 20 gets fewer, and the stats count it
     _, stats = ifp.build(ifp.template_prompts(20), _cfg(tmp_path, min_constraints=20, max_constraints=20), None)
     assert stats["prompts_below_min_constraints"] == 20
+
+
+def test_an_unsatisfiable_draw_is_drawn_again_and_counted(tmp_path):
+    # the registry's sampler can ask for "less than 1 sentence", which only an empty answer meets
+    assert ifp.unsatisfiable("length_constraints:number_sentences", {"num_sentences": 1, "relation": "less than"})
+    assert not ifp.unsatisfiable("length_constraints:number_sentences", {"num_sentences": 1, "relation": "at least"})
+    assert not ifp.unsatisfiable("keywords:frequency", {"keyword": "dog", "frequency": 1, "relation": "less than"})
+    recs, stats = ifp.build(ifp.template_prompts(2000), _cfg(tmp_path, max_constraints=2), None)
+    assert not any(ifp.unsatisfiable(i, kw) for r in recs for i, kw in zip(r["instruction_id_list"], r["kwargs"]))
+    assert sum(stats["unsatisfiable_redrawn"].values()) >= 1  # without the redraw, 3 of these 2,000 could not be met
