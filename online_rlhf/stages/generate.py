@@ -353,6 +353,38 @@ def main(cfg: GenerateConfig) -> GenerateShardStats:
         raise ConfigError(str(e)) from None
 
 
+def sample_records(cfg: GenerateConfig, tokenizer: Any, model_path: str, kept: list[tuple[dict, list[int]]],
+                   tag: str) -> tuple[list[dict], Counter, float | None, float | None, int]:
+    """Sample ``cfg.k`` responses for each kept ``(prompt record, prompt ids)`` (:func:`run_engine`,
+    seed ``seed + shard_index``) and build the output records (:func:`to_record`). Without a prompt
+    the engine is not started.
+
+    Returns:
+        ``(records, input fields replaced (name -> count), engine start-up s, generation s,
+        responses whose sampled ids differ from their text)``; the seconds are None without a prompt.
+    Raises:
+        RuntimeError: vLLM's outputs do not come back in the prompts' order.
+    """
+    records: list[dict] = []
+    replaced: Counter = Counter()
+    startup_s = generation_s = None
+    ids_differ = 0
+    if kept:
+        stop_ids = stop_token_ids(tokenizer, model_path)
+        outputs, startup_s, generation_s = run_engine(cfg, model_path, [ids for _, ids in kept], stop_ids,
+                                                      seed=cfg.seed + cfg.shard_index)
+        ids_differ = response_ids_differ_from_text(tokenizer, outputs, stop_ids)
+        for (rec, ids), out in zip(kept, outputs):
+            if list(out.prompt_token_ids) != ids:  # outputs come back in input order; make sure
+                raise RuntimeError(f"vLLM output order does not match the prompts (id {rec['id']!r})")
+            new, dropped = to_record(rec, out, cfg.save_token_ids)
+            replaced.update(dropped)
+            records.append(new)
+    else:
+        print(f"[generate] {tag}: no prompt to generate for; the engine is not started.")
+    return records, replaced, startup_s, generation_s, ids_differ
+
+
 def generate_shard(cfg: GenerateConfig) -> GenerateShardStats:
     """Generate this shard's records (see the module docstring); returns the stats that were written
     to ``<output>.stats.json``."""
@@ -378,24 +410,7 @@ def generate_shard(cfg: GenerateConfig) -> GenerateShardStats:
     if output.exists():
         print(f"[generate] {tag}: regenerating {output}: {why}.")
 
-    records: list[dict] = []
-    replaced: Counter = Counter()
-    startup_s = generation_s = None
-    ids_differ = 0
-    if kept:
-        stop_ids = stop_token_ids(tokenizer, model_path)
-        outputs, startup_s, generation_s = run_engine(cfg, model_path, [ids for _, ids in kept], stop_ids,
-                                                      seed=cfg.seed + r)
-        ids_differ = response_ids_differ_from_text(tokenizer, outputs, stop_ids)
-        for (rec, ids), out in zip(kept, outputs):
-            if list(out.prompt_token_ids) != ids:  # outputs come back in input order; make sure
-                raise RuntimeError(f"vLLM output order does not match the prompts (id {rec['id']!r})")
-            new, dropped = to_record(rec, out, cfg.save_token_ids)
-            replaced.update(dropped)
-            records.append(new)
-    else:
-        print(f"[generate] {tag}: no prompt to generate for; the engine is not started.")
-
+    records, replaced, startup_s, generation_s, ids_differ = sample_records(cfg, tokenizer, model_path, kept, tag)
     summary = summarize(records)
     special = special_text_counts(tokenizer, records)
     hardware = describe(*engine_dtype(cfg))
