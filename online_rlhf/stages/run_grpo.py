@@ -31,7 +31,8 @@ them already, so the stage computes the loss itself (:func:`grpo_loss`, checked 
 with native bf16 (AVX512-BF16 or AMX) the steps and the log-prob passes run under bf16 autocast over
 fp32 weights, like the DPO stage's; elsewhere in fp32 on CPU (emulated bf16 is ~100x slower).
 
-Order of work (:func:`main`):
+Order of work (:func:`main` calls one function a step: :func:`construct`, :func:`setup_data` 1-3,
+:func:`setup` 4-5, :func:`train` 6, :func:`save` 7, :func:`write_stats`):
   1. read the groups (:func:`load_groups`), subtract ``truncated_penalty`` from truncated responses;
   2. advantages (:func:`group_advantages`); groups whose scored rewards are all equal carry no
      signal and are skipped, as are groups with fewer than 2 scored responses (counted);
@@ -47,6 +48,9 @@ Order of work (:func:`main`):
   6. ``num_iterations`` passes over the completions, shuffled into optimizer steps of
      ``per_device_train_batch_size x gradient_accumulation_steps x processes`` completions;
   7. save into ``<output_dir>.tmp``, rename to ``output_dir``.
+
+Dry run (``dry_run=true``, :func:`dry_run`): :func:`construct`, then steps 4-6 for one optimizer step
+on dummy completions of ``max_length`` tokens; it writes only ``<output_dir>.dry_run.json``.
 """
 
 from __future__ import annotations
