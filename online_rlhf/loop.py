@@ -1059,9 +1059,8 @@ def mark(run_dir: Path, i: int, stage: str, seconds: float) -> None:
         eval_cache.store(key, out, stats_path(out), run_dir)
 
 
-# The stages the loop's dry run checks, in order: (iteration, stage). SFT runs before iteration 1;
-# the other model stages are the same in every iteration (held-out generation has k=1: lighter).
-DRY_RUN_STAGES = ((0, "sft"), (1, "generate"), (1, "rewards"), (1, "dpo"), (1, "grpo"))
+# The stages the loop's dry run checks, in order: (iteration, stage), the table's rows with a dry_run_iteration.
+DRY_RUN_STAGES = tuple((s.dry_run_iteration, s.name) for s in STAGES.values() if s.dry_run_iteration is not None)
 
 
 def dry_run(run_dir: Path) -> int:

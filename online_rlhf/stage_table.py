@@ -9,8 +9,10 @@ planned stages in this table's order (``loop stages RUN_DIR I``), and ``loop aft
 ``after`` hook.
 
 Adding a stage: its config class (``online_rlhf.stage_configs``), its stats class
-(``online_rlhf.stats``), its module (``online_rlhf/stages/``) with a thin entry script, and one
-:class:`Stage` row here with the function that wires its config from the loop config.
+(``online_rlhf.stats``), its module (``online_rlhf/stages/``, a recipe: ``main`` calls one function
+a step, and a stage that loads a model has a ``dry_run(cfg)``) with a thin entry script, and one
+:class:`Stage` row here with the function that wires its config from the loop config (and
+``dry_run_iteration`` when the loop's dry run should measure it).
 """
 
 from __future__ import annotations
@@ -311,6 +313,10 @@ class Stage:
             line stops the loop with that reason (pairs: 0 pairs, :func:`no_pairs_stop`).
         cache_iteration_0: its iteration-0 output depends only on the starting policy, the prompts
             and its settings, so ``loop exec`` reuses it from an earlier run (``online_rlhf.eval_cache``).
+        dry_run_iteration: the iteration whose planned config the loop's dry run runs the stage on
+            with ``dry_run=true`` (its module's ``dry_run``: the stage's set-up and one step at the
+            largest shapes); None: the loop's dry run leaves it out (it loads no model, or it is an
+            evaluation twin lighter than the training stage that is measured).
     """
 
     name: str
@@ -329,6 +335,7 @@ class Stage:
     runs: Optional[Callable[[LoopConfig, int], bool]] = None
     after: Optional[Callable[[Path, int], Optional[str]]] = None
     cache_iteration_0: bool = False
+    dry_run_iteration: Optional[int] = None
 
     def runs_in(self, cfg: LoopConfig, i: int) -> bool:
         """Whether this stage is part of iteration ``i`` of the loop ``cfg``."""
@@ -346,18 +353,19 @@ class Stage:
 # In the order of one iteration.
 STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("sft", "train", "sft/run_sft.py", "python", SFTStageConfig, ("base_model", "dataset"), ("output_dir",),
-          SFTStats, "start", _sft, ("sft",), "sft.config", enabled=lambda c: bool(c.sft.get("enabled"))),
+          SFTStats, "start", _sft, ("sft",), "sft.config", enabled=lambda c: bool(c.sft.get("enabled")),
+          dry_run_iteration=0),
     Stage("generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"), ("output",),
-          GenerateStats, "train", _generate, ("generation",)),
+          GenerateStats, "train", _generate, ("generation",), dry_run_iteration=1),
     Stage("rewards", "train", "annotate_data/get_rewards.py", "accelerate", RewardConfig, ("input", "reward_model"),
-          ("output",), RewardStats, "train", _rewards, ("reward",)),
+          ("output",), RewardStats, "train", _rewards, ("reward",), dry_run_iteration=1),
     Stage("pairs", "train", "annotate_data/make_pairs.py", "python", PairsConfig, ("input",), ("output",),
           PairsStats, "train", _pairs, ("pairs",), enabled=_dpo_run, after=no_pairs_stop),
     Stage("dpo", "train", "dpo_iteration/run_dpo.py", "accelerate", DPOStageConfig, ("policy", "pairs", "reference"),
-          ("output_dir",), DPOStats, "train", _dpo, ("dpo",), "dpo_config", enabled=_dpo_run),
+          ("output_dir",), DPOStats, "train", _dpo, ("dpo",), "dpo_config", enabled=_dpo_run, dry_run_iteration=1),
     Stage("grpo", "train", "grpo_iteration/run_grpo.py", "accelerate", GRPOStageConfig,
           ("policy", "rewards", "reference"), ("output_dir",), GRPOStats, "train", _grpo, ("grpo",), "grpo_config",
-          enabled=lambda c: c.algorithm == "grpo"),
+          enabled=lambda c: c.algorithm == "grpo", dry_run_iteration=1),
     Stage("eval_generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"),
           ("output",), GenerateStats, "every", _eval_generate, ("evaluation", "generation"), cache_iteration_0=True),
     Stage("eval_rewards", "train", "annotate_data/get_rewards.py", "accelerate", RewardConfig,

@@ -568,7 +568,7 @@ class DryRunStats(StageStats):
     compares the two (:func:`online_rlhf.dry_run.assess`).
     """
 
-    WRITTEN_BY: ClassVar[str] = "a stage run with dry_run=true (online_rlhf.stages.dry_runs)"
+    WRITTEN_BY: ClassVar[str] = "a stage run with dry_run=true (its module's dry_run)"
     stage: Literal["dpo", "grpo", "sft", "generate", "rewards"]
     status: Literal["ok", "out_of_memory"]
     error: Optional[str]  # the out-of-memory message, when status says so

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from online_rlhf import gpu_check as G
+from online_rlhf import gpu_check_workers as W
 from online_rlhf import stats as S
 from online_rlhf.jsonl import read_json, write_json
 from online_rlhf.testing import example_stats, make_tiny_policy
@@ -170,16 +171,16 @@ def test_tied_check_of_a_saved_checkpoint(tmp_path):
     from safetensors.torch import load_file, save_file
 
     model = make_tiny_policy(tmp_path / "m")
-    assert G._tied_in_checkpoint(model)[0]
+    assert W.tied_in_checkpoint(model)[0]
     (f,) = model.glob("*.safetensors")
     t = load_file(str(f))
     emb = next(k for k in t if k.endswith("embed_tokens.weight"))
     t["lm_head.weight"] = t[emb].clone()
     save_file(t, str(f), metadata={"format": "pt"})
-    assert G._tied_in_checkpoint(model) == (True, "tied (lm_head stored)")
+    assert W.tied_in_checkpoint(model) == (True, "tied (lm_head stored)")
     t["lm_head.weight"][0, 0] += 1.0  # a ZeRO save that broke the tie
     save_file(t, str(f), metadata={"format": "pt"})
-    assert G._tied_in_checkpoint(model)[0] is False
+    assert W.tied_in_checkpoint(model)[0] is False
 
 
 def test_verify_generation_counts_shards_and_devices(tmp_path):
@@ -200,7 +201,7 @@ def test_verify_generation_counts_shards_and_devices(tmp_path):
 
 def test_rm_speedup_measures_both_modes_on_the_same_items(tmp_path):
     model = make_tiny_policy(tmp_path / "m")
-    r = G.rm_speedup(str(model), tmp_path / "rm.json", items=8, batch_size=4, repeats=1, device="cpu")
+    r = W.rm_speedup(str(model), tmp_path / "rm.json", items=8, batch_size=4, repeats=1, device="cpu")
     assert read_json(tmp_path / "rm.json") == r
     assert r["items"] == 8 and r["device"] == "cpu" and r["ratio"] == pytest.approx(r["one_s"] / r["batched_s"])
     assert r["max_abs_diff"] < 1e-4 * max(1.0, r["max_abs_score"])  # float32: batching changes no score
@@ -223,8 +224,8 @@ def test_tied_worker_under_cpu_zero2_save_reload_and_resume(tmp_path):
     r = read_json(tmp_path / "tied" / "result.json")
     train = read_json(tmp_path / "tied" / "train.json")
     assert train["loss0"] != train["loss1"]  # the step changed the weights: the resume has something to match
-    assert r["ok"] and r["tied"] and r["logit_rel_diff"] <= G.LOGIT_RTOL, r
-    assert r["loss1"][0] == pytest.approx(r["loss1"][1], rel=G.LOSS_RTOL), r
+    assert r["ok"] and r["tied"] and r["logit_rel_diff"] <= W.LOGIT_RTOL, r
+    assert r["loss1"][0] == pytest.approx(r["loss1"][1], rel=W.LOSS_RTOL), r
     assert G.verify_tied(tmp_path / "tied" / "result.json")[0]
 
 

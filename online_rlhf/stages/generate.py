@@ -43,15 +43,17 @@ from typing import Any, Sequence
 
 from online_rlhf.chat_tokens import ChatTokenError, chat_token_ids, count_special_texts, messages_have_special_text
 from online_rlhf.config import ConfigError, run_main
+from online_rlhf.dry_run import dummy_ids, exit_if_out_of_memory, finish, out_of_memory_errors
 from online_rlhf.hardware import compute_dtype, describe, describe_line, slow_dtype_warning
 from online_rlhf.jsonl import DataError, iter_jsonl, write_jsonl
+from online_rlhf.memory import PeakMemory
 from online_rlhf.pairs import distinct_texts, low_diversity_warning
 from online_rlhf.paths import resolve_model, setup_cache_env
 from online_rlhf.procs import LockHeld, exclusive_lock
-from online_rlhf.records import load_prompt_set
+from online_rlhf.records import load_prompt_set, load_prompts
 from online_rlhf.rundir import fingerprint
 from online_rlhf.stage_configs import GenerateConfig
-from online_rlhf.stats import GenerateShardStats, stats_path
+from online_rlhf.stats import DryRunStats, GenerateShardStats, stats_path
 
 # Fields this stage writes; a prompt's task field with one of these names is replaced (and counted).
 GENERATED_KEYS = ("id", "prompt", "responses", "finish_reasons", "response_tokens", "prompt_tokens",
@@ -343,14 +345,44 @@ def main(cfg: GenerateConfig) -> GenerateShardStats:
         DataError: a bad prompt set.
     """
     if cfg.dry_run:  # one max-length batch; writes only <output>.dry_run.json (no output, no lock)
-        from online_rlhf.stages import dry_runs
-
-        return dry_runs.generate(cfg)
+        return dry_run(cfg)
     try:
         with exclusive_lock(lock_path_of(cfg), f"shard output {cfg.output}"):
             return generate_shard(cfg)
     except LockHeld as e:
         raise ConfigError(str(e)) from None
+
+
+def sample_records(cfg: GenerateConfig, tokenizer: Any, model_path: str, kept: list[tuple[dict, list[int]]],
+                   tag: str) -> tuple[list[dict], Counter, float | None, float | None, int]:
+    """Sample ``cfg.k`` responses for each kept ``(prompt record, prompt ids)`` (:func:`run_engine`,
+    seed ``seed + shard_index``) and build the output records (:func:`to_record`). Without a prompt
+    the engine is not started.
+
+    Returns:
+        ``(records, input fields replaced (name -> count), engine start-up s, generation s,
+        responses whose sampled ids differ from their text)``; the seconds are None without a prompt.
+    Raises:
+        RuntimeError: vLLM's outputs do not come back in the prompts' order.
+    """
+    records: list[dict] = []
+    replaced: Counter = Counter()
+    startup_s = generation_s = None
+    ids_differ = 0
+    if kept:
+        stop_ids = stop_token_ids(tokenizer, model_path)
+        outputs, startup_s, generation_s = run_engine(cfg, model_path, [ids for _, ids in kept], stop_ids,
+                                                      seed=cfg.seed + cfg.shard_index)
+        ids_differ = response_ids_differ_from_text(tokenizer, outputs, stop_ids)
+        for (rec, ids), out in zip(kept, outputs):
+            if list(out.prompt_token_ids) != ids:  # outputs come back in input order; make sure
+                raise RuntimeError(f"vLLM output order does not match the prompts (id {rec['id']!r})")
+            new, dropped = to_record(rec, out, cfg.save_token_ids)
+            replaced.update(dropped)
+            records.append(new)
+    else:
+        print(f"[generate] {tag}: no prompt to generate for; the engine is not started.")
+    return records, replaced, startup_s, generation_s, ids_differ
 
 
 def generate_shard(cfg: GenerateConfig) -> GenerateShardStats:
@@ -378,24 +410,7 @@ def generate_shard(cfg: GenerateConfig) -> GenerateShardStats:
     if output.exists():
         print(f"[generate] {tag}: regenerating {output}: {why}.")
 
-    records: list[dict] = []
-    replaced: Counter = Counter()
-    startup_s = generation_s = None
-    ids_differ = 0
-    if kept:
-        stop_ids = stop_token_ids(tokenizer, model_path)
-        outputs, startup_s, generation_s = run_engine(cfg, model_path, [ids for _, ids in kept], stop_ids,
-                                                      seed=cfg.seed + r)
-        ids_differ = response_ids_differ_from_text(tokenizer, outputs, stop_ids)
-        for (rec, ids), out in zip(kept, outputs):
-            if list(out.prompt_token_ids) != ids:  # outputs come back in input order; make sure
-                raise RuntimeError(f"vLLM output order does not match the prompts (id {rec['id']!r})")
-            new, dropped = to_record(rec, out, cfg.save_token_ids)
-            replaced.update(dropped)
-            records.append(new)
-    else:
-        print(f"[generate] {tag}: no prompt to generate for; the engine is not started.")
-
+    records, replaced, startup_s, generation_s, ids_differ = sample_records(cfg, tokenizer, model_path, kept, tag)
     summary = summarize(records)
     special = special_text_counts(tokenizer, records)
     hardware = describe(*engine_dtype(cfg))
@@ -426,6 +441,71 @@ def generate_shard(cfg: GenerateConfig) -> GenerateShardStats:
     for w in stats.warnings:
         print(f"WARNING: {tag}: {w}", file=sys.stderr)
     return stats
+
+
+def _engine_out_of_memory(e: BaseException) -> bool:
+    """Whether an error of the engine's start or generation says it lacked memory (vLLM wraps a CUDA
+    out-of-memory error, or a KV cache too small for ``max_model_len``, in its own errors)."""
+    text = str(e).lower()
+    return isinstance(e, out_of_memory_errors()) or ("memory" in text and ("cache" in text or "out of" in text))
+
+
+def dry_run(cfg: GenerateConfig) -> DryRunStats:
+    """The generation stage's dry run for one shard (``dry_run=true``): the stage's vLLM engine
+    (:func:`build_engine`), then one batch: as many prompts as the engine runs at once (at most the
+    shard's prompt count) of dummy prompts of ``max_model_len - max_tokens`` tokens, ``k`` samples
+    each, every one generating exactly ``max_tokens`` tokens (``ignore_eos``, ``min_tokens``).
+    Writes :class:`~online_rlhf.stats.DryRunStats` beside ``cfg.output``
+    (``online_rlhf.dry_run.finish``); no output, no stats, no lock.
+
+    Raises:
+        SystemExit(1): the engine could not start or generate for lack of memory, after the result
+            was written.
+    """
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    t_start = time.perf_counter()
+    setup_cache_env()
+    model_path = resolve_model(cfg.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    shard = shard_prompts(load_prompts(cfg.prompts, cfg.prompt_split, cfg.prompt_field, cfg.limit),
+                          cfg.shard_index, cfg.num_shards)
+    device, dtype = engine_dtype(cfg)
+    prompt_len = cfg.max_model_len - cfg.max_tokens
+    status, error, gen_s, n, tokens = "ok", None, None, 0, []
+    with PeakMemory(device, children=True, device_wide=True) as mem:
+        try:
+            llm = build_engine(cfg, model_path, cfg.seed + cfg.shard_index)
+            try:
+                max_seqs = int(llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
+            except (AttributeError, TypeError, ValueError):
+                max_seqs = 256
+            n = max(1, min(len(shard) or 1, max_seqs // cfg.k))
+            params = SamplingParams(n=cfg.k, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens,
+                                    min_tokens=cfg.max_tokens, ignore_eos=True)
+            prompts = [{"prompt_token_ids": ids} for ids in dummy_ids(tokenizer, n, prompt_len, seed=3)]
+            t0 = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            gen_s = time.perf_counter() - t0
+            tokens = [len(c.token_ids) for o in outputs for c in o.outputs]
+        except Exception as e:  # vLLM wraps a CUDA OOM or a too-small KV cache in its own errors
+            if not _engine_out_of_memory(e):
+                raise
+            status, error = "out_of_memory", f"{type(e).__name__}: {str(e)[:1000]}"
+    settings = {k: getattr(cfg, k) for k in ("max_model_len", "max_tokens", "k", "kv_cache_gb", "gpu_memory_utilization",
+                                             "tensor_parallel_size", "num_shards", "dtype", "enforce_eager")}
+    settings["dtype"] = dtype
+    step = (f"1 batch: {n} prompts x {prompt_len} tokens x k={cfg.k} samples x {cfg.max_tokens} new tokens "
+            f"(the shard's prompts, at most max_num_seqs / k)" if n else "engine start")
+    shapes = {"prompts": n, "prompt_tokens": prompt_len, "k": cfg.k, "max_tokens": cfg.max_tokens,
+              "generated_tokens_min": min(tokens) if tokens else None,
+              "generated_tokens_max": max(tokens) if tokens else None, "sequences": len(tokens),
+              "tokens_per_s": round(sum(tokens) / gen_s, 1) if gen_s else None}
+    result = finish("generate", mem, cfg.output, status=status, error=error, step_s=gen_s, step=step, shapes=shapes,
+                    settings=settings, t_start=t_start, preallocated=device == "cuda", gather=False)
+    exit_if_out_of_memory("generate", status, error)
+    return result
 
 
 def cli() -> None:

@@ -31,14 +31,17 @@ import statistics
 import sys
 import time
 from collections import Counter
+from typing import Optional
 
 from online_rlhf.config import ConfigError, run_main
+from online_rlhf.dry_run import dummy_ids, exit_if_out_of_memory, finish, out_of_memory_errors
 from online_rlhf.jsonl import DataError, check_finite, iter_jsonl, write_jsonl
+from online_rlhf.memory import PeakMemory
 from online_rlhf.paths import setup_cache_env
 from online_rlhf.records import validate_generated
 from online_rlhf.stage_configs import RewardConfig
 from online_rlhf.stage_table import check_process_count
-from online_rlhf.stats import RewardStats, RewardSummary, ScoreResult, stats_path
+from online_rlhf.stats import DryRunStats, RewardStats, RewardSummary, ScoreResult, stats_path
 
 SOURCES = {
     "reward_model": "online_rlhf.reward_model",
@@ -226,23 +229,26 @@ def _score(cfg: RewardConfig, scorable: list[dict]) -> tuple[ScoreResult, bool, 
     return result, is_main, num_processes
 
 
-def main(cfg: RewardConfig) -> RewardStats | None:
-    """Score ``cfg.input`` into ``cfg.output`` and write the stats (:class:`~online_rlhf.stats.RewardStats`)
-    to ``<output>.stats.json``; returns them (None on processes other than the main one). Warnings
-    (constant rewards; more than 10% of the responses unscored, with the causes and what to check)
-    go to stderr and the stats' ``warnings``.
+def construct(cfg: RewardConfig) -> None:
+    """The stage's environment (caches) and its process-count check, before anything is read.
 
     Raises:
-        DataError: a malformed input record, a bad reward value, an input without records, or no
-            record could be scored.
+        ConfigError: the run has another process count than the config was planned for.
     """
     setup_cache_env()
     check_process_count(cfg.num_processes, f"rewards (source={cfg.source})")
-    if cfg.dry_run:  # one max-length batch of the reward model; the input is not read, nothing written but the result
-        from online_rlhf.stages import dry_runs
 
-        return dry_runs.rewards(cfg)
-    t0 = time.time()
+
+def read_input(cfg: RewardConfig) -> tuple[list[dict], int, list[dict], dict[str, list[str]], Counter]:
+    """The generated records and what can be scored of them.
+
+    Returns:
+        ``(records, blank lines skipped, scorable records (those with responses), examples,
+        skipped)``: ``skipped`` counts the records without responses (``no_responses``),
+        ``examples`` holds their ids.
+    Raises:
+        DataError: a malformed record, or an input without records (nothing is written).
+    """
     records, blank_lines = read_generated(cfg.input)
     if not records:  # an empty result is a failure (exit 2), not an empty rewards file the next stage trips over
         raise DataError(f"{cfg.input}: no generated record to score ({blank_lines} blank lines); nothing was written. "
@@ -255,10 +261,17 @@ def main(cfg: RewardConfig) -> RewardStats | None:
         if not r["responses"]:
             skipped["no_responses"] += 1
             _add_example(examples, "no_responses", str(r["id"]))
+    return records, blank_lines, scorable, examples, skipped
 
-    result, is_main, num_processes = _score(cfg, scorable)
-    if not is_main:
-        return None
+
+def collect(cfg: RewardConfig, records: list[dict], scorable: list[dict], result: ScoreResult,
+            examples: dict[str, list[str]], skipped: Counter) -> tuple[list[dict], dict]:
+    """The scored records (``rewards`` and ``reward_source`` attached) and the unscored responses by
+    cause; ``skipped`` and ``examples`` get the source's and this stage's reasons.
+
+    Raises:
+        DataError: no record could be scored.
+    """
     rewards = result.rewards
     out, own_skips = attach_rewards(scorable, rewards, cfg, examples)
     n_unscored = sum(x is None for rw in rewards if rw is not None for x in rw)
@@ -268,12 +281,15 @@ def main(cfg: RewardConfig) -> RewardStats | None:
     for cause, ids in result.examples.items():
         for text in ids:
             _add_example(examples, cause, text)
-
     if records and not out:
         raise DataError(f"{cfg.input}: no record could be scored by source={cfg.source} (skipped: {dict(skipped)}; "
                         f"unscored responses: {unscored}; e.g. {examples}).")
-    write_jsonl(cfg.output, out)
+    return out, unscored
 
+
+def write_stats(cfg: RewardConfig, records: list[dict], blank_lines: int, out: list[dict], skipped: Counter,
+                unscored: dict, examples: dict, result: ScoreResult, num_processes: int, t0: float) -> RewardStats:
+    """Warn (stderr and the stats' ``warnings``), write ``<output>.stats.json`` and print the summary line."""
     kept = [r["rewards"] for r in out]
     values = [x for rw in kept for x in rw if x is not None]
     n_responses = sum(len(r["responses"]) for r in records)
@@ -297,6 +313,77 @@ def main(cfg: RewardConfig) -> RewardStats | None:
     print(f"get_rewards: {len(out)}/{len(records)} records scored by {cfg.source} -> {cfg.output} "
           f"(skipped {dict(skipped) or 0}; unscored responses {unscored or 0}; stats {stats_file})", file=sys.stderr)
     return stats
+
+
+def main(cfg: RewardConfig) -> RewardStats | None:
+    """Score ``cfg.input`` into ``cfg.output`` and write the stats (:class:`~online_rlhf.stats.RewardStats`)
+    to ``<output>.stats.json``; returns them (None on processes other than the main one). Warnings
+    (constant rewards; more than 10% of the responses unscored, with the causes and what to check)
+    go to stderr and the stats' ``warnings``. With ``cfg.dry_run``: :func:`dry_run` instead.
+
+    Order: :func:`construct`, :func:`read_input`, the source's scoring, :func:`collect`, the
+    output file, :func:`write_stats`.
+
+    Raises:
+        DataError: a malformed input record, a bad reward value, an input without records, or no
+            record could be scored.
+    """
+    if cfg.dry_run:  # one max-length batch of the reward model; the input is not read, nothing written but the result
+        return dry_run(cfg)
+    construct(cfg)
+    t0 = time.time()
+    records, blank_lines, scorable, examples, skipped = read_input(cfg)
+    result, is_main, num_processes = _score(cfg, scorable)
+    if not is_main:
+        return None
+    out, unscored = collect(cfg, records, scorable, result, examples, skipped)
+    write_jsonl(cfg.output, out)
+    return write_stats(cfg, records, blank_lines, out, skipped, unscored, examples, result, num_processes, t0)
+
+
+def dry_run(cfg: RewardConfig) -> Optional[DryRunStats]:
+    """The rewards stage's dry run (``dry_run=true``): :func:`construct`, then the reward model
+    scores one batch of ``batch_size`` dummy inputs of ``max_length`` tokens; writes
+    :class:`~online_rlhf.stats.DryRunStats` beside ``cfg.output`` (``online_rlhf.dry_run.finish``).
+    The input is not read and nothing else is written. A source other than ``reward_model`` loads
+    no model: prints so and writes nothing.
+
+    Raises:
+        SystemExit(1): the batch ran out of (GPU) memory, after the result was written.
+    """
+    construct(cfg)
+    t_start = time.perf_counter()
+    if cfg.source != "reward_model":
+        print(f"dry run rewards: source={cfg.source} loads no model here; nothing to check.")
+        return None
+    import torch
+
+    from online_rlhf.hardware import stage_threads
+    from online_rlhf.reward_model import RewardModel, distributed_state
+
+    state = distributed_state()
+    if state.device.type == "cpu":
+        torch.set_num_threads(stage_threads(state.num_processes))
+    status, error, step_s, length = "ok", None, None, cfg.max_length
+    with PeakMemory(state.device.type) as mem:
+        try:
+            rm = RewardModel(cfg.reward_model, dtype=cfg.dtype, device=state.device, max_length=cfg.max_length)
+            length = rm.max_length
+            seqs = dummy_ids(rm.tokenizer, cfg.batch_size, length, seed=4)
+            t0 = time.perf_counter()
+            rm.score_ids(seqs, cfg.batch_size)
+            if state.device.type == "cuda":
+                torch.cuda.synchronize()
+            step_s = time.perf_counter() - t0
+        except out_of_memory_errors() as e:
+            status, error = "out_of_memory", str(e)[:1000]
+    settings = {"batch_size": cfg.batch_size, "max_length": cfg.max_length, "dtype": cfg.dtype,
+                "num_processes": state.num_processes}
+    step = f"1 batch: {cfg.batch_size} inputs x {length} tokens, forward (no grad) per process"
+    result = finish("rewards", mem, cfg.output, status=status, error=error, step_s=step_s, step=step,
+                    shapes={"inputs": cfg.batch_size, "tokens": length}, settings=settings, t_start=t_start)
+    exit_if_out_of_memory("rewards", status, error)
+    return result
 
 
 def cli() -> None:

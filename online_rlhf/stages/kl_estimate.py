@@ -166,6 +166,44 @@ def _log_probs_under(path: str, seqs: list[tuple[list[int], list[int]]], cfg: KL
         del model
 
 
+def build_sequences(input_path: str, records: list[dict], tokenizer: Any
+                    ) -> tuple[list[tuple[list[int], list[int]]], list[tuple[int, int]], Counter, list[bool]]:
+    """Every response of ``records`` as ``(prompt ids, response ids)``: the ids the engine sampled
+    when the record holds them, else :func:`response_token_ids` of its text.
+
+    Returns:
+        ``(sequences, where, skipped, from_text)``: ``where[s]`` is the (record index, response
+        index) of sequence ``s``; ``skipped`` counts the responses that could not be tokenized, by
+        reason; ``from_text[s]``: sequence ``s`` was built from the text (no sampled ids).
+    Raises:
+        DataError: a sampled id outside the policy's vocabulary, or no response could be tokenized
+            (both name ``input_path``).
+    """
+    seqs, where, skipped = [], [], Counter()  # where: (record index, response index) of each sequence
+    from_text: list[bool] = []  # per sequence: built from the text (the record had no sampled ids)
+    for n, rec in enumerate(records):
+        for j, (resp, finish) in enumerate(zip(rec["responses"], rec["finish_reasons"])):
+            sampled = sampled_token_ids(rec, j, f"{input_path}: record {n + 1} (id {rec.get('id')!r})")
+            if sampled is not None:
+                if max(max(sampled[0]), max(sampled[1])) >= len(tokenizer):
+                    raise DataError(f"{input_path}: record {n + 1} (id {rec.get('id')!r}), response {j + 1}: a token id "
+                                    f"is outside the policy's vocabulary ({len(tokenizer)} ids); the file was generated "
+                                    "by another model than `policy`.")
+                seqs.append(sampled)
+                where.append((n, j))
+                from_text.append(False)
+                continue
+            try:
+                seqs.append(response_token_ids(tokenizer, rec["prompt"], resp, finish))
+                where.append((n, j))
+                from_text.append(True)
+            except ChatTokenError as e:
+                skipped[e.reason] += 1
+    if not seqs:
+        raise DataError(f"{input_path}: no sampled response to estimate the KL on (skipped: {dict(skipped)}).")
+    return seqs, where, skipped, from_text
+
+
 def main(cfg: KLConfig) -> KLStats:
     """Estimate KL(policy || reference) on ``cfg.input``; write ``cfg.output`` and its stats.
 
@@ -183,28 +221,7 @@ def main(cfg: KLConfig) -> KLStats:
     records = load_generated(cfg.input)
     tokenizer = AutoTokenizer.from_pretrained(policy)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    seqs, where, skipped = [], [], Counter()  # where: (record index, response index) of each sequence
-    from_text: list[bool] = []  # per sequence: built from the text (the record had no sampled ids)
-    for n, rec in enumerate(records):
-        for j, (resp, finish) in enumerate(zip(rec["responses"], rec["finish_reasons"])):
-            sampled = sampled_token_ids(rec, j, f"{cfg.input}: record {n + 1} (id {rec.get('id')!r})")
-            if sampled is not None:
-                if max(max(sampled[0]), max(sampled[1])) >= len(tokenizer):
-                    raise DataError(f"{cfg.input}: record {n + 1} (id {rec.get('id')!r}), response {j + 1}: a token id is "
-                                    f"outside the policy's vocabulary ({len(tokenizer)} ids); the file was generated "
-                                    "by another model than `policy`.")
-                seqs.append(sampled)
-                where.append((n, j))
-                from_text.append(False)
-                continue
-            try:
-                seqs.append(response_token_ids(tokenizer, rec["prompt"], resp, finish))
-                where.append((n, j))
-                from_text.append(True)
-            except ChatTokenError as e:
-                skipped[e.reason] += 1
-    if not seqs:
-        raise DataError(f"{cfg.input}: no sampled response to estimate the KL on (skipped: {dict(skipped)}).")
+    seqs, where, skipped, from_text = build_sequences(cfg.input, records, tokenizer)
     lp_pol = _log_probs_under(policy, seqs, cfg, pad_id)
     lp_ref = lp_pol if reference == policy else _log_probs_under(reference, seqs, cfg, pad_id)
     rows: dict[int, dict] = {}

@@ -54,12 +54,13 @@ from pathlib import Path
 
 from .merge_data import merge_shards, shard_path, shards_dir_of
 from online_rlhf.config import ConfigError, run_main
+from online_rlhf.dry_run import dry_run_path
 from online_rlhf.hardware import stage_threads
 from online_rlhf.jsonl import DataError, atomic_open
 from online_rlhf.paths import setup_cache_env
 from online_rlhf.procs import start_guarded
 from online_rlhf.stage_configs import GenerateConfig
-from online_rlhf.stats import GenerateShardStats, GenerateStats, stats_path
+from online_rlhf.stats import DryRunStats, GenerateShardStats, GenerateStats, stats_path
 
 GENERATE = "online_rlhf.stages.generate"  # run as a module: python -m
 LOG_TAIL_LINES = 40
@@ -303,6 +304,41 @@ def wait_for_shards(cfg: GenerateConfig, poll_s: float = MERGE_POLL_S) -> None:
         time.sleep(max(0.0, min(poll_s, deadline - now)))
 
 
+def dry_run(cfg: GenerateConfig) -> DryRunStats:
+    """``generation/launch.py dry_run=true``: shard 0 alone (its own ``dry_run``,
+    ``online_rlhf.stages.generate.dry_run``), with the environment the launcher gives it (its GPUs,
+    or its CPU cores and in-process engine), writing its result beside ``cfg.output``. On CPU,
+    W > 1 shards share the machine's memory: the peak is multiplied by W.
+
+    Raises:
+        SystemExit: the shard failed (its exit code; its log is printed).
+    """
+    shards_dir, w = shards_dir_of(cfg), cfg.num_shards
+    shards_dir.mkdir(parents=True, exist_ok=True)
+    config_path = shards_dir / "generate_config.dry_run.yaml"
+    with atomic_open(config_path) as f:
+        f.write(cfg.model_copy(update={"shard_index": 0, "shards_dir": None}).to_yaml())
+    out = dry_run_path(cfg.output)
+    out.unlink(missing_ok=True)
+    env = shard_envs(w, cfg.tensor_parallel_size)[0]
+    log = shards_dir / "shard_00.dry_run.log"
+    cmd = [sys.executable, "-m", GENERATE, "--config", str(config_path), "shard_index=0", f"num_shards={w}",
+           f"output={cfg.output}"]
+    rc = start_shard(cmd, log, env).wait()
+    print(tail(log), flush=True)
+    if rc != 0 and not out.is_file():
+        print(f"[launch] dry run: shard 0 failed (exit {rc}); log: {log}", file=sys.stderr)
+        raise SystemExit(rc if rc > 0 else 1)
+    result = DryRunStats.read(out)
+    if result.device == "cpu" and w > 1 and result.peak_memory_gib:
+        result = result.model_copy(update={"peak_memory_gib": round(result.peak_memory_gib * w, 3), "processes": w,
+                                           "step": result.step + f"; shard 0 of {w}, peak x{w} (CPU shards share RAM)"})
+        result.write(out)
+    if rc != 0:
+        raise SystemExit(rc if rc > 0 else 1)
+    return result
+
+
 def main(cfg: GenerateConfig) -> GenerateStats | None:
     """Run this machine's shards, then merge them; returns the merged stats (written to
     ``<output>.stats.json``). With ``num_machines`` > 1, machine 0 first waits for the other
@@ -314,9 +350,7 @@ def main(cfg: GenerateConfig) -> GenerateStats | None:
     """
     setup_cache_env()
     if cfg.dry_run:  # shard 0 alone, one max-length batch; no shard output, no merge
-        from online_rlhf.stages import dry_runs
-
-        return dry_runs.launch_generate(cfg)
+        return dry_run(cfg)
     run_shards(cfg)
     if cfg.num_machines > 1:
         if cfg.machine_rank != 0:

@@ -46,21 +46,19 @@ def shard_path(shards_dir: str | Path, shard_index: int) -> Path:
     return Path(shards_dir) / f"shard_{shard_index:02d}.jsonl"
 
 
-def merge_shards(cfg: GenerateConfig) -> GenerateStats:
-    """Merge ``num_shards`` shard files into ``cfg.output`` in prompt-set order; write merged stats.
+def read_shards(cfg: GenerateConfig, order: dict[str, int]
+                ) -> tuple[dict[str, dict], dict[str, str], dict[str, str], list[GenerateShardStats]]:
+    """Read and check every shard file and its stats.
 
+    Args:
+        order: the prompt set's ids and their positions.
     Returns:
-        the merged stats (also written to ``stats_path(cfg.output)``: ``<output>.stats.json``).
+        ``(records by id, where each id is (file:line, or the stats that list it as skipped),
+        skipped ids -> reason, each shard's stats)``.
     Raises:
-        DataError: a shard file or its stats is missing or invalid (not :class:`GenerateShardStats`),
-            a record is malformed, an id is
-            duplicated (names both places), unknown to the prompt set, or missing from every
-            shard (names the shard that should hold it).
+        DataError: as :func:`merge_shards`, for one shard.
     """
     shards_dir, w = shards_dir_of(cfg), cfg.num_shards
-    prompts, prompt_counts = load_prompt_set(cfg.prompts, cfg.prompt_split, cfg.prompt_field, cfg.limit)
-    order = {p["id"]: i for i, p in enumerate(prompts)}
-
     by_id: dict[str, dict] = {}
     where: dict[str, str] = {}
     skipped: dict[str, str] = {}
@@ -94,6 +92,25 @@ def merge_shards(cfg: GenerateConfig) -> GenerateStats:
             if rid in where:
                 raise DataError(f"{shard_stats_path}: id {rid!r} is listed as skipped but also generated at {where[rid]}.")
             where[rid], skipped[rid] = f"{shard_stats_path} (skipped: {reason})", reason
+    return by_id, where, skipped, shard_stats
+
+
+def merge_shards(cfg: GenerateConfig) -> GenerateStats:
+    """Merge ``num_shards`` shard files into ``cfg.output`` in prompt-set order; write merged stats.
+
+    Returns:
+        the merged stats (also written to ``stats_path(cfg.output)``: ``<output>.stats.json``).
+    Raises:
+        DataError: a shard file or its stats is missing or invalid (not :class:`GenerateShardStats`),
+            a record is malformed, an id is
+            duplicated (names both places), unknown to the prompt set, or missing from every
+            shard (names the shard that should hold it).
+    """
+    shards_dir, w = shards_dir_of(cfg), cfg.num_shards
+    prompts, prompt_counts = load_prompt_set(cfg.prompts, cfg.prompt_split, cfg.prompt_field, cfg.limit)
+    order = {p["id"]: i for i, p in enumerate(prompts)}
+
+    by_id, where, skipped, shard_stats = read_shards(cfg, order)
 
     missing = [p["id"] for p in prompts if p["id"] not in where]
     if missing:

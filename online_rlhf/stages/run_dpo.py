@@ -7,7 +7,8 @@ Reads one pairs file (``{prompt, chosen, rejected}`` as message lists, online_rl
 one checkpoint directory (safetensors + tokenizer + chat template + generation_config, with the
 input policy's bos/eos/pad) and a stats JSON (``<output_dir>.stats.json``: ``online_rlhf.stats.DPOStats``).
 
-Order of work (torchtune-recipe style, top to bottom in :func:`main`):
+Order of work (torchtune-recipe style: :func:`main` calls one function a step, :func:`construct` 1,
+:func:`setup_data` 2, :func:`setup` 3-4 up to training, :func:`train`, :func:`save` 5, :func:`write_stats`):
   1. validate the config: every ``training`` key is a ``trl.DPOConfig`` field, every ``lora`` key a
      ``peft.LoraConfig`` field, dtypes of policy and reference agree -- before any weight is loaded;
   2. read and check the pairs; tokenize them once with the policy's chat template
@@ -21,6 +22,9 @@ Order of work (torchtune-recipe style, top to bottom in :func:`main`):
   4. build ``DPOTrainer`` on those token ids (TRL does not tokenize again; precomputes reference
      log-probs once when ``training.precompute_ref_log_probs`` is on, the stage default), train;
   5. save into ``<output_dir>.tmp`` (LoRA adapters merged first), rename to ``output_dir``.
+
+Dry run (``dry_run=true``, :func:`dry_run`): step 1, then steps 3-4 for one optimizer step on dummy
+pairs of ``training.max_length`` tokens; it writes only ``<output_dir>.dry_run.json``.
 
 The reference model: ``reference=None`` (or the policy's own path) means "the policy as it is
 before this stage", i.e. the loop's ``ref_model: previous``; ``reference=<dir>`` (the loop's
@@ -47,19 +51,22 @@ import os
 import time
 from collections import Counter
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-
+from typing import Any, Optional
 
 from online_rlhf.checkpoint import finish_checkpoint, publish, restore_input_config, rmtree
 from online_rlhf.chat_tokens import ChatTokenError, messages_have_special_text, prompt_response_ids
 from online_rlhf.config import ConfigError, run_main
+from online_rlhf.dry_run import dummy_ids, exit_if_out_of_memory, finish, is_main_rank, out_of_memory_errors
 from online_rlhf.hardware import compute_dtype, describe, processes_here, stage_threads
 from online_rlhf.jsonl import DataError, iter_jsonl, write_jsonl
+from online_rlhf.memory import PeakMemory
 from online_rlhf.paths import resolve_model, setup_cache_env
 from online_rlhf.records import validate_pair
 from online_rlhf.stage_configs import DPOStageConfig
 from online_rlhf.stage_table import check_process_count
-from online_rlhf.stats import DPOStats, PairsStats, stats_path
+from online_rlhf.stats import DPOStats, DryRunStats, PairsStats, stats_path
 from online_rlhf.trl_args import check_dpo_training, check_lora
 from online_rlhf.trl_args import per_device_batch as split_batch
 
@@ -346,7 +353,9 @@ def log_probs_layout(log_probs: str, on_gpu: bool) -> str | None:
     return None if log_probs == "trl" else log_probs
 
 
-def _load_causal_lm(path: str, dtype: str, attn: str, trust_remote_code: bool):
+def load_causal_lm(path: str, dtype: str, attn: str, trust_remote_code: bool):
+    """``AutoModelForCausalLM`` of the checkpoint at ``path`` in ``dtype`` (``"float32"``, ``"bfloat16"``,
+    ...) with attention ``attn`` (``"sdpa"``, ...); the DPO and GRPO stages load policy and reference so."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -507,14 +516,65 @@ def save_checkpoint(trainer, tmp_dir: Path, policy_path: str, orig_config: dict,
         finish_checkpoint(tmp_dir, policy_path, trust_remote_code)
 
 
-def main(cfg: DPOStageConfig) -> DPOStats:
-    """Run the DPO stage; return its stats (also written to ``<output_dir>.stats.json`` by rank 0).
-    With ``cfg.dry_run``: one optimizer step on dummy max-length pairs instead, returning
-    :class:`~online_rlhf.stats.DryRunStats` (``<output_dir>.dry_run.json``; ``online_rlhf.stages.dry_runs.dpo``).
+# ------------------------------------------------------------------------------ the recipe
+
+@dataclass
+class DPORun:
+    """The stage as :func:`construct` checked it, before any weight is loaded: what the later steps read.
+
+    Attributes:
+        t_start: ``time.perf_counter()`` at the start.  on_gpu: CUDA is available.
+        out_dir, tmp_dir, work_dir: ``output_dir`` (resolved), ``<output_dir>.tmp`` (the checkpoint
+            while it is written), ``<output_dir>.work`` (the pairs dataset).
+        args: the ``trl.DPOConfig``; lora_config: the ``peft.LoraConfig`` or None.
+        policy_path, ref_path: resolved checkpoints (``ref_path`` None: the policy is the reference).
+        pol_stored, ref_stored: the dtypes their config.json declare; pol_dtype, ref_dtype: as loaded.
+    """
+
+    cfg: DPOStageConfig
+    t_start: float
+    on_gpu: bool
+    out_dir: Path
+    tmp_dir: Path
+    work_dir: Path
+    args: Any
+    lora_config: Any
+    policy_path: str
+    ref_path: Optional[str]
+    pol_stored: Optional[str]
+    ref_stored: Optional[str]
+    pol_dtype: str
+    ref_dtype: str
+
+    @property
+    def trust(self) -> bool:
+        """``training.trust_remote_code``: passed to every model and tokenizer load."""
+        return self.args.trust_remote_code
+
+
+@dataclass
+class DPOData:
+    """The pairs as the trainer gets them (:func:`setup_data`): the kept pairs (with their token ids),
+    the file-backed dataset of those ids, the policy's tokenizer and the counts for the stats."""
+
+    tokenizer: Any
+    kept: list[dict]
+    train_ds: Any
+    pairs_in: int
+    dropped: Counter
+    examples: dict
+    len_info: dict
+    special: dict
+
+
+def construct(cfg: DPOStageConfig, for_dry_run: bool = False) -> DPORun:
+    """Step 1, the config checks, before any weight is loaded: the process count, every
+    ``training`` key (``trl.DPOConfig``; with ``for_dry_run`` over :data:`DRY_RUN_ARGS`, in
+    :func:`dry_run_work_dir`), every ``lora`` key, the dtypes of policy and reference.
 
     Raises:
-        ConfigError: a bad DPO/LoRA setting, dtype mix, or a tokenizer without a chat template.
-        DataError: the pairs file is empty or none of its pairs can be trained on.
+        ConfigError: a bad DPO/LoRA setting, a dtype mix, LoRA under ZeRO-3, another process count
+            than planned.
     """
     t_start = time.perf_counter()
     setup_cache_env()
@@ -527,13 +587,8 @@ def main(cfg: DPOStageConfig) -> DPOStats:
         torch.set_num_threads(stage_threads(processes_here(_world_size())))
     out_dir = Path(cfg.output_dir).resolve()
     tmp_dir, work_dir = Path(f"{out_dir}.tmp"), Path(f"{out_dir}.work")
-    stats_file = stats_path(out_dir)
-
-    # 1. config checks, before any weight is loaded
-    if cfg.dry_run:  # one optimizer step on dummy pairs in <output_dir>.dry_run.work (stages/dry_runs.py)
-        from online_rlhf.stages import dry_runs
-
-        args = build_dpo_args(cfg, dry_runs.dpo_work_dir(out_dir), on_gpu, overrides=dry_runs.DPO_ARGS)
+    if for_dry_run:  # one optimizer step on dummy pairs in <output_dir>.dry_run.work
+        args = build_dpo_args(cfg, dry_run_work_dir(out_dir), on_gpu, overrides=DRY_RUN_ARGS)
     else:
         args = build_dpo_args(cfg, work_dir, on_gpu)
     lora_config = build_lora_config(cfg.lora)
@@ -549,32 +604,57 @@ def main(cfg: DPOStageConfig) -> DPOStats:
     if lora_config is not None and args.deepspeed_plugin is not None and args.deepspeed_plugin.zero_stage == 3:
         raise ConfigError("lora with DeepSpeed ZeRO-3 is not supported by this stage (the merge needs the full "
                           "weights on one rank); use the zero2 profile for LoRA.")
+    return DPORun(cfg=cfg, t_start=t_start, on_gpu=on_gpu, out_dir=out_dir, tmp_dir=tmp_dir, work_dir=work_dir,
+                  args=args, lora_config=lora_config, policy_path=policy_path, ref_path=ref_path,
+                  pol_stored=pol_stored, ref_stored=ref_stored, pol_dtype=pol_dtype, ref_dtype=ref_dtype)
 
-    if cfg.dry_run:  # memory check: no pairs read, output_dir untouched, no stats (DryRunStats instead)
-        return dry_runs.dpo(cfg, args, lora_config, policy_path, ref_path, pol_dtype, ref_dtype, trust, on_gpu, t_start)
 
-    # 2. pairs
-    pairs, read_info = load_pairs(cfg.pairs)
-    if read_info["in"] == 0:
-        why, fix = "", ("More prompts (prompts_per_iteration) or samples (generation.k), a smaller "
-                        "pairs.min_margin, or pairs.truncated=penalize instead of exclude give more pairs.")
-        try:  # a pairs file made by make_pairs has its stats beside it: its skip reasons, and the fixes that fit them
-            st = PairsStats.read(stats_path(cfg.pairs))
-            causes, fixes = st.no_pair_causes()
-            skipped = ", ".join(f"{k} {v}" for k, v in sorted(st.skipped.items())) or "nothing"
-            why = f" make_pairs skipped: {skipped}." + (f" {'; '.join(causes)}." if causes else "")
-            if fixes:
-                fix = f"Change: {'; '.join(fixes)}."
-        except FileNotFoundError:
-            pass
-        except DataError as e:  # stats of another version: say so, the empty pairs file is the error
-            why = f" ({e})"
-        raise DataError(f"{cfg.pairs}: the pairs file is empty, nothing to train on.{why} {fix}")
+def _empty_pairs_error(pairs: str) -> DataError:
+    """The error for an empty pairs file, with make_pairs' skip reasons and the fixes that fit them
+    when its stats are beside the file."""
+    why, fix = "", ("More prompts (prompts_per_iteration) or samples (generation.k), a smaller "
+                    "pairs.min_margin, or pairs.truncated=penalize instead of exclude give more pairs.")
+    try:  # a pairs file made by make_pairs has its stats beside it: its skip reasons, and the fixes that fit them
+        st = PairsStats.read(stats_path(pairs))
+        causes, fixes = st.no_pair_causes()
+        skipped = ", ".join(f"{k} {v}" for k, v in sorted(st.skipped.items())) or "nothing"
+        why = f" make_pairs skipped: {skipped}." + (f" {'; '.join(causes)}." if causes else "")
+        if fixes:
+            fix = f"Change: {'; '.join(fixes)}."
+    except FileNotFoundError:
+        pass
+    except DataError as e:  # stats of another version: say so, the empty pairs file is the error
+        why = f" ({e})"
+    return DataError(f"{pairs}: the pairs file is empty, nothing to train on.{why} {fix}")
+
+
+def load_tokenizer(run: DPORun):
+    """The policy's tokenizer.
+
+    Raises:
+        ConfigError: it has no chat template (conversational pairs need one).
+    """
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(policy_path, trust_remote_code=trust)
+    tokenizer = AutoTokenizer.from_pretrained(run.policy_path, trust_remote_code=run.trust)
     if tokenizer.chat_template is None:
-        raise ConfigError(f"{policy_path}: the tokenizer has no chat template; conversational pairs need one.")
+        raise ConfigError(f"{run.policy_path}: the tokenizer has no chat template; conversational pairs need one.")
+    return tokenizer
+
+
+def setup_data(run: DPORun) -> DPOData:
+    """Step 2: read and check the pairs, tokenize them (:func:`tokenize_pairs`), drop what cannot
+    be trained on (:func:`check_lengths`) and write the kept ids as the trainer's dataset.
+
+    Raises:
+        DataError: the pairs file is empty or none of its pairs can be trained on.
+        ConfigError: the tokenizer has no chat template.
+    """
+    cfg, args = run.cfg, run.args
+    pairs, read_info = load_pairs(cfg.pairs)
+    if read_info["in"] == 0:
+        raise _empty_pairs_error(cfg.pairs)
+    tokenizer = load_tokenizer(run)
     tokenized, tok_info = tokenize_pairs(pairs, tokenizer)
     kept, len_info = check_lengths(tokenized, args.max_length, cfg.max_prompt_length, args.truncation_mode)
     dropped = Counter(read_info["dropped"]) + Counter(tok_info["dropped"]) + Counter(len_info["dropped"])
@@ -596,32 +676,64 @@ def main(cfg: DPOStageConfig) -> DPOStats:
     with args.main_process_first(local=False, desc="DPO pairs dataset"):
         if args.process_index == 0:
             # stale leftovers of a crashed run (never look like a checkpoint: they end in .tmp / .work)
-            rmtree(tmp_dir)
-            rmtree(work_dir)
-            write_jsonl(work_dir / "pairs_kept.jsonl",
+            rmtree(run.tmp_dir)
+            rmtree(run.work_dir)
+            write_jsonl(run.work_dir / "pairs_kept.jsonl",
                         ({k: p[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for p in kept))
         import datasets
 
-        train_ds = datasets.load_dataset("json", data_files=str(work_dir / "pairs_kept.jsonl"), split="train",
-                                         cache_dir=str(work_dir / "hf_datasets"))
+        train_ds = datasets.load_dataset("json", data_files=str(run.work_dir / "pairs_kept.jsonl"), split="train",
+                                         cache_dir=str(run.work_dir / "hf_datasets"))
+    return DPOData(tokenizer=tokenizer, kept=kept, train_ds=train_ds, pairs_in=read_info["in"], dropped=dropped,
+                   examples=examples, len_info=len_info, special=special)
 
-    # 3. models
-    t0 = time.perf_counter()
-    policy = _load_causal_lm(policy_path, pol_dtype, cfg.attn_implementation, trust)
+
+def load_models(run: DPORun):
+    """Step 3: the policy and, when it differs from the policy or reference log-probs are not
+    precomputed (and no LoRA adapter stands in for it), the reference.
+
+    Returns:
+        ``(policy, its config as loaded (a dict, for the save), ref_model | None, reference kind:
+        "policy" | "explicit")``.
+    """
+    attn, trust = run.cfg.attn_implementation, run.trust
+    policy = load_causal_lm(run.policy_path, run.pol_dtype, attn, trust)
     orig_config = policy.config.to_dict()
     ref_model, reference_kind = None, "policy"
-    if ref_path is not None:
-        ref_model, reference_kind = _load_causal_lm(ref_path, ref_dtype, cfg.attn_implementation, trust), "explicit"
-    elif not args.precompute_ref_log_probs and lora_config is None:
+    if run.ref_path is not None:
+        ref_model, reference_kind = load_causal_lm(run.ref_path, run.ref_dtype, attn, trust), "explicit"
+    elif not run.args.precompute_ref_log_probs and run.lora_config is None:
         # no precompute: TRL needs a frozen copy; load it here, explicitly, in the same dtype
-        ref_model = _load_causal_lm(policy_path, pol_dtype, cfg.attn_implementation, trust)
-    load_s = time.perf_counter() - t0
+        ref_model = load_causal_lm(run.policy_path, run.pol_dtype, attn, trust)
+    return policy, orig_config, ref_model, reference_kind
 
-    # 4. train
+
+def build_trainer(run: DPORun, policy, ref_model, train_ds, tokenizer):
+    """Step 4's trainer: the stage's ``DPOTrainer`` (:func:`_timed_trainer_class`, in the
+    :func:`log_probs_layout` of ``cfg.log_probs``) on ``train_ds``'s token ids. TRL precomputes the
+    reference log-probs here when ``training.precompute_ref_log_probs`` is on."""
+    return _timed_trainer_class(log_probs_layout(run.cfg.log_probs, run.on_gpu))(
+        model=policy, ref_model=ref_model, args=run.args, train_dataset=train_ds, processing_class=tokenizer,
+        peft_config=run.lora_config)
+
+
+def setup(run: DPORun, data: DPOData):
+    """Steps 3-4 up to training: the models (:func:`load_models`) and the trainer
+    (:func:`build_trainer`), checked to train on the stage's own ids; a precomputed reference is
+    freed.
+
+    Returns:
+        ``(trainer, the policy's config as loaded, reference kind, seconds {model_loading, trainer_init})``.
+    Raises:
+        RuntimeError: TRL kept other pairs or other token ids than the stage gave it.
+    """
     t0 = time.perf_counter()
-    trainer = _timed_trainer_class(log_probs_layout(cfg.log_probs, on_gpu))(model=policy, ref_model=ref_model, args=args, train_dataset=train_ds,
-                                     processing_class=tokenizer, peft_config=lora_config)
+    policy, orig_config, ref_model, reference_kind = load_models(run)
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    trainer = build_trainer(run, policy, ref_model, data.train_ds, data.tokenizer)
     init_s = time.perf_counter() - t0
+    kept = data.kept
     if len(trainer.train_dataset) != len(kept):  # TRL dropped something we did not count
         raise RuntimeError(f"TRL kept {len(trainer.train_dataset)} of {len(kept)} pairs; the stage's length "
                            "check disagrees with the trainer's (a TRL version change?).")
@@ -629,74 +741,215 @@ def main(cfg: DPOStageConfig) -> DPOStats:
         if [list(x) for x in trainer.train_dataset[col]] != [p[col] for p in kept]:
             raise RuntimeError(f"the trainer's {col} differ from the stage's tokenization; TRL tokenized the pairs "
                                "itself (a TRL version change? see _timed_trainer_class).")
-    if args.precompute_ref_log_probs and trainer.ref_model is not None:
+    if run.args.precompute_ref_log_probs and trainer.ref_model is not None:
         trainer.ref_model = None  # its log-probs are in the dataset now; free the memory
         ref_model = None
         gc.collect()
+    return trainer, orig_config, reference_kind, {"model_loading": load_s, "trainer_init": init_s}
+
+
+def train(trainer):
+    """Step 4: ``trainer.train()``; returns ``(its output, seconds)``."""
     t0 = time.perf_counter()
     train_out = trainer.train()
-    train_s = time.perf_counter() - t0
+    return train_out, time.perf_counter() - t0
 
-    # 5. save: <output_dir>.tmp, then rename; a crash leaves only *.tmp / *.work
+
+def save(run: DPORun, trainer, orig_config: dict) -> float:
+    """Step 5: the checkpoint into ``<output_dir>.tmp`` (:func:`save_checkpoint`), renamed to
+    ``output_dir``; the work folder removed. A crash leaves only ``*.tmp`` / ``*.work``. Returns
+    the seconds it took."""
     t0 = time.perf_counter()
     is_main = trainer.accelerator.is_main_process
     try:
-        save_checkpoint(trainer, tmp_dir, policy_path, orig_config, lora_config is not None, trust)
+        save_checkpoint(trainer, run.tmp_dir, run.policy_path, orig_config, run.lora_config is not None, run.trust)
         if is_main:
-            publish(tmp_dir, out_dir)
-            rmtree(work_dir)
+            publish(run.tmp_dir, run.out_dir)
+            rmtree(run.work_dir)
     except BaseException:
         if is_main:
-            rmtree(tmp_dir)
+            rmtree(run.tmp_dir)
         raise
     trainer.accelerator.wait_for_everyone()
-    save_s = time.perf_counter() - t0
+    return time.perf_counter() - t0
 
+
+def write_stats(run: DPORun, data: DPOData, trainer, train_out, reference_kind: str, seconds: dict) -> DPOStats:
+    """The stage's stats (written to ``<output_dir>.stats.json`` by rank 0, with the summary line)."""
+    cfg, args, on_gpu, kept, special = run.cfg, run.args, run.on_gpu, data.kept, data.special
     stats = DPOStats(
         stage="dpo",
-        policy=policy_path,
-        reference={"source": reference_kind, "path": ref_path or policy_path,
+        policy=run.policy_path,
+        reference={"source": reference_kind, "path": run.ref_path or run.policy_path,
                    "precomputed_log_probs": bool(args.precompute_ref_log_probs),
-                   "lora_adapter_disabled": lora_config is not None and ref_path is None},
+                   "lora_adapter_disabled": run.lora_config is not None and run.ref_path is None},
         pairs_file=str(cfg.pairs),
-        pairs_in=read_info["in"],
+        pairs_in=data.pairs_in,
         pairs_used=len(kept),
-        pairs_dropped=dict(dropped),
-        dropped_examples=examples,
-        truncation=len_info["truncation"],
+        pairs_dropped=dict(data.dropped),
+        dropped_examples=data.examples,
+        truncation=data.len_info["truncation"],
         special_token_text=special,
         loss_type=list(args.loss_type),
         beta=args.beta,
         learning_rate=args.learning_rate,
-        dtype={"policy_stored": pol_stored, "reference_stored": ref_stored, "loaded": pol_dtype,
+        dtype={"policy_stored": run.pol_stored, "reference_stored": run.ref_stored, "loaded": run.pol_dtype,
                "bf16": bool(args.bf16), "fp16": bool(args.fp16)},
         lora=cfg.lora,
         hardware=describe("cuda" if on_gpu else "cpu",
-                          pol_dtype + (" + bf16 autocast" if args.bf16 else " + fp16 autocast" if args.fp16 else ""),
+                          run.pol_dtype + (" + bf16 autocast" if args.bf16 else " + fp16 autocast" if args.fp16 else ""),
                           processes=trainer.accelerator.num_processes),
         num_processes=trainer.accelerator.num_processes,
         deepspeed_zero_stage=args.deepspeed_plugin.zero_stage if args.deepspeed_plugin else None,
         steps=trainer.state.global_step,
-        sequence_tokens=len_info["sequence_tokens"],
+        sequence_tokens=data.len_info["sequence_tokens"],
         log_probs={"layout": trainer.completion_layout(), "trl_because": trainer.completion_logps_refused},
         epochs=round(float(trainer.state.epoch or 0.0), 4),
         train_loss_mean=train_out.training_loss,
         **summarize_log_history(trainer.state.log_history),
-        output_dir=str(out_dir),
-        seconds={"total": time.perf_counter() - t_start, "model_loading": load_s,
-                 "trainer_init": init_s, "reference_precompute": trainer.precompute_seconds,
-                 "train_steps": train_s, "save": save_s},
+        output_dir=str(run.out_dir),
+        seconds={"total": time.perf_counter() - run.t_start, "model_loading": seconds["model_loading"],
+                 "trainer_init": seconds["trainer_init"], "reference_precompute": trainer.precompute_seconds,
+                 "train_steps": seconds["train_steps"], "save": seconds["save"]},
     )
-    if is_main:
+    if trainer.accelerator.is_main_process:
+        stats_file = stats_path(run.out_dir)
         stats.write(stats_file)
         plain_sigmoid = list(args.loss_type) == ["sigmoid"] and not getattr(args, "loss_weights", None)
         loss = (f"loss {stats.train_loss_first}" + (" (one step: log(2) = 0.6931 is the loss before any update)"
                                                     if plain_sigmoid else "")
                 if stats.steps == 1 else f"loss {stats.train_loss_first} -> {stats.train_loss_last}")
-        print(f"dpo: {len(kept)}/{read_info['in']} pairs, {stats.steps} step{'s' * (stats.steps != 1)}, {loss}, "
+        print(f"dpo: {len(kept)}/{data.pairs_in} pairs, {stats.steps} step{'s' * (stats.steps != 1)}, {loss}, "
               f"special-token strings kept as text in {special['prompts']} prompts, {special['chosen']} chosen, "
-              f"{special['rejected']} rejected; saved {out_dir} ({stats_file})")
+              f"{special['rejected']} rejected; saved {run.out_dir} ({stats_file})")
     return stats
+
+
+def main(cfg: DPOStageConfig) -> DPOStats:
+    """Run the DPO stage (the module docstring's order: :func:`construct`, :func:`setup_data`,
+    :func:`setup`, :func:`train`, :func:`save`, :func:`write_stats`); return its stats (also
+    written to ``<output_dir>.stats.json`` by rank 0). With ``cfg.dry_run``: :func:`dry_run`
+    instead, returning :class:`~online_rlhf.stats.DryRunStats` (``<output_dir>.dry_run.json``).
+
+    Raises:
+        ConfigError: a bad DPO/LoRA setting, dtype mix, or a tokenizer without a chat template.
+        DataError: the pairs file is empty or none of its pairs can be trained on.
+    """
+    if cfg.dry_run:  # memory check: no pairs read, output_dir untouched, no stats (DryRunStats instead)
+        return dry_run(cfg)
+    run = construct(cfg)
+    data = setup_data(run)
+    trainer, orig_config, reference_kind, seconds = setup(run, data)
+    train_out, seconds["train_steps"] = train(trainer)
+    seconds["save"] = save(run, trainer, orig_config)
+    return write_stats(run, data, trainer, train_out, reference_kind, seconds)
+
+
+# ------------------------------------------------------------------------------ the dry run
+
+DRY_RUN_ARGS = {"max_steps": 1, "report_to": "none", "save_strategy": "no", "logging_steps": 1}
+
+
+def dry_run_work_dir(output_dir: str | os.PathLike) -> Path:
+    """The DPO trainer's working folder in a dry run: ``<output_dir>.dry_run.work`` (removed at the end)."""
+    return Path(f"{Path(output_dir).resolve()}.dry_run.work")
+
+
+def _dummy_pairs_dataset(args, tokenizer, n: int, length: int, prompt_len: int):
+    """``n`` dummy pairs of token ids (:func:`online_rlhf.dry_run.dummy_ids`): a ``prompt_len``-token
+    prompt, chosen and rejected each filling ``length`` with it, as a file-backed dataset in the
+    dry run's work folder (``args.output_dir``), written by each machine's rank 0."""
+    import datasets
+
+    work = Path(args.output_dir)
+    ids = dummy_ids(tokenizer, 3 * n, length - prompt_len, seed=1)
+    rows = [{"prompt_ids": ids[3 * j][:prompt_len], "chosen_ids": ids[3 * j + 1], "rejected_ids": ids[3 * j + 2]}
+            for j in range(n)]
+    with args.main_process_first(local=True, desc="DPO dry-run pairs"):
+        if args.local_process_index == 0:
+            rmtree(work)
+            write_jsonl(work / "pairs_dummy.jsonl", rows)
+        return datasets.load_dataset("json", data_files=str(work / "pairs_dummy.jsonl"), split="train",
+                                     cache_dir=str(work / "hf_datasets"))
+
+
+def _step_timer(times: list[float], on_gpu: bool):
+    """A ``TrainerCallback`` that appends the seconds of each optimizer step to ``times`` (CUDA
+    synchronized at both ends on a GPU)."""
+    import torch
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            if on_gpu:
+                torch.cuda.synchronize()
+            self.t = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            if on_gpu:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - self.t)
+
+    return StepTimer()
+
+
+def dry_run(cfg: DPOStageConfig) -> Optional[DryRunStats]:
+    """The DPO stage's dry run (``dry_run=true``): :func:`construct` (with :data:`DRY_RUN_ARGS` over
+    the stage's ``DPOConfig``), then TRL's own path: the stage's ``DPOTrainer`` (:func:`load_models`,
+    :func:`build_trainer`: same model loading, dtype, precision, LoRA, DeepSpeed profile, reference
+    log-prob precompute) trains ``max_steps=1`` on ``per_device_train_batch_size x
+    gradient_accumulation_steps x processes`` dummy pairs whose prompt + response fills
+    ``training.max_length`` for chosen and rejected alike: one optimizer step (forward + backward of
+    every micro-batch, then the optimizer step). The trainer works in :func:`dry_run_work_dir`,
+    removed at the end. No pairs are read; only :class:`~online_rlhf.stats.DryRunStats` is written,
+    beside ``output_dir`` (``online_rlhf.dry_run.finish``).
+
+    Returns:
+        the result on rank 0 (None on the other ranks).
+    Raises:
+        ConfigError: as :func:`construct`; ``training.max_length`` is null (no largest shape to
+            try), or the tokenizer has no chat template.
+        SystemExit(1): the step ran out of (GPU) memory, after the result was written.
+    """
+    run = construct(cfg, for_dry_run=True)
+    args, on_gpu = run.args, run.on_gpu
+    if args.max_length is None:
+        raise ConfigError("dry_run needs training.max_length (the sequence length to try); it is null.")
+    L = int(args.max_length)
+    B, ga, world = int(args.per_device_train_batch_size), int(args.gradient_accumulation_steps), _world_size()
+    prompt_len = max(1, L // 2)
+    times: list[float] = []
+    status, error = "ok", None
+    with PeakMemory("cuda" if on_gpu else "cpu") as mem:
+        try:
+            tokenizer = load_tokenizer(run)
+            train_ds = _dummy_pairs_dataset(args, tokenizer, B * ga * world, L, prompt_len)
+            policy, _, ref_model, _ = load_models(run)
+            trainer = build_trainer(run, policy, ref_model, train_ds, tokenizer)
+            trainer.add_callback(_step_timer(times, on_gpu))
+            if args.precompute_ref_log_probs and trainer.ref_model is not None:
+                trainer.ref_model = None  # as the stage does: freed before training
+                ref_model = None
+            trainer.train()
+        except out_of_memory_errors() as e:
+            status, error = "out_of_memory", str(e)[:1000]
+    settings = {"train_batch_size": cfg.train_batch_size, "training.per_device_train_batch_size": B,
+                "training.gradient_accumulation_steps": ga, "training.max_length": L,
+                "training.gradient_checkpointing": bool(args.gradient_checkpointing),
+                "training.precompute_ref_log_probs": bool(args.precompute_ref_log_probs), "lora": cfg.lora,
+                "torch_dtype": run.pol_dtype, "bf16": bool(args.bf16), "fp16": bool(args.fp16),
+                "launch_profile": cfg.launch_profile, "num_processes": world}
+    step = (f"1 optimizer step: {ga} micro-batch(es) x {B} pairs x (chosen + rejected) x {L} tokens per process, "
+            f"forward + backward + {getattr(args.optim, 'value', args.optim)} step" + (", reference log-probs precomputed first"
+                                                          if args.precompute_ref_log_probs else ", reference in the step"))
+    shapes = {"pairs_per_process": B * ga, "micro_batch_pairs": B, "sequences_per_forward": 2 * B,
+              "sequence_tokens": L, "prompt_tokens": prompt_len, "response_tokens": L - prompt_len}
+    result = finish("dpo", mem, cfg.output_dir, status=status, error=error, step_s=times[-1] if times else None,
+                    step=step, shapes=shapes, settings=settings, t_start=run.t_start)
+    if is_main_rank():
+        rmtree(Path(args.output_dir))
+    exit_if_out_of_memory("dpo", status, error)
+    return result
 
 
 def cli() -> None:

@@ -31,7 +31,8 @@ them already, so the stage computes the loss itself (:func:`grpo_loss`, checked 
 with native bf16 (AVX512-BF16 or AMX) the steps and the log-prob passes run under bf16 autocast over
 fp32 weights, like the DPO stage's; elsewhere in fp32 on CPU (emulated bf16 is ~100x slower).
 
-Order of work (:func:`main`):
+Order of work (:func:`main` calls one function a step: :func:`construct`, :func:`setup_data` 1-3,
+:func:`setup` 4-5, :func:`train` 6, :func:`save` 7, :func:`write_stats`):
   1. read the groups (:func:`load_groups`), subtract ``truncated_penalty`` from truncated responses;
   2. advantages (:func:`group_advantages`); groups whose scored rewards are all equal carry no
      signal and are skipped, as are groups with fewer than 2 scored responses (counted);
@@ -47,6 +48,9 @@ Order of work (:func:`main`):
   6. ``num_iterations`` passes over the completions, shuffled into optimizer steps of
      ``per_device_train_batch_size x gradient_accumulation_steps x processes`` completions;
   7. save into ``<output_dir>.tmp``, rename to ``output_dir``.
+
+Dry run (``dry_run=true``, :func:`dry_run`): :func:`construct`, then steps 4-6 for one optimizer step
+on dummy completions of ``max_length`` tokens; it writes only ``<output_dir>.dry_run.json``.
 """
 
 from __future__ import annotations
@@ -56,19 +60,23 @@ import os
 import random
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Optional
 
 from online_rlhf.checkpoint import finish_checkpoint, publish, restore_input_config, rmtree
 from online_rlhf.chat_tokens import ChatTokenError, prompt_response_ids
 from online_rlhf.config import ConfigError, run_main
+from online_rlhf.dry_run import dummy_ids, exit_if_out_of_memory, finish, out_of_memory_errors
 from online_rlhf.hardware import compute_dtype, describe, processes_here, stage_threads
 from online_rlhf.jsonl import DataError, iter_jsonl
+from online_rlhf.memory import PeakMemory
 from online_rlhf.paths import resolve_model, setup_cache_env
 from online_rlhf.records import check_messages, sampled_token_ids, validate_rewards
 from online_rlhf.stage_configs import GRPOStageConfig
-from online_rlhf.stages.run_dpo import prepared_forward
+from online_rlhf.stages.run_dpo import load_causal_lm, prepared_forward, stored_dtype
 from online_rlhf.stage_table import check_process_count
-from online_rlhf.stats import GRPOStats, stats_path
+from online_rlhf.stats import DryRunStats, GRPOStats, stats_path
 
 _MAX_EXAMPLES = 5  # skipped-group examples kept per reason in the stats
 
@@ -487,17 +495,23 @@ def train(cfg: GRPOStageConfig, accelerator, model, optimizer, completions: list
 
 
 def save(accelerator, model, tmp_dir: Path, out_dir: Path, policy_path: str, orig_config: dict, trust: bool) -> None:
-    """Write the policy to ``tmp_dir`` (safetensors, the input's tokenizer, generation_config and
-    bos/eos/pad ids), then rename it to ``out_dir`` (rank 0)."""
-    state = accelerator.get_state_dict(model)  # every rank: gathers ZeRO-3 shards
-    if accelerator.is_main_process:
-        rmtree(tmp_dir)
-        unwrapped = accelerator.unwrap_model(model)
-        restore_input_config(unwrapped, policy_path, orig_config)
-        unwrapped.save_pretrained(tmp_dir, state_dict=state, safe_serialization=True)
-        finish_checkpoint(tmp_dir, policy_path, trust)
-        publish(tmp_dir, out_dir)
-    accelerator.wait_for_everyone()
+    """Step 7: write the policy to ``tmp_dir`` (safetensors, the input's tokenizer, generation_config
+    and bos/eos/pad ids), then rename it to ``out_dir`` (rank 0). A failure removes ``tmp_dir``
+    (rank 0) and is raised again."""
+    try:
+        state = accelerator.get_state_dict(model)  # every rank: gathers ZeRO-3 shards
+        if accelerator.is_main_process:
+            rmtree(tmp_dir)
+            unwrapped = accelerator.unwrap_model(model)
+            restore_input_config(unwrapped, policy_path, orig_config)
+            unwrapped.save_pretrained(tmp_dir, state_dict=state, safe_serialization=True)
+            finish_checkpoint(tmp_dir, policy_path, trust)
+            publish(tmp_dir, out_dir)
+        accelerator.wait_for_everyone()
+    except BaseException:
+        if accelerator.is_main_process:
+            rmtree(tmp_dir)
+        raise
 
 
 def _cpu_bf16_autocast(cfg: GRPOStageConfig) -> bool:
@@ -546,11 +560,9 @@ def load_policy(cfg: GRPOStageConfig, policy_path: str, on_gpu: bool, with_refer
         ``(model, its config as loaded (a dict, for the save), ref_model | None, ref_path | None (None: the
         policy is the reference), stored dtype, dtype)``.
     """
-    from online_rlhf.stages.run_dpo import _load_causal_lm, stored_dtype
-
     pol_stored = stored_dtype(policy_path)
     dtype = cfg.torch_dtype if cfg.torch_dtype != "auto" else ("float32" if not on_gpu else pol_stored or "float32")
-    model = _load_causal_lm(policy_path, dtype, cfg.attn_implementation, False)
+    model = load_causal_lm(policy_path, dtype, cfg.attn_implementation, False)
     orig_config = model.config.to_dict()
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -560,7 +572,7 @@ def load_policy(cfg: GRPOStageConfig, policy_path: str, on_gpu: bool, with_refer
         ref_path = None  # the same checkpoint: its log-probs are the old log-probs
     ref_model = None
     if cfg.beta != 0.0 and ref_path is not None and with_reference:
-        ref_model = _load_causal_lm(ref_path, dtype, cfg.attn_implementation, False)
+        ref_model = load_causal_lm(ref_path, dtype, cfg.attn_implementation, False)
     return model, orig_config, ref_model, ref_path, pol_stored, dtype
 
 
@@ -597,39 +609,65 @@ def old_and_reference_log_probs(cfg: GRPOStageConfig, accelerator, model, ref_mo
     return old, ref
 
 
-def main(cfg: GRPOStageConfig) -> GRPOStats:
-    """Run the GRPO stage; return its stats (also written to ``<output_dir>.stats.json`` by rank 0).
+# ------------------------------------------------------------------------------ the recipe
 
-    With ``cfg.dry_run``: one optimizer step on dummy max-length completions instead, returning
-    :class:`~online_rlhf.stats.DryRunStats` (``<output_dir>.dry_run.json``; ``online_rlhf.stages.dry_runs.grpo``).
-
-    When every group is skipped (e.g. all rewards equal), the policy is saved unchanged with
-    ``steps=0`` and a warning: the loop goes on to the next iteration.
+def construct(cfg: GRPOStageConfig) -> bool:
+    """The stage's environment, before anything is read: caches, the process-count check, the
+    threads (CPU) and the seed. Returns whether CUDA is available.
 
     Raises:
-        ConfigError: a tokenizer without a chat template, a process count other than planned.
-        DataError: the rewards file is empty or holds an invalid record (names file:line).
+        ConfigError: another process count than planned.
     """
-    t_start = time.perf_counter()
     setup_cache_env()
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     import torch
-    from transformers import AutoTokenizer
 
     check_process_count(cfg.num_processes, "grpo")
     on_gpu = torch.cuda.is_available()
     if not on_gpu:  # a stage alone on the machine: every usable core, split between the ranks
         torch.set_num_threads(stage_threads(processes_here(_world_size())))
     torch.manual_seed(cfg.seed)
-    if cfg.dry_run:  # one optimizer step on dummy max-length completions (stages/dry_runs.py); nothing read or saved
-        from online_rlhf.stages import dry_runs
+    return on_gpu
 
-        return dry_runs.grpo(cfg, on_gpu, t_start)
-    out_dir = Path(cfg.output_dir).resolve()
-    tmp_dir = Path(f"{out_dir}.tmp")
-    eps_hi = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
 
-    # 1-3. groups, advantages, token ids
+def load_tokenizer(policy_path: str):
+    """The policy's tokenizer and its pad id (the eos id when it has no pad token).
+
+    Raises:
+        ConfigError: it has no chat template (conversational prompts need one).
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(policy_path)
+    if tokenizer.chat_template is None:
+        raise ConfigError(f"{policy_path}: the tokenizer has no chat template; conversational prompts need one.")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return tokenizer, pad_id
+
+
+@dataclass
+class GRPOData:
+    """Steps 1-3 (:func:`setup_data`): the groups read, the policy and its pad id, the training
+    completions and :func:`build_completions`' info."""
+
+    groups: list[dict]
+    read_info: dict
+    policy_path: str
+    pad_id: int
+    completions: list[dict]
+    info: dict
+
+
+def setup_data(cfg: GRPOStageConfig) -> GRPOData:
+    """Steps 1-3: the groups (:func:`load_groups`), their advantages (:func:`group_advantages`) and
+    the completions' token ids (:func:`build_completions`).
+
+    Raises:
+        DataError: the rewards file is empty or holds an invalid record.
+        ConfigError: the policy's tokenizer has no chat template.
+    """
+    import torch
+
     groups, read_info = load_groups(cfg.rewards, cfg.truncated_penalty)
     if not groups:
         raise DataError(f"{cfg.rewards}: the rewards file is empty, nothing to train on. More prompts "
@@ -639,72 +677,82 @@ def main(cfg: GRPOStageConfig) -> GRPOStats:
                             for g in groups], dtype=torch.float64)  # (G, K)
     advantages, usable = group_advantages(rewards, cfg.scale_rewards)
     policy_path = resolve_model(cfg.policy)
-    trust = False
-    tokenizer = AutoTokenizer.from_pretrained(policy_path)
-    if tokenizer.chat_template is None:
-        raise ConfigError(f"{policy_path}: the tokenizer has no chat template; conversational prompts need one.")
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    tokenizer, pad_id = load_tokenizer(policy_path)
     completions, info = build_completions(groups, advantages, usable, tokenizer, cfg.max_length,
                                           cfg.mask_truncated_completions)
+    return GRPOData(groups=groups, read_info=read_info, policy_path=policy_path, pad_id=pad_id,
+                    completions=completions, info=info)
 
-    # 4. models
+
+@dataclass
+class GRPOModels:
+    """Steps 4-5 (:func:`setup`): the accelerator, the prepared policy and its optimizer, what the
+    save and the stats need of the loading, and the old (and reference) log-probs."""
+
+    accelerator: Any
+    model: Any
+    optimizer: Any
+    orig_config: dict
+    ref_path: Optional[str]
+    pol_stored: Optional[str]
+    dtype: str
+    old: list[list[float]]
+    ref: Optional[list[list[float]]]
+
+
+def setup(cfg: GRPOStageConfig, data: GRPOData, on_gpu: bool) -> tuple[GRPOModels, dict]:
+    """Steps 4-5: the accelerator (:func:`_accelerator`), the models (:func:`prepare_models`; the
+    reference only when there is something to train) and the old (and reference) log-probs before
+    any update (:func:`old_and_reference_log_probs`; the reference model is freed after).
+
+    Returns:
+        ``(models, seconds {model_loading, old_log_probs})``.
+    """
     accelerator = _accelerator(cfg)
     t0 = time.perf_counter()
     model, optimizer, ref_model, orig_config, ref_path, pol_stored, dtype = prepare_models(
-        cfg, accelerator, policy_path, on_gpu, with_reference=bool(completions))
+        cfg, accelerator, data.policy_path, on_gpu, with_reference=bool(data.completions))
     load_s = time.perf_counter() - t0
-
-    # 5. old (and reference) log-probs, before any update
     t0 = time.perf_counter()
-    old, ref = old_and_reference_log_probs(cfg, accelerator, model, ref_model, completions, pad_id)
+    old, ref = old_and_reference_log_probs(cfg, accelerator, model, ref_model, data.completions, data.pad_id)
     ref_model = None
     old_s = time.perf_counter() - t0
+    models = GRPOModels(accelerator=accelerator, model=model, optimizer=optimizer, orig_config=orig_config,
+                        ref_path=ref_path, pol_stored=pol_stored, dtype=dtype, old=old, ref=ref)
+    return models, {"model_loading": load_s, "old_log_probs": old_s}
 
-    # 6. passes
-    t0 = time.perf_counter()
-    history = train(cfg, accelerator, model, optimizer, completions, old, ref, pad_id) if completions else []
-    train_s = time.perf_counter() - t0
-    if accelerator.is_main_process:
-        for w in data_warnings(info, len(groups), len(completions), cfg.max_length, cfg.rewards):
-            print(f"WARNING: {w}")
 
-    # 7. save
-    t0 = time.perf_counter()
-    try:
-        save(accelerator, model, tmp_dir, out_dir, policy_path, orig_config, trust)
-    except BaseException:
-        if accelerator.is_main_process:
-            rmtree(tmp_dir)
-        raise
-    save_s = time.perf_counter() - t0
-
+def write_stats(cfg: GRPOStageConfig, data: GRPOData, m: GRPOModels, history: list[dict], out_dir: Path,
+                on_gpu: bool, seconds: dict, t_start: float) -> GRPOStats:
+    """The stage's stats (written to ``<output_dir>.stats.json`` by rank 0, with the summary line)."""
+    accelerator, completions, info, groups = m.accelerator, data.completions, data.info, data.groups
     used_adv = [abs(c["advantage"]) for c in completions]
     ds = accelerator.state.deepspeed_plugin
     stats = GRPOStats(
-        stage="grpo", policy=policy_path,
-        reference={"source": "none" if cfg.beta == 0.0 else ("explicit" if ref_path else "policy"),
-                   "path": ref_path or policy_path},
+        stage="grpo", policy=data.policy_path,
+        reference={"source": "none" if cfg.beta == 0.0 else ("explicit" if m.ref_path else "policy"),
+                   "path": m.ref_path or data.policy_path},
         rewards_file=str(cfg.rewards), groups_in=len(groups), groups_used=info["groups_used"],
         groups_skipped=info["skipped"], skipped_examples=info["examples"], completions_used=len(completions),
         completions_masked=info["masked"], completions_cut=info["cut"], reward_mean=info["reward_mean"],
-        reward_mean_all=read_info["reward_mean_all"],
+        reward_mean_all=data.read_info["reward_mean_all"],
         advantage_abs_mean=sum(used_adv) / len(used_adv) if used_adv else None,
         loss_type=cfg.loss_type, scale_rewards=cfg.scale_rewards, beta=cfg.beta, epsilon=cfg.epsilon,
-        epsilon_high=eps_hi, learning_rate=cfg.learning_rate, num_iterations=cfg.num_iterations,
+        epsilon_high=cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon,
+        learning_rate=cfg.learning_rate, num_iterations=cfg.num_iterations,
         steps=len(history), loss_first=history[0]["loss"] if history else None,
         loss_last=history[-1]["loss"] if history else None, kl_last=history[-1]["kl"] if history else None,
         clip_fraction_mean=sum(h["clip_fraction"] for h in history) / len(history) if history else None,
         ratio_first_step_max_dev=history[0]["ratio_max_dev"] if history else None, history=history,
-        dtype={"policy_stored": pol_stored, "loaded": dtype, "mixed_precision": accelerator.mixed_precision},
-        hardware=describe("cuda" if on_gpu else "cpu", dtype + ("" if accelerator.mixed_precision == "no"
-                                                                else f" + {accelerator.mixed_precision} autocast"),
+        dtype={"policy_stored": m.pol_stored, "loaded": m.dtype, "mixed_precision": accelerator.mixed_precision},
+        hardware=describe("cuda" if on_gpu else "cpu", m.dtype + ("" if accelerator.mixed_precision == "no"
+                                                                  else f" + {accelerator.mixed_precision} autocast"),
                           processes=accelerator.num_processes),
         num_processes=accelerator.num_processes,
         deepspeed_zero_stage=ds.zero_stage if ds is not None else None,
         output_dir=str(out_dir),
-        seconds={"total": time.perf_counter() - t_start, "model_loading": load_s, "old_log_probs": old_s,
-                 "train_steps": train_s, "save": save_s},
-        input_blank_lines=read_info["blank_lines"],
+        seconds={"total": time.perf_counter() - t_start, **seconds},
+        input_blank_lines=data.read_info["blank_lines"],
     )
     if accelerator.is_main_process:
         stats.write(stats_path(out_dir))
@@ -713,6 +761,104 @@ def main(cfg: GRPOStageConfig) -> GRPOStats:
               f"{info['skipped'] or 'none'}), mean reward {stats.reward_mean}, {len(history)} steps, {loss}, "
               f"clip fraction {stats.clip_fraction_mean}; saved {out_dir} ({stats_path(out_dir)})")
     return stats
+
+
+def main(cfg: GRPOStageConfig) -> GRPOStats:
+    """Run the GRPO stage (:func:`construct`, :func:`setup_data`, :func:`setup`, :func:`train`,
+    :func:`save`, :func:`write_stats`); return its stats (also written to
+    ``<output_dir>.stats.json`` by rank 0). With ``cfg.dry_run``: :func:`dry_run` instead,
+    returning :class:`~online_rlhf.stats.DryRunStats` (``<output_dir>.dry_run.json``).
+
+    When every group is skipped (e.g. all rewards equal), the policy is saved unchanged with
+    ``steps=0`` and a warning: the loop goes on to the next iteration.
+
+    Raises:
+        ConfigError: a tokenizer without a chat template, a process count other than planned.
+        DataError: the rewards file is empty or holds an invalid record (names file:line).
+    """
+    if cfg.dry_run:  # one optimizer step on dummy max-length completions; nothing read or saved
+        return dry_run(cfg)
+    t_start = time.perf_counter()
+    on_gpu = construct(cfg)
+    out_dir = Path(cfg.output_dir).resolve()
+    data = setup_data(cfg)  # 1-3. groups, advantages, token ids
+    m, seconds = setup(cfg, data, on_gpu)  # 4-5. models, old (and reference) log-probs
+    t0 = time.perf_counter()  # 6. passes
+    history = (train(cfg, m.accelerator, m.model, m.optimizer, data.completions, m.old, m.ref, data.pad_id)
+               if data.completions else [])
+    seconds["train_steps"] = time.perf_counter() - t0
+    if m.accelerator.is_main_process:
+        for w in data_warnings(data.info, len(data.groups), len(data.completions), cfg.max_length, cfg.rewards):
+            print(f"WARNING: {w}")
+    t0 = time.perf_counter()  # 7. save
+    save(m.accelerator, m.model, Path(f"{out_dir}.tmp"), out_dir, data.policy_path, m.orig_config, False)
+    seconds["save"] = time.perf_counter() - t0
+    return write_stats(cfg, data, m, history, out_dir, on_gpu, seconds, t_start)
+
+
+# ------------------------------------------------------------------------------ the dry run
+
+def dry_run(cfg: GRPOStageConfig) -> Optional[DryRunStats]:
+    """The GRPO stage's dry run (``dry_run=true``): :func:`construct`, then the stage's own path:
+    its model loading (:func:`prepare_models`: dtype, gradient checkpointing, the reference when
+    ``beta > 0``), ``accelerate`` set-up (DDP / DeepSpeed profile), old (and reference) log-prob
+    passes and :func:`train` for one optimizer step on ``per_device_train_batch_size x
+    gradient_accumulation_steps x processes`` dummy completions whose prompt + completion is exactly
+    ``max_length`` tokens (``max_completion_length`` of completion): forward + backward of every
+    micro-batch, then the AdamW step. Nothing is read or saved; only
+    :class:`~online_rlhf.stats.DryRunStats` is written, beside ``output_dir``
+    (``online_rlhf.dry_run.finish``).
+
+    Raises:
+        ConfigError: ``max_length`` is null (no largest shape to try), or the tokenizer has no chat template.
+        SystemExit(1): the step ran out of (GPU) memory, after the result was written.
+    """
+    t_start = time.perf_counter()
+    on_gpu = construct(cfg)
+    import torch
+
+    if cfg.max_length is None:
+        raise ConfigError("dry_run needs max_length (prompt + completion tokens to try); it is null. Set it, e.g. "
+                          "max_length=1024 (in the loop: grpo.max_length).")
+    L = int(cfg.max_length)
+    C = min(int(cfg.max_completion_length), L - 1)  # at least one prompt token
+    P = L - C
+    B, ga = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
+    status, error, step_s, world, dtype = "ok", None, None, _world_size(), cfg.torch_dtype
+    with PeakMemory("cuda" if on_gpu else "cpu") as mem:
+        try:
+            policy_path = resolve_model(cfg.policy)
+            tokenizer, pad_id = load_tokenizer(policy_path)
+            accelerator = _accelerator(cfg)
+            world = accelerator.num_processes
+            n = B * ga * world  # one optimizer step
+            ids = dummy_ids(tokenizer, 2 * n, max(P, C), seed=5)
+            completions = [{"prompt_ids": ids[2 * j][:P], "completion_ids": ids[2 * j + 1][:C],
+                            "advantage": 1.0 if j % 2 == 0 else -1.0, "group": j // 2} for j in range(n)]
+            model, optimizer, ref_model, _, _, _, dtype = prepare_models(cfg, accelerator, policy_path, on_gpu,
+                                                                          with_reference=True)
+            old, ref = old_and_reference_log_probs(cfg, accelerator, model, ref_model, completions, pad_id)
+            ref_model = None
+            t0 = time.perf_counter()
+            train(cfg.model_copy(update={"num_iterations": 1}), accelerator, model, optimizer, completions, old, ref,
+                  pad_id)
+            if on_gpu:
+                torch.cuda.synchronize()
+            step_s = time.perf_counter() - t0
+        except out_of_memory_errors() as e:
+            status, error = "out_of_memory", str(e)[:1000]
+    settings = {"per_device_train_batch_size": B, "gradient_accumulation_steps": ga, "max_length": L,
+                "gradient_checkpointing": cfg.gradient_checkpointing, "beta": cfg.beta, "torch_dtype": dtype,
+                "launch_profile": cfg.launch_profile, "num_processes": world}
+    step = (f"1 optimizer step: {ga} micro-batch(es) x {B} completions x {L} tokens ({P} prompt + {C} completion) "
+            "per process, forward + backward + AdamW step, old log-probs" + (" and reference log-probs"
+                                                                           if cfg.beta != 0.0 else "") + " first")
+    shapes = {"completions_per_process": B * ga, "micro_batch_completions": B, "sequence_tokens": L,
+              "prompt_tokens": P, "completion_tokens": C}
+    result = finish("grpo", mem, cfg.output_dir, status=status, error=error, step_s=step_s, step=step, shapes=shapes,
+                    settings=settings, t_start=t_start)
+    exit_if_out_of_memory("grpo", status, error)
+    return result
 
 
 def cli() -> None:

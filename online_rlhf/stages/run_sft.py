@@ -9,7 +9,8 @@ the conversational ``messages`` format), ``output_dir``, ``axolotl_config_output
 ``launcher`` and ``num_processes``. Any key can be overridden as ``key=value`` (YAML values, dotted
 keys for nesting: ``learning_rate=1e-5 max_steps=20``).
 
-Order of work (top to bottom in :func:`main`):
+Order of work (:func:`main` runs one function a step: :func:`construct` 1-2, :func:`setup` 3,
+:func:`train` 4, :func:`save` 5, :func:`write_stats` 6; :func:`dry_run` is 1-3 and one step):
   1. config: the stage's keys are typed; the Axolotl keys are checked against Axolotl's own schema
      (Axolotl itself silently ignores an unknown key); LoRA adapters are refused (the loop needs a
      full checkpoint);
@@ -50,6 +51,7 @@ import subprocess
 import sys
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -61,12 +63,14 @@ os.environ.setdefault("AXOLOTL_DO_NOT_TRACK", "1")
 
 from online_rlhf.chat_tokens import has_special_text, turn_terminator  # noqa: E402
 from online_rlhf.config import ConfigError, run_main  # noqa: E402
+from online_rlhf.dry_run import dummy_ids, exit_if_out_of_memory, finish, out_of_memory_errors  # noqa: E402
 from online_rlhf.hardware import compute_dtype, describe, stage_threads  # noqa: E402
 from online_rlhf.jsonl import DataError, iter_jsonl, read_json  # noqa: E402
+from online_rlhf.memory import PeakMemory  # noqa: E402
 from online_rlhf.paths import PROJECT_ROOT, resolve_model, setup_cache_env  # noqa: E402
 from online_rlhf.records import ROLES, check_messages  # noqa: E402
 from online_rlhf.stage_configs import SFTStageConfig  # noqa: E402
-from online_rlhf.stats import SFTStats, stats_path  # noqa: E402
+from online_rlhf.stats import DryRunStats, SFTStats, stats_path  # noqa: E402
 from online_rlhf.trl_args import check_axolotl_keys as _check_axolotl_keys  # noqa: E402
 
 PLUGIN = "online_rlhf.stages.axolotl_plugin.TrainLogPlugin"
@@ -417,90 +421,210 @@ def loss_summary(train_log: dict) -> dict:
             "train_runtime_s": runtime, "seconds_per_step": round(runtime / steps, 3) if runtime and steps else None}
 
 
+@dataclass
+class SFTRun:
+    """The stage as :func:`construct` checked it: its paths, the base model, the stage's Axolotl keys
+    (``extra``), the data set's entry and its row count; ``t0`` is ``time.monotonic()`` at the start."""
+
+    cfg: SFTStageConfig
+    t0: float
+    out: Path
+    tmp: Path
+    prepared: Path
+    stats_file: Path
+    yaml_path: Path
+    base: str
+    extra: dict
+    entry: dict
+    rows_in: int
+
+
+def construct(cfg: SFTStageConfig) -> SFTRun:
+    """Steps 1-2 of the module docstring, before anything heavy: the paths, the Axolotl keys against
+    Axolotl's schema, every row of the data set.
+
+    Raises:
+        ConfigError: a bad stage or Axolotl key, a LoRA adapter.  DataError: a bad dataset row.
+    """
+    t0 = time.monotonic()
+    setup_cache_env()
+    out = Path(cfg.output_dir).absolute()
+    yaml_path = Path(cfg.axolotl_config_output or f"{out}.axolotl.yaml")
+    base = resolve_model(cfg.base_model)
+    extra = dict(cfg.model_extra or {})
+    entry = dataset_entry(extra.get("datasets"), cfg.dataset)
+    check_axolotl_keys(extra)
+    rows_in = validate_sft_dataset(cfg.dataset, entry["field_messages"])
+    return SFTRun(cfg=cfg, t0=t0, out=out, tmp=out.with_name(out.name + ".tmp"),
+                  prepared=out.with_name(out.name + ".prepared"), stats_file=stats_path(out), yaml_path=yaml_path,
+                  base=base, extra=extra, entry=entry, rows_in=rows_in)
+
+
+def setup(run: SFTRun) -> tuple[dict, str, dict]:
+    """The base model's tokenizer, eos and the rows holding special-token strings (warned about),
+    then the resolved Axolotl config (step 3).
+
+    Returns:
+        ``(Axolotl config, eos, special_text_rows counts)``.
+    Raises:
+        ConfigError: the base model has no eos token and ``special_tokens.eos_token`` is not set.
+    """
+    from transformers import AutoTokenizer
+
+    cfg, base = run.cfg, run.base
+    base_tok = AutoTokenizer.from_pretrained(base)
+    eos = (run.extra.get("special_tokens") or {}).get("eos_token") or base_tok.eos_token
+    if not eos:
+        raise ConfigError(f"the base model {base} has no eos token; set special_tokens.eos_token.")
+    special = special_text_rows(cfg.dataset, base_tok, run.entry["field_messages"])
+    print(f"[sft] {run.rows_in} rows in {cfg.dataset}; base {base}; eos = pad = {eos!r}", flush=True)
+    if special["rows"]:
+        print(f"[sft] warning: {special['rows']} rows hold special-token strings in their messages "
+              f"({special['messages']}); Axolotl tokenizes them as special tokens (e.g. an end of turn inside an "
+              "assistant turn), not as text. Remove those rows from the data set to avoid that.",
+              file=sys.stderr, flush=True)
+    ax = axolotl_config(cfg, base, eos, run.tmp, run.prepared, tokenizer=base_tok)
+    if ax.get("eot_tokens") and not run.extra.get("eot_tokens"):
+        print(f"[sft] the chat template ends a turn with {ax['eot_tokens'][0]!r}, not the eos {eos!r}: eot_tokens = "
+              f"{ax['eot_tokens']} (Axolotl then trains the turn terminator; it also stops generation)", flush=True)
+    return ax, eos, special
+
+
+def write_axolotl_config(run: SFTRun, ax: dict) -> None:
+    """Write the resolved Axolotl config to ``run.yaml_path`` (atomically)."""
+    run.yaml_path.parent.mkdir(parents=True, exist_ok=True)
+    write_text = f"# written by sft/run_sft.py; Axolotl trains into {run.tmp}, renamed to {run.out}\n" + \
+        yaml.safe_dump(ax, sort_keys=False, allow_unicode=True)
+    tmp_yaml = run.yaml_path.with_name(run.yaml_path.name + ".tmp")
+    tmp_yaml.write_text(write_text, encoding="utf-8")
+    os.replace(tmp_yaml, run.yaml_path)
+
+
+def train(run: SFTRun) -> tuple[dict, dict]:
+    """Step 4: Axolotl trains into ``<output_dir>.tmp`` (stale ``.tmp`` / ``.prepared`` removed first).
+
+    Returns:
+        ``(rows Axolotl dropped, by reason; the log plugin's train log)``.
+    Raises:
+        RuntimeError: Axolotl failed.
+    """
+    for stale in (run.tmp, run.prepared):
+        shutil.rmtree(stale, ignore_errors=True)
+    dropped, _ = run_axolotl(launch_command(run.cfg, run.yaml_path))
+    train_log = read_json(run.tmp / TRAIN_LOG)
+    (run.tmp / TRAIN_LOG).unlink()
+    return dropped, train_log
+
+
+def save(run: SFTRun, ax: dict, eos: str) -> dict:
+    """Step 5: a clean HF checkpoint (:func:`finalize_checkpoint`), renamed to ``output_dir``; the
+    tokenized data set removed. Returns :func:`finalize_checkpoint`'s summary."""
+    summary = finalize_checkpoint(run.tmp, run.base, eos, ax.get("eot_tokens"))
+    _replace_dir(run.tmp, run.out)
+    shutil.rmtree(run.prepared, ignore_errors=True)
+    return summary
+
+
+def write_stats(run: SFTRun, ax: dict, special: dict, dropped: dict, train_log: dict, summary: dict) -> SFTStats:
+    """Step 6: ``<output_dir>.stats.json`` and the summary line."""
+    cfg, rows_in = run.cfg, run.rows_in
+    rows_used = train_log.get("rows_used")
+    if rows_used is not None:
+        other = rows_in - rows_used - sum(dropped.values())
+        if other:
+            dropped["other"] = other  # e.g. rows whose assistant turns Axolotl could not find
+    stats = SFTStats(stage="sft", base_model=run.base, dataset=str(cfg.dataset), output_dir=str(run.out),
+                     axolotl_config=str(run.yaml_path), rows_in=rows_in, rows_used=rows_used, dropped=dropped,
+                     **loss_summary(train_log), wall_seconds=round(time.monotonic() - run.t0, 1),
+                     launcher=cfg.launcher, sequence_len=ax.get("sequence_len"), special_token_text=special,
+                     eot_tokens=ax.get("eot_tokens"),
+                     hardware=describe("cuda" if _on_gpu() else "cpu", _precision(ax),
+                                       threads=None if _on_gpu() else stage_threads()),
+                     **summary)
+    stats.write(run.stats_file)
+    print(f"[sft] saved {run.out}: {stats.steps} steps, loss {stats.train_loss_first} -> {stats.train_loss_last}, "
+          f"{rows_used}/{rows_in} rows used, {stats.wall_seconds} s. Stats: {run.stats_file}", flush=True)
+    return stats
+
+
 def main(cfg: SFTStageConfig) -> SFTStats:
     """Run the SFT stage (see the module docstring); returns the stats written to
-    ``<output_dir>.stats.json`` (:class:`~online_rlhf.stats.SFTStats`). With ``cfg.dry_run``, after
-    the config and data checks: one training step at ``micro_batch_size`` x ``sequence_len``
-    instead (``online_rlhf.stages.dry_runs.sft``), returning :class:`~online_rlhf.stats.DryRunStats`.
+    ``<output_dir>.stats.json`` (:class:`~online_rlhf.stats.SFTStats`). With ``cfg.dry_run``:
+    :func:`dry_run` instead, returning :class:`~online_rlhf.stats.DryRunStats`.
 
     Raises:
         ConfigError: a bad stage or Axolotl key, a LoRA adapter, a base model without eos.
         DataError: a bad dataset row (names file and line).
         RuntimeError: Axolotl failed, or saved no weights.
     """
-    t0 = time.monotonic()
-    setup_cache_env()
-    out = Path(cfg.output_dir).absolute()
-    tmp, prepared = out.with_name(out.name + ".tmp"), out.with_name(out.name + ".prepared")
-    stats_file = stats_path(out)
-    yaml_path = Path(cfg.axolotl_config_output or f"{out}.axolotl.yaml")
-    base = resolve_model(cfg.base_model)
-
-    # 1-2. config and data, before anything heavy.
-    extra = dict(cfg.model_extra or {})
-    entry = dataset_entry(extra.get("datasets"), cfg.dataset)
-    check_axolotl_keys(extra)
-    rows_in = validate_sft_dataset(cfg.dataset, entry["field_messages"])
-    from transformers import AutoTokenizer
-
-    base_tok = AutoTokenizer.from_pretrained(base)
-    eos = (extra.get("special_tokens") or {}).get("eos_token") or base_tok.eos_token
-    if not eos:
-        raise ConfigError(f"the base model {base} has no eos token; set special_tokens.eos_token.")
-    special = special_text_rows(cfg.dataset, base_tok, entry["field_messages"])
-    print(f"[sft] {rows_in} rows in {cfg.dataset}; base {base}; eos = pad = {eos!r}", flush=True)
-    if special["rows"]:
-        print(f"[sft] warning: {special['rows']} rows hold special-token strings in their messages "
-              f"({special['messages']}); Axolotl tokenizes them as special tokens (e.g. an end of turn inside an "
-              "assistant turn), not as text. Remove those rows from the data set to avoid that.",
-              file=sys.stderr, flush=True)
-
-    # 3. the resolved Axolotl config.
-    ax = axolotl_config(cfg, base, eos, tmp, prepared, tokenizer=base_tok)
-    if ax.get("eot_tokens") and not extra.get("eot_tokens"):
-        print(f"[sft] the chat template ends a turn with {ax['eot_tokens'][0]!r}, not the eos {eos!r}: eot_tokens = "
-              f"{ax['eot_tokens']} (Axolotl then trains the turn terminator; it also stops generation)", flush=True)
     if cfg.dry_run:  # memory check with transformers at Axolotl's shapes; nothing written but the result
-        from online_rlhf.stages import dry_runs
+        return dry_run(cfg)
+    run = construct(cfg)
+    ax, eos, special = setup(run)
+    write_axolotl_config(run, ax)
+    dropped, train_log = train(run)
+    summary = save(run, ax, eos)
+    return write_stats(run, ax, special, dropped, train_log, summary)
 
-        return dry_runs.sft(cfg, ax, base, t0)
-    yaml_path.parent.mkdir(parents=True, exist_ok=True)
-    write_text = f"# written by sft/run_sft.py; Axolotl trains into {tmp}, renamed to {out}\n" + \
-        yaml.safe_dump(ax, sort_keys=False, allow_unicode=True)
-    tmp_yaml = yaml_path.with_name(yaml_path.name + ".tmp")
-    tmp_yaml.write_text(write_text, encoding="utf-8")
-    os.replace(tmp_yaml, yaml_path)
 
-    # 4. train.
-    for stale in (tmp, prepared):
-        shutil.rmtree(stale, ignore_errors=True)
-    dropped, _ = run_axolotl(launch_command(cfg, yaml_path))
-    train_log = read_json(tmp / TRAIN_LOG)
-    (tmp / TRAIN_LOG).unlink()
+def dry_run(cfg: SFTStageConfig) -> DryRunStats:
+    """The SFT stage's dry run (``dry_run=true``): :func:`construct` and :func:`setup` (the config
+    and data checks, the resolved Axolotl config), then one step, not through Axolotl: the base
+    model loaded with transformers in Axolotl's dtype (bf16 when ``bf16`` is on, fp16 with
+    ``fp16``, else fp32) and attention, ``micro_batch_size`` dummy rows of ``sequence_len`` tokens,
+    forward + backward + one ``torch.optim.AdamW`` step, in one process (under DeepSpeed ZeRO the
+    real per-GPU share of optimizer state is smaller). Writes only
+    :class:`~online_rlhf.stats.DryRunStats` beside ``output_dir`` (``online_rlhf.dry_run.finish``).
 
-    # 5. clean checkpoint, then rename.
-    summary = finalize_checkpoint(tmp, base, eos, ax.get("eot_tokens"))
-    _replace_dir(tmp, out)
-    shutil.rmtree(prepared, ignore_errors=True)
+    Raises:
+        ConfigError, DataError: as :func:`main`.
+        SystemExit(1): the step ran out of (GPU) memory, after the result was written.
+    """
+    run = construct(cfg)
+    ax, _, _ = setup(run)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    # 6. stats.
-    rows_used = train_log.get("rows_used")
-    if rows_used is not None:
-        other = rows_in - rows_used - sum(dropped.values())
-        if other:
-            dropped["other"] = other  # e.g. rows whose assistant turns Axolotl could not find
-    stats = SFTStats(stage="sft", base_model=base, dataset=str(cfg.dataset), output_dir=str(out),
-                     axolotl_config=str(yaml_path), rows_in=rows_in, rows_used=rows_used, dropped=dropped,
-                     **loss_summary(train_log), wall_seconds=round(time.monotonic() - t0, 1),
-                     launcher=cfg.launcher, sequence_len=ax.get("sequence_len"), special_token_text=special,
-                     eot_tokens=ax.get("eot_tokens"),
-                     hardware=describe("cuda" if _on_gpu() else "cpu", _precision(ax),
-                                       threads=None if _on_gpu() else stage_threads()),
-                     **summary)
-    stats.write(stats_file)
-    print(f"[sft] saved {out}: {stats.steps} steps, loss {stats.train_loss_first} -> {stats.train_loss_last}, "
-          f"{rows_used}/{rows_in} rows used, {stats.wall_seconds} s. Stats: {stats_file}", flush=True)
-    return stats
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        torch.set_num_threads(stage_threads())
+    seq, mb = int(ax.get("sequence_len") or 2048), int(ax.get("micro_batch_size") or 1)
+    bf16 = ax.get("bf16") is True or (ax.get("bf16") == "auto" and on_gpu and torch.cuda.is_bf16_supported())
+    dtype = torch.bfloat16 if bf16 else torch.float16 if ax.get("fp16") is True else torch.float32
+    attn = "flash_attention_2" if ax.get("flash_attention") else (ax.get("attn_implementation") or "sdpa")
+    checkpointing = bool(ax.get("gradient_checkpointing"))
+    device = torch.device("cuda" if on_gpu else "cpu")
+    status, error, step_s = "ok", None, None
+    with PeakMemory(device.type) as mem:
+        try:
+            tok = AutoTokenizer.from_pretrained(run.base)
+            model = AutoModelForCausalLM.from_pretrained(run.base, dtype=dtype, attn_implementation=attn).to(device)
+            if checkpointing:
+                model.gradient_checkpointing_enable()
+            model.config.use_cache = False
+            model.train()
+            opt = torch.optim.AdamW(model.parameters(), lr=float(ax.get("learning_rate") or 1e-5))
+            ids = torch.tensor(dummy_ids(tok, mb, seq, seed=2), device=device)
+            t0 = time.perf_counter()
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if on_gpu:
+                torch.cuda.synchronize()
+            step_s = time.perf_counter() - t0
+        except out_of_memory_errors() as e:
+            status, error = "out_of_memory", str(e)[:1000]
+    settings = {k: ax.get(k) for k in ("micro_batch_size", "sequence_len", "gradient_accumulation_steps",
+                                       "gradient_checkpointing", "sample_packing", "bf16", "fp16", "optimizer",
+                                       "deepspeed")}
+    settings.update(micro_batch_size=mb, sequence_len=seq)
+    step = (f"1 step: {mb} rows x {seq} tokens, forward + backward + AdamW step, {str(dtype).replace('torch.', '')} "
+            f"weights, {attn}, one process (transformers, not Axolotl)")
+    result = finish("sft", mem, cfg.output_dir, status=status, error=error, step_s=step_s, step=step,
+                    shapes={"rows": mb, "sequence_tokens": seq}, settings=settings, t_start=run.t0, gather=False)
+    exit_if_out_of_memory("sft", status, error)
+    return result
 
 
 def cli() -> None:
