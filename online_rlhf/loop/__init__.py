@@ -16,7 +16,8 @@ The stages themselves are the rows of ``online_rlhf.stage_table.STAGES``.
 
 from ..config import ConfigError
 from ..jsonl import DataError
-from ..stage_table import STAGES, iteration_config, no_pairs_stop
+from ..stage_configs import iteration_config
+from ..stage_table import STAGES, no_pairs_stop
 from .cli import main
 from .metrics import grpo_metrics, iteration_stats, mean_ci95, metrics
 from .plan import RUN_CONFIG_HEADER, fresh_refusal, plan, run_config_dict

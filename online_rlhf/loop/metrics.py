@@ -22,12 +22,12 @@ def mean_ci95(xs: list[float]) -> tuple[float, float, float]:
     return (m, m - half, m + half)
 
 
-
 # The stats files of an iteration folder: name -> class. Iteration 0 only evaluates (no train stages).
 def iteration_stats(it: Path, i: int) -> dict[str, StageStats]:
     """Every stage's stats of iteration folder ``it`` (iteration ``i``), read through the classes of
     the stage table: ``{name of the stage's first output: stats}`` for the stages of the iteration's
-    ``plan.json`` (iteration 0: the held-out evaluation, and no SFT stats here).
+    ``plan.json`` (iteration 0: the held-out evaluation; a stage that runs once before the loop,
+    ``when="start"`` as SFT, belongs to the run, not to iteration 0, and is left out).
 
     Raises:
         FileNotFoundError: a stage's stats file is missing (its stage has not run).
@@ -35,8 +35,7 @@ def iteration_stats(it: Path, i: int) -> dict[str, StageStats]:
     """
     entries = read_json(it / "plan.json")
     return {Path(e["outputs"][0]).name: STAGES[name].stats.read(stats_path(e["outputs"][0]))
-            for name, e in entries.items() if name != "sft"}
-
+            for name, e in entries.items() if STAGES[name].when != "start"}
 
 
 def metrics(run_dir: Path, i: int) -> dict:
@@ -86,12 +85,10 @@ def metrics(run_dir: Path, i: int) -> dict:
     return row
 
 
-
 def _first_answers(evals: list[dict]) -> dict[str, tuple[float, int]]:
     """``{prompt id: (reward, response tokens)}`` of the first (greedy) held-out answer, scored ones only."""
     return {str(r["id"]): (float(r["rewards"][0]), int((r.get("response_tokens") or [1])[0]))
             for r in evals if r["rewards"] and r["rewards"][0] is not None}
-
 
 
 def _eval_quality(run_dir: Path, i: int, evals: list[dict], stats: dict[str, StageStats]) -> dict:
@@ -147,7 +144,6 @@ def _eval_quality(run_dir: Path, i: int, evals: list[dict], stats: dict[str, Sta
     return out
 
 
-
 def _refit_length_control(run_dir: Path, rows: list[dict]) -> None:
     """Set ``eval_reward_lc`` (length-controlled held-out reward) and ``eval_reward_lc_vs_0`` (its
     paired bootstrap against iteration 0) in every row, from one fit over the greedy held-out
@@ -177,10 +173,8 @@ def _refit_length_control(run_dir: Path, rows: list[dict]) -> None:
             r["eval_reward_lc_vs_0"] = paired_bootstrap([residual[0][k] for k in common], [residual[i][k] for k in common])
 
 
-
 def _round(x: float | None, nd: int = 4) -> float | None:
     return None if x is None else round(x, nd)
-
 
 
 def _hardware(stats: dict[str, StageStats]) -> dict:
@@ -193,7 +187,6 @@ def _hardware(stats: dict[str, StageStats]) -> dict:
         if hw:
             out[name.split(".")[0]] = hw
     return out
-
 
 
 def _train_metrics(it: Path, i: int, stats: dict[str, StageStats]) -> dict:
@@ -228,7 +221,6 @@ def _train_metrics(it: Path, i: int, stats: dict[str, StageStats]) -> dict:
     }
 
 
-
 def grpo_metrics(g: GRPOStats) -> dict:
     """The GRPO columns of a metrics row: loss, KL, clip fraction, groups used and skipped, steps, seconds."""
     return {"loss_first": g.loss_first, "loss_last": g.loss_last, "kl_last": g.kl_last,
@@ -236,10 +228,8 @@ def grpo_metrics(g: GRPOStats) -> dict:
             "groups_skipped": g.groups_skipped, "steps": g.steps, "seconds": g.seconds.total}
 
 
-
 def _mean(xs: list[float]) -> float | None:
     return round(statistics.fmean(xs), 2) if xs else None
-
 
 
 def _rate(reasons: list[str]) -> float | None:

@@ -19,17 +19,15 @@ from typing import Any
 import yaml
 
 from ..jsonl import atomic_open, json_text
-from ..stage_configs import LoopConfig
-from ..stage_table import STAGES, iteration_config, launch_command, prompt_source, stage_machines, starting_policy
+from ..stage_configs import LoopConfig, iteration_config
+from ..stage_table import STAGES, Stage, launch_command, prompt_source, stage_machines, starting_policy
 from .provenance import _Layers, _provenance, _stage_header
-from .resolve import (_check_dpo_config, _check_ifeval_prompts, _check_verifier_fields, _eval_rows,
-                      _grpo_prompt_length_warnings, _other_algorithm_warnings, _overlap_warnings, _prompt_key,
-                      resolve, stage_dict)
+from .resolve import (_LIBRARY_CHECKS, _check_ifeval_prompts, _check_verifier_fields, _eval_rows,
+                      _other_algorithm_warnings, _overlap_warnings, _prompt_key, resolve, stage_dict)
 
 
 # First line of <run>/config.yaml; run_loop.sh --fresh only clears a folder whose config.yaml has it.
 RUN_CONFIG_HEADER = "# online_rlhf run config, resolved from"
-
 
 
 def plan(config_path: str | None, overrides: list[str], write: bool = True, shell_out=None) -> Path:
@@ -60,13 +58,14 @@ def plan(config_path: str | None, overrides: list[str], write: bool = True, shel
     eval_ids = {_prompt_key(r) for r in eval_rows}
     seen_train: dict[str, int] = {}  # train prompt id -> first iteration that used it
     layers = _Layers(config_path, [o for o in overrides if o.split("=", 1)[0] != "dry_run"])
-    tokenizers: dict[str, Any] = {}  # policy dir -> tokenizer (None: none here), for the GRPO length check
+    tokenizers: dict[str, Any] = {}  # policy dir -> tokenizer (None: none here), for the rows' prompt checks
     files = _PlanFiles()  # written at the end, once every check has passed
     for i in range(0, cfg.iterations + 1):
         it = run_dir / f"iter_{i}"
         c = iteration_config(cfg, i)
         _check_verifier_fields(c, eval_rows, f"eval_prompts {eval_src}")  # scored by eval_rewards in every iteration
-        entries, grpo_values = {}, {}
+        entries: dict[str, dict] = {}
+        prompt_checks: list[tuple[Stage, dict]] = []  # rows whose values are checked against the train prompts
         for stage in STAGES.values():
             if not stage.runs_in(cfg, i):
                 continue
@@ -79,15 +78,15 @@ def plan(config_path: str | None, overrides: list[str], write: bool = True, shel
                 note = (f"(machine 0's part; machine k of {stage_machines(stage, d)} runs the same with machine_rank k: "
                         f"`.venv-train/bin/python -m online_rlhf.loop exec {run_dir} {i} {stage.name} machine_rank=k`)")
             prov = _provenance(stage, d, c, i, layers, start=starting_policy(c, run_dir))
-            if stage.name == "dpo":
-                _check_dpo_config(d, i, prov)
+            if stage.checks.library is not None:  # e.g. DPO: the trl.DPOConfig the stage will build
+                _LIBRARY_CHECKS[stage.checks.library](d, i, prov)
             header = _stage_header(stage, i, layers, command, prov, note)
             files.add(path, header + yaml.safe_dump(d, sort_keys=False, allow_unicode=True))
             inputs, outputs = stage.io(d)
             entries[stage.name] = {"env": stage.env, "config": str(path), "command": command,
                                    "inputs": inputs, "outputs": outputs}
-            if stage.name == "grpo":
-                grpo_values = d
+            if stage.checks.prompts is not None:  # checked against the iteration's train prompts below
+                prompt_checks.append((stage, d))
         if i >= 1:
             src = prompt_source(c.train_prompts, "train")
             if src not in train_sets:
@@ -98,8 +97,8 @@ def plan(config_path: str | None, overrides: list[str], write: bool = True, shel
             _check_verifier_fields(c, rows, f"train_prompts {src} (iteration {i}'s prompts)")
             files.add(it / "prompts.jsonl", _prompt_slice_text(rows))
             warnings += _overlap_warnings(rows, i, eval_ids, seen_train)
-            if grpo_values:
-                warnings += _grpo_prompt_length_warnings(c, i, rows, grpo_values, tokenizers)
+            for stage, d in prompt_checks:
+                warnings += stage.checks.prompts(c, i, rows, d, tokenizers)
         files.add(it / "plan.json", json_text(entries))
     warnings += _other_algorithm_warnings(cfg)
     shell = {"RUN_DIR": str(run_dir), "ITERATIONS": cfg.iterations, "LAUNCH_PROFILE": cfg.launch_profile,
@@ -122,7 +121,6 @@ def plan(config_path: str | None, overrides: list[str], write: bool = True, shel
     for k, v in shell.items():
         print(f"{k}={shlex.quote(str(v))}", file=shell_out or sys.stdout, flush=True)
     return run_dir
-
 
 
 @contextlib.contextmanager
@@ -151,7 +149,6 @@ def _stdout_to_stderr():
         os.close(saved)
 
 
-
 def run_config_dict(cfg: LoopConfig) -> dict:
     """The resolved loop config as ``<run>/config.yaml`` holds it: every top-level key, and in each
     stage section only the keys that were set (a section's unset keys take the stage file's or the
@@ -161,7 +158,6 @@ def run_config_dict(cfg: LoopConfig) -> dict:
     for name in ("generation", "evaluation", "reward", "pairs", "dpo", "grpo"):
         d[name] = getattr(cfg, name).model_dump(mode="json", exclude_unset=True)
     return d
-
 
 
 def _write_run_config(run_dir: Path, body: str, header: str) -> None:
@@ -185,7 +181,6 @@ def _write_run_config(run_dir: Path, body: str, header: str) -> None:
         f.write(body)
 
 
-
 def _prompt_slice(train: list[dict], c: LoopConfig, i: int) -> list[dict]:
     """Iteration i's train prompts: slice i of ``prompts_per_iteration`` (wrapping), else the first ``train_limit``."""
     n = c.prompts_per_iteration
@@ -195,11 +190,9 @@ def _prompt_slice(train: list[dict], c: LoopConfig, i: int) -> list[dict]:
     return train[: c.train_limit] if c.train_limit else train
 
 
-
 def _prompt_slice_text(rows: list[dict]) -> str:
     """An iteration's train prompts (:func:`_prompt_slice`) as the JSONL text of its ``prompts.jsonl``."""
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
-
 
 
 def _write_if_changed(path: Path, text: str) -> None:
@@ -207,7 +200,6 @@ def _write_if_changed(path: Path, text: str) -> None:
         return  # keep mtime and bytes stable; the hash is over content anyway
     with atomic_open(path) as f:
         f.write(text)
-
 
 
 class _PlanFiles:
@@ -230,11 +222,9 @@ class _PlanFiles:
             _write_if_changed(path, text)
 
 
-
 # The layout an interrupted or refused plan of earlier versions could leave behind (no config.yaml):
 # per iteration, stage configs, plan.json, prompts.jsonl and logs; the lock at the top.
 _PLAN_LEFTOVERS = {"configs", "plan.json", "prompts.jsonl", "logs"}
-
 
 
 def fresh_refusal(run_dir: Path) -> str | None:
@@ -263,7 +253,6 @@ def fresh_refusal(run_dir: Path) -> str | None:
         return None
     return (f"--fresh refuses to clear {run_dir}: it holds files but no run config.yaml written by this loop, so it "
             "is not a run directory. Choose another output_root/run_name, or empty it yourself.")
-
 
 
 def _only_plan_leftovers(run_dir: Path) -> bool:

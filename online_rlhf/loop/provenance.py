@@ -39,7 +39,6 @@ class _Layers:
         return None
 
 
-
 def _lookup(data: Any, path: list) -> tuple[bool, Any]:
     for k in path:
         if not isinstance(data, dict):
@@ -54,7 +53,6 @@ def _lookup(data: Any, path: list) -> tuple[bool, Any]:
     return True, data
 
 
-
 def _short(path: str | None) -> str:
     if not path:
         return "defaults"
@@ -64,33 +62,11 @@ def _short(path: str | None) -> str:
         return str(path)
 
 
-
 # Stage keys the plan derives from a top-level loop key (the rest of its own keys are the run layout).
 _DERIVED = {"seed": "seed", "prompts": None, "num_shards": "generation_shards", "num_processes": "num_processes",
             "launch_profile": "launch_profile", "limit": "eval_limit", "prompt_field": "prompt_field",
             "model": "policy", "policy": "policy", "base_model": "policy", "reference": "ref_model",
             "num_machines": "num_machines", "main_process_ip": "main_process_ip", "main_process_port": "main_process_port"}
-
-
-
-# Seeds the plan offsets per iteration, so that each iteration samples and pairs afresh.
-_SEED_OFFSET = {"generate": "+ 1000 x iteration", "pairs": "+ iteration"}
-
-
-
-# Values of the evaluation stages that the plan sets itself: (stage, key) -> origin.
-_PLAN_SET = {
-    ("kl_generate", "k"): "loop key kl_samples",
-    ("kl_generate", "prompts"): "loop key eval_prompts (the held-out prompts)",
-    ("kl_generate", "temperature"): "the KL estimate samples from the policy itself (temperature 1)",
-    ("kl_generate", "top_p"): "the KL estimate samples from the policy itself (top_p 1)",
-    ("kl_generate", "seed"): "loop key seed + 1000 x iteration + 500",
-    ("kl", "reference"): "the starting policy (KL is measured from where the loop started)",
-    ("ifeval_generate", "prompts"): "loop key ifeval.prompts",
-    ("grpo", "temperature"): "loop key generation.temperature (the rollouts' sampling temperature)",
-    ("grpo", "max_completion_length"): "loop key generation.max_tokens (the rollouts' max new tokens)",
-}
-
 
 
 def _provenance(stage: Stage, d: dict, c: LoopConfig, i: int, layers: _Layers,
@@ -105,8 +81,8 @@ def _provenance(stage: Stage, d: dict, c: LoopConfig, i: int, layers: _Layers,
     if stage.stage_file_key:
         parts = stage.stage_file_key.split(".")
         own_file = _lookup(c.model_dump(), parts)[1] if len(parts) > 1 else getattr(c, parts[0])
-        if own_file is None and stage.name == "sft":
-            own_file = "configs/sft.yaml"
+        if own_file is None:
+            own_file = stage.stage_file_default
     own = stage_file(own_file) if own_file else {}
     leaves = []
     for k, v in d.items():
@@ -117,7 +93,7 @@ def _provenance(stage: Stage, d: dict, c: LoopConfig, i: int, layers: _Layers,
             leaves.append(([k], v))
     out = []
     for path, v in leaves:
-        origin = _PLAN_SET.get((stage.name, ".".join(map(str, path))))
+        origin = stage.set_by_plan.get(".".join(map(str, path)))
         for sec in stage.sections if origin is None else ():
             for where in (["per_iteration", i, sec], [sec]):
                 origin = layers.find([*where, *path])
@@ -131,19 +107,18 @@ def _provenance(stage: Stage, d: dict, c: LoopConfig, i: int, layers: _Layers,
             origin = f"the loop's default ({sec}.{'.'.join(map(str, path))})" if sec else None
         if not origin and own_file and _lookup(own, path)[0]:
             origin = _short(str(PROJECT_ROOT / own_file) if not Path(own_file).is_absolute() else own_file)
-        key = "eval_prompts" if (stage.name, path[-1]) == ("eval_generate", "prompts") else _DERIVED.get(path[-1])
+        key = {**_DERIVED, **stage.derived_from}.get(path[-1])
         if not origin and path[-1] in ("model", "policy") and start is not None and v != start:
             origin = ("this iteration's trained model" if str(v).endswith(f"iter_{i}/model")
                       else "the model of the iteration before")
         if not origin and key and (path[0] != "training" or path[-1] == "seed"):
             origin = f"loop key {key} ({layers.find([key]) or 'its default'})"
-            if path == ["seed"] and stage.name in _SEED_OFFSET:
-                origin = f"loop key seed {_SEED_OFFSET[stage.name]} ({layers.find(['seed']) or 'its default'})"
+            if path == ["seed"] and stage.seed_offset:
+                origin = f"loop key seed {stage.seed_offset} ({layers.find(['seed']) or 'its default'})"
             if path == ["num_processes"] and d.get("source", "reward_model") != "reward_model":
                 origin = f"one process: source={d.get('source')} runs in one process"
         out.append((".".join(map(str, path)), v, origin or "the run layout"))
     return out
-
 
 
 def _stage_header(stage: Stage, i: int, layers: _Layers, command: str, prov: list[tuple[str, Any, str]],

@@ -48,7 +48,6 @@ def report(run_dir: Path) -> Path:
     return run_dir / "report.md"
 
 
-
 def metrics_line(row: dict) -> str:
     """The loop's live line after an iteration's ``metrics`` (one row of ``metrics.jsonl``): held-out
     reward, rollout reward, what the update trained on (DPO: pairs; GRPO: groups used of all, the
@@ -70,7 +69,6 @@ def metrics_line(row: dict) -> str:
     return ", ".join(parts) + _quality_summary(row)
 
 
-
 def _quality_summary(row: dict) -> str:
     """The evaluation part of the loop's live ``metrics`` line (empty parts left out)."""
     parts = []
@@ -90,12 +88,10 @@ def _quality_summary(row: dict) -> str:
     return "".join(", " + p for p in parts)
 
 
-
 def _fmt(x: Any, nd: int = 4, signed: bool = False) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "–"
     return f"{x:+.{nd}f}" if signed else f"{x:.{nd}f}"
-
 
 
 def _paired_cell(t: dict | None) -> str:
@@ -106,11 +102,9 @@ def _paired_cell(t: dict | None) -> str:
     return f"{_fmt(t['diff'], signed=True)} ({_fmt(lo, signed=True)}–{_fmt(hi, signed=True)}), {_p(t)}"
 
 
-
 def _p(t: dict) -> str:
     """A bootstrap p-value; 0 resamples on the other side of 0 reads p < 1/resamples."""
     return f"p<{1 / t['resamples']:.0e}" if t["p_value"] == 0 else f"p={t['p_value']:.3g}"
-
 
 
 def _quality_lines(rows: list[dict], cfg: dict) -> list[str]:
@@ -158,7 +152,6 @@ def _quality_lines(rows: list[dict], cfg: dict) -> list[str]:
     return lines
 
 
-
 def _grpo_lines(rows: list[dict]) -> list[str]:
     """Report lines of the GRPO iterations (none for DPO runs)."""
     lines = []
@@ -171,7 +164,6 @@ def _grpo_lines(rows: list[dict]) -> list[str]:
             lines.append(f"- iteration {r['iteration']}: {g['groups_used']} groups used (skipped: {skipped}), "
                          f"{g['steps']} steps, {loss}{kl}, clip fraction {g['clip_fraction_mean'] or 0:.3f}")
     return ["", "GRPO per iteration:", "", *lines] if lines else []
-
 
 
 def _hardware_lines(rows: list[dict]) -> list[str]:
@@ -188,7 +180,6 @@ def _hardware_lines(rows: list[dict]) -> list[str]:
               f"{str(hw['processes']) + ' processes x ' if hw.get('processes', 1) > 1 else ''}{hw.get('threads')} thread(s)"
               for stage, hw in seen.items()]
     return lines
-
 
 
 def _plot(rows: list[dict], out: Path) -> None:
@@ -235,7 +226,6 @@ def _plot(rows: list[dict], out: Path) -> None:
     with atomic_open(out, "wb") as f:
         fig.savefig(f, format="png", dpi=100)
     plt.close(fig)
-
 
 
 def _log_wandb(rows: list[dict], run_dir: Path, cfg: dict) -> None:

@@ -16,17 +16,15 @@ from typing import Any
 
 from ..config import ConfigError, apply_overrides, load_yaml
 from ..loop_keys import check_loop_keys
-from ..paths import PROJECT_ROOT, default_model_dir, local_folder_prefix, resolve_model
-from ..stage_configs import DPOStageConfig, GenerateConfig, LoopConfig, SFTStageConfig
-from ..stage_table import STAGES, iteration_config
-from ..trl_args import check_axolotl_keys, check_dpo_training, check_lora, per_device_batch
+from ..paths import PROJECT_ROOT, local_folder_prefix, resolve_model
+from ..stage_configs import DPOStageConfig, GenerateConfig, LoopConfig, iteration_config
+from ..stage_table import STAGES, Stage
 
 
 # Keys of the loop config whose values are fixed per run, not per iteration.
 _RUN_LEVEL = ("run_name", "output_root", "iterations", "policy", "sft", "per_iteration", "wandb", "dry_run", "algorithm",
               "num_machines", "machine_rank", "main_process_ip", "main_process_port", "launcher",
               "ifeval", "kl_samples", "kl_warn", "eval_cache")
-
 
 
 def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
@@ -59,32 +57,19 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
             _check_local_model(r.reward_model, "reward.reward_model" if i not in cfg.per_iteration else
                                f"reward.reward_model (iteration {i})", src,
                                "a reward-model folder or an HF Hub id (owner/name)")
-    if cfg.sft.get("enabled"):  # the stage file's Axolotl keys too (the loop's own are checked above)
-        sft = SFTStageConfig.from_dict(sft_dict(cfg, Path("/dry-run")), f"{src}, stage sft")
-        check_axolotl_keys(sft.model_extra or {}, prefix=f"{cfg.sft.get('config', 'configs/sft.yaml')}: ",
-                           also_known=set(SFTStageConfig.model_fields))
-    # Dry validation: build every stage config of every iteration without touching models.
-    dpo_dicts: dict[int, dict] = {}  # iteration -> resolved DPO stage dict (batch split checked below)
-    grpo_dicts: dict[int, dict] = {}  # iteration -> resolved GRPO stage dict
+    # Dry validation: build every stage config of every iteration without touching models, with each
+    # row's own checks (online_rlhf.stage_checks; e.g. the SFT file's Axolotl keys, generation.k).
+    built: list[tuple[Stage, int, dict]] = []  # (row, iteration, resolved stage dict)
     for i in range(0, cfg.iterations + 1):
         for stage in STAGES.values():
-            if not stage.runs_in(cfg, i) or stage.name == "sft":
+            if not stage.runs_in(cfg, i):
                 continue
             d = stage_dict(cfg, Path("/dry-run"), i, stage.name)
-            stage_cfg = stage.config.from_dict(d, f"{src}, iteration {i}, stage {stage.name}")
-            if stage.name == "generate" and stage_cfg.k < 2:
-                need = ("GRPO needs a group of at least 2 responses per train prompt (each response's advantage is "
-                        "its reward against the group's)" if cfg.algorithm == "grpo" else
-                        "a chosen/rejected pair needs at least 2 responses per train prompt")
-                raise ConfigError(f"{src}, iteration {i}: generation.k={stage_cfg.k}, but {need}; set generation.k >= 2 "
-                                  f"({'4-16' if cfg.algorithm == 'grpo' else '4-8'} is usual).")
-            if stage.name == "grpo":
-                _check_grpo_length(cfg, i, d, f"{src}, iteration {i}")
-                grpo_dicts[i] = d
-            if stage.name == "dpo":  # the merged section: also the keys of the dpo_config file
-                check_dpo_training(d["training"], f"{src}, iteration {i}: dpo.training")
-                check_lora(d.get("lora"), f"{src}, iteration {i}: dpo.lora", required=False)
-                dpo_dicts[i] = d
+            at = f"{src}, stage {stage.name}" if stage.when == "start" else f"{src}, iteration {i}, stage {stage.name}"
+            stage_cfg = stage.config.from_dict(d, at)
+            if stage.checks.config is not None:
+                stage.checks.config(cfg, i, d, stage_cfg, f"{src}, iteration {i}")
+            built.append((stage, i, d))
     for section in ("generation", "evaluation"):
         if getattr(cfg, section).dtype == "bfloat16" and cfg.launch_profile == "cpu":
             from ..hardware import compute_dtype
@@ -97,32 +82,21 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if cfg.num_processes == "auto":
-        cfg.num_processes = auto_processes(cfg.launch_profile, [_dpo_batch(d) for d in dpo_dicts.values()],
+        cfg.num_processes = auto_processes(cfg.launch_profile, [s.checks.batch(d) for s, _, d in built if s.checks.batch],
                                            num_machines=cfg.num_machines)
-    for i, d in dpo_dicts.items():
-        try:
-            per_device_batch(d.get("train_batch_size"), d.get("training", {}), cfg.num_processes, where="dpo.",
-                             processes_key="num_processes")
-        except ConfigError as e:
-            raise ConfigError(f"{src}, iteration {i}: {e}") from None
-    if cfg.dry_run:
-        if cfg.num_machines > 1:
-            raise ConfigError(f"{src}: dry_run=true with num_machines={cfg.num_machines}: the dry run measures each "
-                              "stage on this machine alone (a multi-machine stage would wait for the others). Run it "
-                              "with num_machines=1 and the per-machine process count (num_processes=<processes per "
-                              "machine>): each machine holds the same share.")
-        if 1 in dpo_dicts and dpo_dicts[1].get("training", {}).get("max_length") is None:
-            raise ConfigError(f"{src}: dry_run=true needs dpo.training.max_length (the dummy pairs are that long); "
-                              "set it, e.g. dpo.training.max_length=1024.")
-        if 1 in grpo_dicts and grpo_dicts[1].get("max_length") is None:
-            raise ConfigError(f"{src}: dry_run=true needs grpo.max_length (the dummy prompt + completion is that "
-                              "long); set it, e.g. grpo.max_length=1024.")
+    if cfg.dry_run and cfg.num_machines > 1:
+        raise ConfigError(f"{src}: dry_run=true with num_machines={cfg.num_machines}: the dry run measures each "
+                          "stage on this machine alone (a multi-machine stage would wait for the others). Run it "
+                          "with num_machines=1 and the per-machine process count (num_processes=<processes per "
+                          "machine>): each machine holds the same share.")
+    for stage, i, d in built:  # with num_processes resolved: the batch split per device, what a dry run needs
+        if stage.checks.launch is not None:
+            stage.checks.launch(cfg, i, d, src)
     if cfg.num_machines > 1 and cfg.generation_shards < cfg.num_machines:
         print(f"WARNING: generation_shards={cfg.generation_shards} < num_machines={cfg.num_machines}: machines "
               f"{cfg.generation_shards}..{cfg.num_machines - 1} run no generation shard (one shard per device of "
               "every machine is usual).", file=sys.stderr)
     return cfg
-
 
 
 def _check_local_model(value: str, key: str, src: str, what: str) -> None:
@@ -143,37 +117,6 @@ def _check_local_model(value: str, key: str, src: str, what: str) -> None:
         raise ConfigError(f"{src}: {key}={value}: no such directory (looked at {looked}; run_loop.sh takes a relative "
                           f"path from where you run it when it is there, else from the project root {PROJECT_ROOT}).{hub} "
                           f"Fix the path (an absolute one is the surest), or give {what}.") from None
-
-
-
-def _check_grpo_length(cfg: LoopConfig, i: int, d: dict, where: str) -> None:
-    """``grpo.max_length`` (prompt + completion tokens) must leave room for a prompt beside a
-    completion of ``generation.max_tokens`` (the stage's ``max_completion_length``); the longest
-    prompt is not tokenized here (the stage counts and warns about what it cuts or drops).
-
-    Raises:
-        ConfigError: ``max_length <= generation.max_tokens``, naming both keys and where max_length was set.
-    """
-    L, T = d.get("max_length"), d["max_completion_length"]
-    if L is None or L > T:
-        return
-    if "max_length" in ((cfg.per_iteration.get(i) or {}).get("grpo") or {}):
-        origin = f"per_iteration.{i}.grpo.max_length"
-    elif "max_length" in cfg.grpo.model_dump(exclude_unset=True):
-        origin = "the grpo section"
-    else:
-        origin = f"grpo_config={iteration_config(cfg, i).grpo_config}"
-    raise ConfigError(f"{where}: grpo.max_length={L} ({origin}) is not above generation.max_tokens={T}: a completion "
-                      "of max_tokens would leave no room for its prompt, so every group is dropped or cut. Set "
-                      f"grpo.max_length above the longest prompt + generation.max_tokens (e.g. {T + 512}), lower "
-                      "generation.max_tokens, or set grpo.max_length=null (no cap).")
-
-
-
-def _dpo_batch(d: dict) -> tuple[int | None, int]:
-    """(train_batch_size, gradient_accumulation_steps) of a resolved DPO stage dict."""
-    return d.get("train_batch_size"), int(d.get("training", {}).get("gradient_accumulation_steps", 1))
-
 
 
 def auto_processes(launch_profile: str, dpo_batches: list[tuple[int | None, int]], free: int | None = None,
@@ -200,7 +143,6 @@ def auto_processes(launch_profile: str, dpo_batches: list[tuple[int | None, int]
     return n * num_machines
 
 
-
 def sft_dict(cfg: LoopConfig, run_dir: Path) -> dict:
     """The SFT stage config (run once, before iteration 1): the Axolotl stage file ``sft.config``,
     the loop's other ``sft`` keys over it (e.g. ``sft.dataset``, ``sft.learning_rate``), the starting
@@ -208,11 +150,9 @@ def sft_dict(cfg: LoopConfig, run_dir: Path) -> dict:
     return STAGES["sft"].build(cfg, run_dir, 0)
 
 
-
 def stage_dict(cfg: LoopConfig, run_dir: Path, i: int, stage: str) -> dict:
     """The config mapping of ``stage`` in iteration ``i`` (before validation), as the stage table wires it."""
     return STAGES[stage].build(iteration_config(cfg, i), run_dir, i)
-
 
 
 def _check_dpo_config(d: dict, i: int, prov: list[tuple[str, Any, str]]) -> None:
@@ -245,6 +185,10 @@ def _check_dpo_config(d: dict, i: int, prov: list[tuple[str, Any, str]]) -> None
                           + " Change them so that trl.DPOConfig accepts them (nothing has run yet).") from None
 
 
+# The library configs a stage table row can name (``PlanChecks.library``) -> the plan's check that
+# builds it as the stage will.
+_LIBRARY_CHECKS = {"trl.DPOConfig": _check_dpo_config}
+
 
 def _check_ifeval_prompts(cfg: LoopConfig) -> None:
     """When the run has IFEval stages (``ifeval.when`` other than ``never``), their prompt file must
@@ -269,14 +213,12 @@ def _check_ifeval_prompts(cfg: LoopConfig) -> None:
                           "prompts (prompt, instruction_id_list, kwargs), or set ifeval.when=never.")
 
 
-
 def _eval_rows(cfg: LoopConfig, run_dir: Path) -> tuple[str, list[dict]]:
     """``(source, rows)`` of the held-out prompts, loaded exactly as the eval_generate stage will load them."""
     from ..records import load_prompts
 
     g = GenerateConfig.from_dict(stage_dict(cfg, run_dir, 0, "eval_generate"))
     return g.prompts, load_prompts(g.prompts, g.prompt_split, g.prompt_field, g.limit)
-
 
 
 def _check_verifier_fields(c: LoopConfig, rows: list[dict], what: str) -> None:
@@ -306,51 +248,6 @@ def _check_verifier_fields(c: LoopConfig, rows: list[dict], what: str) -> None:
         "reward.judge_model=<name>.")
 
 
-
-def _grpo_prompt_length_warnings(c: LoopConfig, i: int, rows: list[dict], d: dict, tokenizers: dict) -> list[str]:
-    """Iteration ``i``'s GRPO length check against its train prompts: the longest prompt (the starting
-    policy's chat template, as the generation stage renders it) + ``generation.max_tokens`` against
-    ``grpo.max_length``. Only where it is cheap: the starting policy's tokenizer is in a local folder
-    (a Hub id or a model not made yet, e.g. the SFT model, is not checked here; the stage counts and
-    warns about what it drops or cuts).
-
-    Returns:
-        one warning when a prompt would be dropped (it fills max_length) or a full-length completion cut.
-    """
-    L, T = d.get("max_length"), d["max_completion_length"]
-    if L is None:
-        return []
-    path = str(default_model_dir()) if c.policy == "default" else c.policy  # the SFT model keeps its base's tokenizer
-    if path not in tokenizers:
-        tokenizers[path] = None
-        if (Path(path) / "tokenizer_config.json").is_file():
-            from transformers import AutoTokenizer
-
-            tokenizers[path] = AutoTokenizer.from_pretrained(path)
-    tok = tokenizers[path]
-    if tok is None or tok.chat_template is None:
-        return []
-    from ..chat_tokens import ChatTokenError, chat_token_ids
-
-    lengths = []
-    for r in rows:
-        try:
-            lengths.append((len(chat_token_ids(tok, r["prompt"], add_generation_prompt=True)), r["id"]))
-        except ChatTokenError:
-            continue  # the generation stage skips and counts it
-    if not lengths:
-        return []
-    longest, rid = max(lengths)
-    if longest + T <= L:
-        return []
-    over = sum(n >= L for n, _ in lengths)
-    return [f"iteration {i}: the longest train prompt ({rid!r}) is {longest} tokens; with generation.max_tokens={T} "
-            f"a completion can reach {longest + T} > grpo.max_length={L} tokens, so long completions lose their tail"
-            + (f" and {over} prompt(s) that fill max_length drop their group" if over else "")
-            + f". Set grpo.max_length >= {longest + T} (or null), or lower generation.max_tokens."]
-
-
-
 def _other_algorithm_warnings(cfg: LoopConfig) -> list[str]:
     """One warning naming every key set for the algorithm that does not run (``grpo`` keys under
     ``algorithm=dpo``, ``dpo`` keys under ``algorithm=grpo``; top level and ``per_iteration``): not
@@ -367,7 +264,6 @@ def _other_algorithm_warnings(cfg: LoopConfig) -> list[str]:
             f"algorithm={other}."]
 
 
-
 def _flat_keys(d: dict, prefix: str) -> list[str]:
     """``{"training": {"beta": 1}}`` -> ``["<prefix>.training.beta"]``."""
     out = []
@@ -376,11 +272,9 @@ def _flat_keys(d: dict, prefix: str) -> list[str]:
     return out
 
 
-
 def _prompt_key(rec: dict) -> str:
     """Identity of a prompt for overlap checks: its text (ids of two files need not agree)."""
     return json.dumps(rec["prompt"], sort_keys=True, ensure_ascii=False)
-
 
 
 def _overlap_warnings(rows: list[dict], i: int, eval_keys: set[str], seen: dict[str, int]) -> list[str]:

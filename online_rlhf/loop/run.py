@@ -34,7 +34,6 @@ def _stage_entry(run_dir: Path, i: int, stage: str) -> dict:
     return entries[stage]
 
 
-
 def stage_hash(run_dir: Path, i: int, stage: str) -> str:
     """Hash of a stage's config values (with the run dir's own path masked; launch settings
     included, comments not) and its inputs' content: a run directory moved or copied elsewhere
@@ -43,7 +42,6 @@ def stage_hash(run_dir: Path, i: int, stage: str) -> str:
     values = yaml.safe_load(Path(e["config"]).read_text(encoding="utf-8"))  # values, not the comments
     config_text = json.dumps(values, sort_keys=True, ensure_ascii=False).replace(str(run_dir), "<run_dir>")
     return fingerprint({"stage": stage, "config": config_text}, e["inputs"], root=run_dir)
-
 
 
 def exec_stage(run_dir: Path, i: int, stage: str, overrides: list[str] = (), machine_rank: int = 0,
@@ -92,7 +90,6 @@ def exec_stage(run_dir: Path, i: int, stage: str, overrides: list[str] = (), mac
     os.execve(argv[0] if os.sep in argv[0] else _which(argv[0]), argv, {**os.environ, **env})
 
 
-
 def _eval_cache_key(run_dir: Path, i: int, stage: str, e: dict, d: dict) -> str | None:
     """The evaluation-cache key of a stage (``online_rlhf.eval_cache``), or None when the stage is
     not cached here (not a ``cache_iteration_0`` row, not iteration 0, or the run turned it off)."""
@@ -101,7 +98,6 @@ def _eval_cache_key(run_dir: Path, i: int, stage: str, e: dict, d: dict) -> str 
     if i != 0 or not STAGES[stage].cache_iteration_0 or not eval_cache.enabled(_run_config(run_dir)):
         return None
     return eval_cache.cache_key(stage, d, e["inputs"])
-
 
 
 def _reuse_cached(run_dir: Path, i: int, stage: str, e: dict, d: dict) -> bool:
@@ -119,7 +115,6 @@ def _reuse_cached(run_dir: Path, i: int, stage: str, e: dict, d: dict) -> bool:
     return True
 
 
-
 def _which(name: str) -> str:
     import shutil
 
@@ -127,7 +122,6 @@ def _which(name: str) -> str:
     if not found:
         raise ConfigError(f"{name}: not found on PATH (launcher=slurm needs SLURM's srun: run inside an allocation).")
     return found
-
 
 
 def _run_launcher(run_dir: Path) -> str:
@@ -138,11 +132,9 @@ def _run_launcher(run_dir: Path) -> str:
         return "local"
 
 
-
 def _run_config(run_dir: Path) -> dict:
     path = run_dir / "config.yaml"
     return (yaml.safe_load(path.read_text(encoding="utf-8")) or {}) if path.is_file() else {}
-
 
 
 def previous_stage(run_dir: Path, i: int, stage: str) -> tuple[int, str] | None:
@@ -159,13 +151,11 @@ def previous_stage(run_dir: Path, i: int, stage: str) -> tuple[int, str] | None:
     return None
 
 
-
 def _last_activity(run_dir: Path) -> float:
     """Newest modification time of what machine 0's loop writes as it goes: the stages' logs and
     ``.done`` markers (0.0 when there is none yet)."""
     times = [p.stat().st_mtime for pat in ("iter_*/logs/*.log", "iter_*/*.done") for p in run_dir.glob(pat)]
     return max(times, default=0.0)
-
 
 
 def _wait_for_previous_stage(run_dir: Path, i: int, stage: str, poll_s: float) -> None:
@@ -199,10 +189,8 @@ def _wait_for_previous_stage(run_dir: Path, i: int, stage: str, poll_s: float) -
         time.sleep(poll_s)
 
 
-
 def _marker(run_dir: Path, i: int, stage: str) -> Path:
     return run_dir / f"iter_{i}" / f"{stage}.done"
-
 
 
 def check(run_dir: Path, i: int, stage: str) -> bool:
@@ -210,13 +198,11 @@ def check(run_dir: Path, i: int, stage: str) -> bool:
     return stale_reason(run_dir, i, stage) is None
 
 
-
 def _recorded_outputs(run_dir: Path, i: int, stage: str) -> list[str]:
     """The files and folders whose size and hash ``<stage>.done`` records: the stage's outputs and
     its stats file."""
     outs = _stage_entry(run_dir, i, stage)["outputs"]
     return [*outs, str(stats_path(outs[0]))] if outs else []
-
 
 
 def stale_reason(run_dir: Path, i: int, stage: str) -> str | None:
@@ -249,7 +235,6 @@ def stale_reason(run_dir: Path, i: int, stage: str) -> str | None:
     return None
 
 
-
 def output_hint(run_dir: Path, message: str) -> str | None:
     """For a stage's error ``message`` that names a line of a file another stage of the run wrote
     (``<file>:<line>``: its content is bad): which stage wrote it and how to regenerate it (the first
@@ -275,14 +260,12 @@ def output_hint(run_dir: Path, message: str) -> str | None:
     return None
 
 
-
 def _output_present(path: Path) -> bool:
     if not path.exists():
         return False
     if path.is_dir() and (path / "config.json").is_file():
         return any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin"))
     return True
-
 
 
 def mark(run_dir: Path, i: int, stage: str, seconds: float) -> None:
@@ -298,8 +281,6 @@ def mark(run_dir: Path, i: int, stage: str, seconds: float) -> None:
 
         out = Path(e["outputs"][0])
         eval_cache.store(key, out, stats_path(out), run_dir)
-
-
 
 
 def stage_lines(run_dir: Path, i: int) -> list[str]:
@@ -323,7 +304,6 @@ def after_line(run_dir: Path, i: int, stage: str) -> str | None:
 # The stages the loop's dry run checks, in order: (iteration, stage). SFT runs before iteration 1;
 # the other model stages are the same in every iteration (held-out generation has k=1: lighter).
 DRY_RUN_STAGES = ((0, "sft"), (1, "generate"), (1, "rewards"), (1, "dpo"), (1, "grpo"))
-
 
 
 def dry_run(run_dir: Path) -> int:
