@@ -23,9 +23,9 @@ from .metrics import grpo_metrics, iteration_stats, mean_ci95, metrics
 from .plan import RUN_CONFIG_HEADER, fresh_refusal, plan, run_config_dict
 from .report import metrics_line, report
 from .resolve import auto_processes, resolve, sft_dict, stage_dict
-# (the private names: for the tests that reach them as loop._name)
-from .run import (DRY_RUN_STAGES, _output_present, _reuse_cached, _stage_entry, _wait_for_previous_stage, after_line,  # noqa: F401
-                  check, dry_run, exec_stage, mark, output_hint, previous_stage, stage_hash, stage_lines, stale_reason)
+from .run import (DRY_RUN_STAGES, after_line, check, dry_run, exec_stage, mark, output_hint, previous_stage, stage_hash,
+                  stage_lines, stale_reason)
+from .run import _output_present, _reuse_cached, _stage_entry, _wait_for_previous_stage  # noqa: F401 (tests use loop._name)
 
 __all__ = ["ConfigError", "DataError", "STAGES", "DRY_RUN_STAGES", "RUN_CONFIG_HEADER", "after_line", "auto_processes",
            "check", "dry_run", "exec_stage", "fresh_refusal", "grpo_metrics", "iteration_config", "iteration_stats",
