@@ -1,6 +1,6 @@
 """DPO steps/s with precomputed reference log-probs vs recomputing them every step.
 
-    OMP_NUM_THREADS=1 .venv-train/bin/python bench/bench_dpo_ref.py [--steps 6] [--batch 4] [--max-length 256] [--smoke]
+    OMP_NUM_THREADS=1 .venv-train/bin/python -m bench.bench_dpo_ref [--steps 6] [--batch 4] [--max-length 256] [--smoke]
 
 Same pairs, same policy (the embedded default if prepared, else a 4-layer random model; ``--smoke``: a 2-layer
 one, one step of two pairs), one process, the stage's precision (bf16 autocast on a CPU with native

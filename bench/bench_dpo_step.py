@@ -1,6 +1,6 @@
 """DPO stage: completion-only log-probs on unpadded sequences vs TRL's own computation, same pairs.
 
-    .venv-train/bin/python bench/bench_dpo_step.py [--pairs 16] [--batch 4] [--max-length 512] [--runs 2]
+    .venv-train/bin/python -m bench.bench_dpo_step [--pairs 16] [--batch 4] [--max-length 512] [--runs 2]
         [--layouts sequence,side] [--smoke] [--output FIGURES.json]
 
 Runs the DPO stage (``online_rlhf.stages.run_dpo.main``, in this process, the stage's threads and
@@ -33,15 +33,13 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run as a script: the package importable from this checkout
+from online_rlhf.jsonl import iter_jsonl, write_json
+from online_rlhf.paths import default_model_dir
 
-from online_rlhf.jsonl import iter_jsonl, write_json  # noqa: E402
-from online_rlhf.paths import default_model_dir  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 BUILT_IN_PROMPTS = ["Write two sentences about the sea, all in lowercase.",
                     "List three colours and end your answer with the word done.",

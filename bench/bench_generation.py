@@ -1,6 +1,6 @@
 """Benchmark: vLLM vs transformers ``generate`` on the same prompts, model and sampling.
 
-    .venv-infer/bin/python bench/bench_generation.py [key=value ...]
+    .venv-infer/bin/python -m bench.bench_generation [key=value ...]
     e.g. n_prompts=16 k=2 max_tokens=64 model=/path/to/ckpt
 
 Both engines get the same prompt token ids (``generation/generate.py: prompt_token_ids``, BOS

@@ -1,6 +1,6 @@
 """KL stage: dtype auto (bf16 autocast where the hardware has native bf16) vs float32, same records.
 
-    .venv-train/bin/python bench/bench_kl.py [--prompts 64] [--k 1] [--runs 2] [--smoke] [--output FIGURES.json]
+    .venv-train/bin/python -m bench.bench_kl [--prompts 64] [--k 1] [--runs 2] [--smoke] [--output FIGURES.json]
 
 Runs the KL stage (``online_rlhf.stages.kl_estimate.main``, in this process, its threads) on the
 same records with ``dtype: float32`` (the stage's setting before ``auto``) and ``dtype: auto``,
@@ -21,15 +21,13 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run as a script: the package importable from this checkout
+from online_rlhf.jsonl import iter_jsonl, read_jsonl, write_json, write_jsonl
+from online_rlhf.paths import default_model_dir
 
-from online_rlhf.jsonl import iter_jsonl, read_jsonl, write_json, write_jsonl  # noqa: E402
-from online_rlhf.paths import default_model_dir  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 BUILT_IN_PROMPTS = ["Write two sentences about the sea.", "List three colours.", "Explain a prime number.",
                     "Describe a cat in five words."]

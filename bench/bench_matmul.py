@@ -1,6 +1,6 @@
 """Benchmark: this machine's matrix-product limit, the yardstick of every stage's efficiency.
 
-    .venv-train/bin/python bench/bench_matmul.py [--size 1024] [--seconds 3]
+    .venv-train/bin/python -m bench.bench_matmul [--size 1024] [--seconds 3]
 
 Times ``size x size`` fp32 matmuls on 1 thread and on every usable core, and bf16 the same way
 (bf16 is emulated, and slow, on CPUs without AVX512-BF16/AMX). Prints GFLOP/s per setting with

@@ -1,6 +1,6 @@
 """Load test of the reward service on 127.0.0.1: items/s, p50 and p99 at 1, 4 and 16 concurrent clients.
 
-    .venv-train/bin/python bench/bench_reward_server.py [--requests 32] [--items 4] [--clients 1,4,16]
+    .venv-train/bin/python -m bench.bench_reward_server [--requests 32] [--items 4] [--clients 1,4,16]
         [--time-limit 240] [--workers auto] [--batch-size 8] [--dtype auto] [--unbatched] [--vllm]
 
 Starts ``annotate_data/reward_server.py`` (the Mosec engine) on a free 127.0.0.1 port, waits for
@@ -41,7 +41,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 
 def percentile(xs: list[float], q: float) -> float:

@@ -1,6 +1,6 @@
 """Reward model scoring throughput: sorted-length batches vs one input at a time (RLHFlow's way).
 
-    .venv-train/bin/python bench/bench_rm_scoring.py [--prompts 32] [--k 4] [--batch-size 16]
+    .venv-train/bin/python -m bench.bench_rm_scoring [--prompts 32] [--k 4] [--batch-size 16]
         [--max-length 1024] [--repeats 2] [--dtype auto|float32|bfloat16] [--smoke]
 
 Same reward model, same (prompt, response) items, same dtype and device, one run. Three modes:

@@ -1,6 +1,6 @@
 """Benchmark: one GRPO iteration of this pipeline vs TRL's GRPOTrainer, same work, same machine.
 
-    .venv-train/bin/python bench/grpo_vs_trl.py [--prompts 8] [--k 4] [--max-tokens 64] [--output FIGURES.json]
+    .venv-train/bin/python -m bench.grpo_vs_trl [--prompts 8] [--k 4] [--max-tokens 64] [--output FIGURES.json]
 
 Both sides get the same policy (the embedded SmolLM2-135M-Instruct unless ``--policy``), the same
 first N train prompts (``.cache/data/ifbench_train.jsonl``), K samples per prompt, the same max
@@ -33,17 +33,15 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.iteration_vs_trl import TRAIN_PY, _load1, _yaml, make_verifier_reward
+from online_rlhf.jsonl import read_json, read_jsonl
+from online_rlhf.stats import GRPOStats, RewardStats, stats_path
 
-from bench.iteration_vs_trl import TRAIN_PY, _load1, _yaml, make_verifier_reward  # noqa: E402
-from online_rlhf.jsonl import read_json, read_jsonl  # noqa: E402
-from online_rlhf.stats import GRPOStats, RewardStats, stats_path  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 # The GRPO hyper-parameters both sides use (TRL's names).
 GRPO = {"loss_type": "dr_grpo", "scale_rewards": "group", "beta": 0.0, "epsilon": 0.2, "learning_rate": 1.0e-5,
@@ -92,7 +90,7 @@ def run_trl(args: argparse.Namespace, work: Path) -> dict:
     out_dir = work / "trl"
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
-    cmd = [str(TRAIN_PY), str(Path(__file__).resolve()), "--trl-worker", "--prompts", str(args.prompts), "--k",
+    cmd = [str(TRAIN_PY), "-m", "bench.grpo_vs_trl", "--trl-worker", "--prompts", str(args.prompts), "--k",
            str(args.k), "--max-tokens", str(args.max_tokens), "--policy", args.policy, "--prompts-file",
            args.prompts_file, "--out-dir", str(out_dir)]
     log_path = work / "trl.log"

@@ -1,6 +1,6 @@
 """Where the time of one loop iteration goes, from a run directory's markers, stats and logs.
 
-    .venv-train/bin/python bench/iteration_breakdown.py RUN_DIR [--iteration I] [--json]
+    .venv-train/bin/python -m bench.iteration_breakdown RUN_DIR [--iteration I] [--json]
 
 Reads ``RUN_DIR/iter_<I>/`` (default: the last iteration with a ``dpo.done``):
 - ``<stage>.done``: each stage's wall seconds as run_loop.sh measured them (whole seconds, process

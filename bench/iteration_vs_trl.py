@@ -1,6 +1,6 @@
 """Benchmark: one iteration of this pipeline vs TRL's OnlineDPOTrainer, same work, same machine.
 
-    .venv-train/bin/python bench/iteration_vs_trl.py [--prompts 64] [--max-tokens 256] [--runs 1]
+    .venv-train/bin/python -m bench.iteration_vs_trl [--prompts 64] [--max-tokens 256] [--runs 1]
         [--wait-quiet] [--trl-threads 1] [--output FIGURES.json]
 
 Both sides get the same policy (the embedded SmolLM2-135M-Instruct unless ``--policy``), the same
@@ -169,7 +169,7 @@ def run_trl(args: argparse.Namespace, work: Path) -> dict:
     out_dir = work / "trl"
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
-    cmd = [str(TRAIN_PY), str(Path(__file__).resolve()), "--trl-worker", "--prompts", str(args.prompts),
+    cmd = [str(TRAIN_PY), "-m", "bench.iteration_vs_trl", "--trl-worker", "--prompts", str(args.prompts),
            "--max-tokens", str(args.max_tokens), "--policy", args.policy, "--prompts-file", args.prompts_file,
            "--out-dir", str(out_dir)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.trl_threads), "PYTHONUNBUFFERED": "1",

@@ -1,6 +1,6 @@
 """Benchmark: each model-running stage of a run against this machine's matrix-product limit.
 
-    .venv-train/bin/python bench/roofline.py RUN_DIR [--gflops-fp32 G] [--gflops-bf16 G] [--json OUT]
+    .venv-train/bin/python -m bench.roofline RUN_DIR [--gflops-fp32 G] [--gflops-bf16 G] [--json OUT]
 
 For every iteration directory of ``RUN_DIR`` it reads the stages' stats (through their classes in
 ``online_rlhf.stats``) and ``<stage>.done`` markers (wall seconds, process start-up included) and
@@ -39,11 +39,8 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run as a script: bench.bench_matmul importable like the package
-
-from online_rlhf.jsonl import DataError, read_json, write_json  # noqa: E402
-from online_rlhf.stats import DPOStats, GenerateStats, KLStats, stats_path  # noqa: E402
+from online_rlhf.jsonl import DataError, read_json, write_json
+from online_rlhf.stats import DPOStats, GenerateStats, KLStats, stats_path
 
 GENERATION_STAGES = {  # stage -> output file (its stats sit beside it)
     "generate": "generated.jsonl",

@@ -30,14 +30,16 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .memory import PeakMemory
+from .stage_table import STAGES
 from .stats import DryRunStats
 
 DRY_RUN_SUFFIX = ".dry_run.json"
 MARGIN = 0.10  # a peak within this share of the limit is "tight"
 GIB = float(1 << 30)
 
-# The loop section each stage's keys live in (the advice names loop keys).
-LOOP_SECTION = {"dpo": "dpo", "grpo": "grpo", "generate": "generation", "rewards": "reward", "sft": "sft"}
+# The loop section each stage's keys live in (the advice names loop keys): the stage table's
+# ``Stage.section`` (e.g. generate -> generation, rewards -> reward).
+LOOP_SECTION = {name: s.section for name, s in STAGES.items() if s.section is not None}
 
 
 def dry_run_path(primary_output: str | os.PathLike) -> Path:

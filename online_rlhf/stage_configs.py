@@ -9,7 +9,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import ConfigDict, Field, create_model, field_validator, model_validator
 
-from .config import StageConfig
+from .config import StageConfig, deep_merge
 from .stats import stats_path
 
 LaunchProfile = Literal["cpu", "zero2", "zero3"]
@@ -284,7 +284,10 @@ class IFEvalSection(StageConfig):
 
 
 # Keys of each stage that the loop's plan sets itself (files, policy, shard layout, processes); the
-# loop's sections cannot set them (``online_rlhf.loop_keys`` says what to set instead).
+# loop's sections cannot set them (``online_rlhf.loop_keys`` says what to set instead). Written out,
+# not derived from the stage table's inputs/outputs: LoopConfig's section types are built from it
+# when this module loads, and the table imports its config classes from here (deriving it would be
+# an import circle); tests/test_stage_table.py checks that every row's files are among them.
 _GEN_OWNED = ("model", "prompts", "prompt_field", "limit", "output", "shards_dir", "shard_index", "num_shards",
               "num_machines", "machine_rank", "dry_run")
 _MACHINES = ("num_machines", "main_process_ip", "main_process_port")
@@ -394,6 +397,18 @@ class LoopConfig(StageConfig):
             raise ValueError(f"run_name must be one folder name inside output_root (no '/', not '.' or '..'), "
                              f"got {v!r}; put the parent folder in output_root")
         return v
+
+
+def iteration_config(cfg: LoopConfig, i: int) -> LoopConfig:
+    """The loop config as seen by iteration ``i`` (``per_iteration[i]`` merged in).
+
+    Raises:
+        ConfigError: a ``per_iteration.<i>`` value of the wrong type (names ``per_iteration.<i>``).
+    """
+    if i not in cfg.per_iteration:
+        return cfg
+    merged = deep_merge(cfg.model_dump(exclude_unset=True), cfg.per_iteration[i])
+    return LoopConfig.from_dict(merged, f"per_iteration.{i}")
 
 
 class SFTStageConfig(StageConfig):

@@ -8,11 +8,14 @@ with :func:`launch_command`; ``run_loop.sh`` and ``scripts/other_machine.sh`` ru
 planned stages in this table's order (``loop stages RUN_DIR I``), and ``loop after`` runs a row's
 ``after`` hook.
 
-Adding a stage: its config class (``online_rlhf.stage_configs``), its stats class
-(``online_rlhf.stats``), its module (``online_rlhf/stages/``, a recipe: ``main`` calls one function
-a step, and a stage that loads a model has a ``dry_run(cfg)``) with a thin entry script, and one
-:class:`Stage` row here with the function that wires its config from the loop config (and
-``dry_run_iteration`` when the loop's dry run should measure it).
+Adding a stage: its config class (``online_rlhf.stage_configs``, with the keys the plan sets in
+``LOOP_OWNED`` when it has a loop section), its stats class (``online_rlhf.stats``, with an example
+in ``online_rlhf.testing.example_stats``), its module (``online_rlhf/stages/``, a recipe: ``main``
+calls one function a step, and a stage that loads a model has a ``dry_run(cfg)``) with a thin entry
+script, and one :class:`Stage` row here with the function that wires its config from the loop
+config, ``dry_run_iteration`` when the loop's dry run should measure it and, if the plan checks more
+than the config class does, its :class:`PlanChecks` (``online_rlhf.stage_checks``). The loop has no
+list of stages of its own: ``tests/test_stage_table.py`` walks every row against every consumer.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from typing import Any, Callable, Literal, Optional
 
 from .config import ConfigError, deep_merge, load_yaml
 from .paths import PROJECT_ROOT, default_data_dir, default_model_dir
+from .jsonl import read_json
+from .stage_checks import DPO_CHECKS, GENERATE_CHECKS, GRPO_CHECKS, SFT_CHECKS, SFT_CONFIG, PlanChecks
 from .stage_configs import (DPOStageConfig, GenerateConfig, GRPOStageConfig, IFEvalScoreConfig, KLConfig, LoopConfig,
                             PairsConfig, RewardConfig, SFTStageConfig, StageConfig)
-from .jsonl import read_json
 from .stats import (DPOStats, GenerateStats, GRPOStats, IFEvalStats, KLStats, PairsStats, RewardStats, SFTStats,
                     StageStats, stats_path)
 
@@ -49,18 +53,6 @@ def check_process_count(planned: Optional[int], where: str) -> None:
         raise ConfigError(f"{where}: the config says num_processes={planned}, but this run has {actual} process(es). "
                           f"Start it with {how} (the command on top of the loop's stage YAML), or set "
                           f"num_processes={actual} (or null) to train with this count.")
-
-
-def iteration_config(cfg: LoopConfig, i: int) -> LoopConfig:
-    """The loop config as seen by iteration ``i`` (``per_iteration[i]`` merged in).
-
-    Raises:
-        ConfigError: a ``per_iteration.<i>`` value of the wrong type (names ``per_iteration.<i>``).
-    """
-    if i not in cfg.per_iteration:
-        return cfg
-    merged = deep_merge(cfg.model_dump(exclude_unset=True), cfg.per_iteration[i])
-    return LoopConfig.from_dict(merged, f"per_iteration.{i}")
 
 
 def section(c: LoopConfig, name: str) -> dict:
@@ -135,7 +127,7 @@ def _processes(c: LoopConfig) -> Optional[int]:
 def _sft(c: LoopConfig, run_dir: Path, i: int) -> dict:
     s = dict(c.sft)
     s.pop("enabled", None)
-    d = deep_merge(stage_file(s.pop("config", "configs/sft.yaml"), "sft.config"), s)
+    d = deep_merge(stage_file(s.pop("config", SFT_CONFIG), "sft.config"), s)
     if not d.get("dataset"):
         raise ConfigError("sft.enabled=true needs sft.dataset=<SFT JSONL of {messages: [...]}> "
                           "(e.g. from sft/build_sft_data.py).")
@@ -304,7 +296,8 @@ class Stage:
             ``stats_path(<first output>)``, read back through the class by ``loop.metrics``.
         when: ``start`` (iteration 0, before the loop), ``train`` (iterations 1..N) or ``every`` (0..N).
         build: ``(loop config of the iteration, run dir, i) -> config mapping`` (before validation).
-        sections: the loop sections the stage's values come from (for the provenance comments).
+        sections: the loop sections the stage's values come from (for the provenance comments), its
+            own first (:attr:`section`).
         stage_file_key: the loop key naming the stage's own YAML that the section is layered on.
         enabled: whether the loop runs the stage at all.
         runs: ``(loop config, i) -> bool`` when the iterations the stage runs in depend on the config
@@ -317,6 +310,18 @@ class Stage:
             with ``dry_run=true`` (its module's ``dry_run``: the stage's set-up and one step at the
             largest shapes); None: the loop's dry run leaves it out (it loads no model, or it is an
             evaluation twin lighter than the training stage that is measured).
+        every_machine: ``d -> bool``: whether the stage of resolved config ``d`` runs on every machine
+            of a multi-machine run (its processes or shards span them; ``loop exec ... machine_rank=k``
+            takes part), else on machine 0 only (:func:`stage_machines`).
+        checks: what the plan checks of the stage beyond its config class
+            (:class:`online_rlhf.stage_checks.PlanChecks`).
+        stage_file_default: the stage's own YAML when the loop key ``stage_file_key`` names none
+            (for the provenance comments).
+        set_by_plan: ``{key: origin}``: values of the stage that its ``build`` sets itself, and why
+            (for the provenance comments; e.g. kl_generate's ``temperature``).
+        derived_from: ``{key: top-level loop key}`` the stage's value of ``key`` comes from, where it
+            differs from the plan's usual rule (eval_generate's ``prompts``: ``eval_prompts``).
+        seed_offset: how ``build`` offsets the loop's ``seed`` per iteration (for the provenance comments).
     """
 
     name: str
@@ -336,6 +341,18 @@ class Stage:
     after: Optional[Callable[[Path, int], Optional[str]]] = None
     cache_iteration_0: bool = False
     dry_run_iteration: Optional[int] = None
+    every_machine: Callable[[dict], bool] = field(default=lambda d: False)
+    checks: PlanChecks = PlanChecks()
+    stage_file_default: Optional[str] = None
+    set_by_plan: dict[str, str] = field(default_factory=dict, hash=False)
+    derived_from: dict[str, str] = field(default_factory=dict, hash=False)
+    seed_offset: Optional[str] = None
+
+    @property
+    def section(self) -> Optional[str]:
+        """The loop section the stage's own keys live in (``generation`` for generate, ``reward`` for
+        rewards, ...): the first of :attr:`sections`; None for a stage without one (kl, ifeval_score)."""
+        return self.sections[0] if self.sections else None
 
     def runs_in(self, cfg: LoopConfig, i: int) -> bool:
         """Whether this stage is part of iteration ``i`` of the loop ``cfg``."""
@@ -350,36 +367,60 @@ class Stage:
         return ([str(d[k]) for k in self.inputs if d.get(k)], [str(d[k]) for k in self.outputs if d.get(k)])
 
 
+def _always(d: dict) -> bool:
+    return True
+
+
+def _reward_model_scores(d: dict) -> bool:
+    """A reward model scores data-parallel over every machine; other sources run in one process on machine 0."""
+    return d.get("source", "verifier") == "reward_model"
+
+
 # In the order of one iteration.
 STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("sft", "train", "sft/run_sft.py", "python", SFTStageConfig, ("base_model", "dataset"), ("output_dir",),
           SFTStats, "start", _sft, ("sft",), "sft.config", enabled=lambda c: bool(c.sft.get("enabled")),
-          dry_run_iteration=0),
+          checks=SFT_CHECKS, stage_file_default=SFT_CONFIG, dry_run_iteration=0),
     Stage("generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"), ("output",),
-          GenerateStats, "train", _generate, ("generation",), dry_run_iteration=1),
+          GenerateStats, "train", _generate, ("generation",), every_machine=_always, checks=GENERATE_CHECKS,
+          seed_offset="+ 1000 x iteration", dry_run_iteration=1),
     Stage("rewards", "train", "annotate_data/get_rewards.py", "accelerate", RewardConfig, ("input", "reward_model"),
-          ("output",), RewardStats, "train", _rewards, ("reward",), dry_run_iteration=1),
+          ("output",), RewardStats, "train", _rewards, ("reward",), every_machine=_reward_model_scores,
+          dry_run_iteration=1),
     Stage("pairs", "train", "annotate_data/make_pairs.py", "python", PairsConfig, ("input",), ("output",),
-          PairsStats, "train", _pairs, ("pairs",), enabled=_dpo_run, after=no_pairs_stop),
+          PairsStats, "train", _pairs, ("pairs",), enabled=_dpo_run, after=no_pairs_stop, seed_offset="+ iteration"),
     Stage("dpo", "train", "dpo_iteration/run_dpo.py", "accelerate", DPOStageConfig, ("policy", "pairs", "reference"),
-          ("output_dir",), DPOStats, "train", _dpo, ("dpo",), "dpo_config", enabled=_dpo_run, dry_run_iteration=1),
+          ("output_dir",), DPOStats, "train", _dpo, ("dpo",), "dpo_config", enabled=_dpo_run, every_machine=_always,
+          checks=DPO_CHECKS, dry_run_iteration=1),
     Stage("grpo", "train", "grpo_iteration/run_grpo.py", "accelerate", GRPOStageConfig,
           ("policy", "rewards", "reference"), ("output_dir",), GRPOStats, "train", _grpo, ("grpo",), "grpo_config",
-          enabled=lambda c: c.algorithm == "grpo", dry_run_iteration=1),
+          enabled=lambda c: c.algorithm == "grpo", every_machine=_always, checks=GRPO_CHECKS,
+          set_by_plan={"temperature": "loop key generation.temperature (the rollouts' sampling temperature)",
+                       "max_completion_length": "loop key generation.max_tokens (the rollouts' max new tokens)"},
+          dry_run_iteration=1),
     Stage("eval_generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"),
-          ("output",), GenerateStats, "every", _eval_generate, ("evaluation", "generation"), cache_iteration_0=True),
+          ("output",), GenerateStats, "every", _eval_generate, ("evaluation", "generation"), cache_iteration_0=True,
+          every_machine=_always, derived_from={"prompts": "eval_prompts"}),
     Stage("eval_rewards", "train", "annotate_data/get_rewards.py", "accelerate", RewardConfig,
-          ("input", "reward_model"), ("output",), RewardStats, "every", _eval_rewards, ("reward",)),
+          ("input", "reward_model"), ("output",), RewardStats, "every", _eval_rewards, ("reward",),
+          every_machine=_reward_model_scores),
     # Evaluation beyond the held-out reward: the KL of the iteration's policy from the starting
     # policy (iterations >= 1; 0 at iteration 0) and IFEval (iteration 0 and the last by default).
     Stage("kl_generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"),
           ("output",), GenerateStats, "train", _kl_generate, ("evaluation", "generation"),
-          enabled=lambda c: c.kl_samples > 0),
+          enabled=lambda c: c.kl_samples > 0, every_machine=_always,
+          set_by_plan={"k": "loop key kl_samples",
+                       "prompts": "loop key eval_prompts (the held-out prompts)",
+                       "temperature": "the KL estimate samples from the policy itself (temperature 1)",
+                       "top_p": "the KL estimate samples from the policy itself (top_p 1)",
+                       "seed": "loop key seed + 1000 x iteration + 500"}),
     Stage("kl", "train", "annotate_data/kl_estimate.py", "python", KLConfig, ("input", "policy", "reference"),
-          ("output",), KLStats, "train", _kl, enabled=lambda c: c.kl_samples > 0),
+          ("output",), KLStats, "train", _kl, enabled=lambda c: c.kl_samples > 0,
+          set_by_plan={"reference": "the starting policy (KL is measured from where the loop started)"}),
     Stage("ifeval_generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"),
           ("output",), GenerateStats, "every", _ifeval_generate, ("ifeval", "evaluation", "generation"),
-          runs=_ifeval_runs, cache_iteration_0=True),
+          runs=_ifeval_runs, cache_iteration_0=True, every_machine=_always,
+          set_by_plan={"prompts": "loop key ifeval.prompts"}),
     Stage("ifeval_score", "train", "annotate_data/ifeval_score.py", "python", IFEvalScoreConfig, ("input",),
           ("output",), IFEvalStats, "every", _ifeval_score, runs=_ifeval_runs),
 )}
@@ -390,12 +431,9 @@ SLURM_RANK = "$SLURM_NODEID"
 
 
 def stage_machines(stage: Stage, d: dict[str, Any]) -> int:
-    """How many machines the stage of resolved config ``d`` runs on (1 for a single-process stage)."""
-    if stage.launcher == "python" and stage.config is not GenerateConfig:
-        return 1
-    if stage.launcher == "accelerate" and stage.config is RewardConfig and d.get("source", "verifier") != "reward_model":
-        return 1
-    return int(d.get("num_machines") or 1)
+    """How many machines the stage of resolved config ``d`` runs on: its ``num_machines`` when its
+    row runs it on every machine (:attr:`Stage.every_machine`), else 1 (machine 0 only)."""
+    return int(d.get("num_machines") or 1) if stage.every_machine(d) else 1
 
 
 def launch_command(stage: Stage, config_path: str, d: dict[str, Any], root: Path = PROJECT_ROOT,

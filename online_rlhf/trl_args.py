@@ -3,7 +3,7 @@
 Axolotl's schema.
 
 Used by the stages (``dpo_iteration/run_dpo.py``, ``sft/run_sft.py``) before they load a model, and
-by the loop's plan (``online_rlhf/loop.py``) before any stage runs, so a typo in ``dpo.training``,
+by the loop's plan (``online_rlhf/loop/resolve.py``) before any stage runs, so a typo in ``dpo.training``,
 ``dpo.lora`` or ``sft`` fails at start-up instead of after an iteration of generation. Where the
 library is not installed the keys pass unchecked (the stage itself always has it).
 :func:`per_device_batch` splits the DPO stage's ``train_batch_size`` over the processes, for the

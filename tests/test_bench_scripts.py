@@ -1,8 +1,8 @@
 """Every bench/ script runs, as its docstring says to run it, at its smallest size (so none rots).
 
-Each runs as a script in a fresh process of this environment (``python bench/X.py ...``, the
-checkout first on PYTHONPATH) and must exit 0 and print its result lines; figures are not checked
-(timings vary with the machine). The two whole-iteration comparisons with TRL run run_loop.sh on a
+Each runs as a module in a fresh process of this environment (``python -m bench.X ...`` from the
+project root, the checkout first on PYTHONPATH) and must exit 0 and print its result lines;
+figures are not checked (timings vary with the machine). The two whole-iteration comparisons with TRL run run_loop.sh on a
 tiny random policy and are ``slow``; bench/iteration_breakdown.py and bench/roofline.py then read
 the run directory that run_loop.sh wrote. bench/bench_generation.py runs in the inference env
 (``vllm`` mark).
@@ -23,22 +23,22 @@ INFER_PY = ROOT / ".venv-infer" / "bin" / "python"
 PROMPTS = ROOT / ".cache" / "data" / "ifbench_train.jsonl"
 
 
-def _run(script: str, *args: str, python: str = sys.executable, timeout: int = 1800) -> str:
+def _run(module: str, *args: str, python: str = sys.executable, timeout: int = 1800) -> str:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    r = subprocess.run([python, str(ROOT / "bench" / script), *args], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=timeout)
-    assert r.returncode == 0, f"bench/{script} exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    r = subprocess.run([python, "-m", f"bench.{module}", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, f"bench.{module} exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r.stdout
 
 
 def test_bench_matmul():
-    out = _run("bench_matmul.py", "--size", "64", "--seconds", "0.05")
+    out = _run("bench_matmul", "--size", "64", "--seconds", "0.05")
     assert "GFLOP/s" in out and "bf16" in out
 
 
 def test_bench_dpo_step(tmp_path):
-    out = _run("bench_dpo_step.py", "--smoke", "--output", str(tmp_path / "f.json"))
+    out = _run("bench_dpo_step", "--smoke", "--output", str(tmp_path / "f.json"))
     assert "sequence / trl" in out and "side / trl" in out
     figures = json.loads((tmp_path / "f.json").read_text())
     assert figures["loss_first_max_diff"] < 1e-3  # the same loss either way
@@ -46,19 +46,19 @@ def test_bench_dpo_step(tmp_path):
 
 
 def test_bench_dpo_ref():
-    out = _run("bench_dpo_ref.py", "--smoke")
+    out = _run("bench_dpo_ref", "--smoke")
     assert "training-loop speed-up" in out
 
 
 def test_bench_kl(tmp_path):
-    out = _run("bench_kl.py", "--smoke", "--output", str(tmp_path / "f.json"))
+    out = _run("bench_kl", "--smoke", "--output", str(tmp_path / "f.json"))
     assert "auto / float32" in out
     figures = json.loads((tmp_path / "f.json").read_text())
     assert figures["kl_se"] > 0 and abs(figures["kl"]["auto"] - figures["kl"]["float32"]) <= 0.1 * figures["kl_se"]
 
 
 def test_bench_rm_scoring():
-    out = _run("bench_rm_scoring.py", "--smoke")
+    out = _run("bench_rm_scoring", "--smoke")
     assert "speed-up batched / pipeline" in out
 
 
@@ -71,7 +71,7 @@ def test_bench_generation(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": str(i), "prompt": f"Say something about {w}."}) + "\n"
                                for i, w in enumerate(["cats", "the sea"])), encoding="utf-8")
-    out = _run("bench_generation.py", f"model={policy}", f"prompts={prompts}", "n_prompts=2", "k=1",
+    out = _run("bench_generation", f"model={policy}", f"prompts={prompts}", "n_prompts=2", "k=1",
                "max_tokens=4", "calib_tokens=2", "hf_dtypes=[float32]", "hf_threads=[1]", "kv_cache_gb=0.25",
                python=str(INFER_PY))
     assert "tok/s" in out
@@ -89,13 +89,13 @@ def test_iteration_vs_trl_then_breakdown_and_roofline_on_its_run(tmp_path):
 
     _needs_full_envs()
     policy = make_tiny_policy(tmp_path / "tiny")
-    out = _run("iteration_vs_trl.py", "--prompts", "4", "--max-tokens", "8", "--eval-prompts", "1",
+    out = _run("iteration_vs_trl", "--prompts", "4", "--max-tokens", "8", "--eval-prompts", "1",
                "--policy", str(policy), "--work-dir", str(tmp_path / "work"), "--output", str(tmp_path / "f.json"))
     assert "ratio TRL / pipeline" in out
     figures = json.loads((tmp_path / "f.json").read_text())
     run_dir = Path(figures["results"]["ours"][0]["run_dir"])
-    assert "DPO optimizer steps" in _run("iteration_breakdown.py", str(run_dir))
-    last = _run("roofline.py", str(run_dir), "--gflops-fp32", "100", "--gflops-bf16", "200").strip().splitlines()[-1]
+    assert "DPO optimizer steps" in _run("iteration_breakdown", str(run_dir))
+    last = _run("roofline", str(run_dir), "--gflops-fp32", "100", "--gflops-bf16", "200").strip().splitlines()[-1]
     assert last.startswith("share of the limit:"), last
 
 
@@ -106,6 +106,6 @@ def test_grpo_vs_trl(tmp_path):
 
     _needs_full_envs()
     policy = make_tiny_policy(tmp_path / "tiny")
-    out = _run("grpo_vs_trl.py", "--prompts", "2", "--k", "4", "--max-tokens", "8", "--policy", str(policy),
+    out = _run("grpo_vs_trl", "--prompts", "2", "--k", "4", "--max-tokens", "8", "--policy", str(policy),
                "--work-dir", str(tmp_path / "work"))
     assert "ratio TRL / pipeline" in out

@@ -5,6 +5,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 
 from online_rlhf import eval_cache, loop
 from online_rlhf.jsonl import write_jsonl
@@ -92,7 +93,7 @@ def test_a_second_seed_reuses_iteration_0s_evaluation_and_says_where_it_came_fro
 
     second = _plan(tmp_path, "s2", "seed=2")
     e = loop._stage_entry(second, 0, "eval_generate")
-    d = loop.yaml.safe_load(Path(e["config"]).read_text())
+    d = yaml.safe_load(Path(e["config"]).read_text())
     assert loop._reuse_cached(second, 0, "eval_generate", e, d)
     out = second / "iter_0" / "eval_generated.jsonl"
     assert out.read_bytes() == decoded.read_bytes()
@@ -103,7 +104,7 @@ def test_a_second_seed_reuses_iteration_0s_evaluation_and_says_where_it_came_fro
     assert loop.check(second, 0, "eval_generate")
     # iteration 1's evaluation (a trained policy) is never taken from the cache
     e1 = loop._stage_entry(second, 1, "eval_generate")
-    assert not loop._reuse_cached(second, 1, "eval_generate", e1, loop.yaml.safe_load(Path(e1["config"]).read_text()))
+    assert not loop._reuse_cached(second, 1, "eval_generate", e1, yaml.safe_load(Path(e1["config"]).read_text()))
 
 
 def test_another_starting_policy_or_eval_cache_false_decodes_afresh(tmp_path, cache, monkeypatch):
@@ -111,16 +112,16 @@ def test_another_starting_policy_or_eval_cache_false_decodes_afresh(tmp_path, ca
     _finish_eval(_plan(tmp_path, "s1"))
     off = _plan(tmp_path, "no_cache", "eval_cache=false")
     e = loop._stage_entry(off, 0, "eval_generate")
-    assert not loop._reuse_cached(off, 0, "eval_generate", e, loop.yaml.safe_load(Path(e["config"]).read_text()))
+    assert not loop._reuse_cached(off, 0, "eval_generate", e, yaml.safe_load(Path(e["config"]).read_text()))
     monkeypatch.setenv("ONLINE_RLHF_EVAL_CACHE", "0")
     on = _plan(tmp_path, "env_off")
     e = loop._stage_entry(on, 0, "eval_generate")
-    assert not loop._reuse_cached(on, 0, "eval_generate", e, loop.yaml.safe_load(Path(e["config"]).read_text()))
+    assert not loop._reuse_cached(on, 0, "eval_generate", e, yaml.safe_load(Path(e["config"]).read_text()))
     monkeypatch.delenv("ONLINE_RLHF_EVAL_CACHE")
     (tmp_path / "start" / "model.safetensors").write_bytes(b"other weights")
     changed = _plan(tmp_path, "changed")
     e = loop._stage_entry(changed, 0, "eval_generate")
-    assert not loop._reuse_cached(changed, 0, "eval_generate", e, loop.yaml.safe_load(Path(e["config"]).read_text()))
+    assert not loop._reuse_cached(changed, 0, "eval_generate", e, yaml.safe_load(Path(e["config"]).read_text()))
 
 
 def test_a_stale_entry_is_removed_with_a_clear_error(tmp_path, cache):
@@ -131,5 +132,5 @@ def test_a_stale_entry_is_removed_with_a_clear_error(tmp_path, cache):
     run = _plan(tmp_path, "s2")
     e = loop._stage_entry(run, 0, "eval_generate")
     with pytest.raises(loop.DataError, match="cached evaluation .* removed it"):
-        loop._reuse_cached(run, 0, "eval_generate", e, loop.yaml.safe_load(Path(e["config"]).read_text()))
+        loop._reuse_cached(run, 0, "eval_generate", e, yaml.safe_load(Path(e["config"]).read_text()))
     assert not entry.exists()

@@ -351,17 +351,14 @@ def test_slurm_batch_script_runs_the_loop_on_the_first_node(tmp_path, gpus):
     assert sum(a.startswith("num_processes=") for a in args) == 1
 
 
-def test_other_machine_script_takes_part_in_every_planned_stage(tmp_path, capsys):
+@pytest.mark.parametrize("algorithm", ["dpo", "grpo"])
+def test_other_machine_script_takes_part_in_every_planned_stage(tmp_path, algorithm):
     # every stage of a planned two-machine run done (outputs made up, markers written), with KL and
-    # IFEval on: machine 1's script goes through every stage the plan holds, in the stage table's
-    # order (GRPO, kl_generate and ifeval_generate included: a hand-written list had missed them),
-    # and starts nothing
+    # IFEval on and a reward model: machine 1's script goes through every stage the plan holds, in
+    # the stage table's order (GRPO, kl_generate and ifeval_generate included: a hand-written list
+    # had missed them), takes part in every distributed one, and starts nothing
     from online_rlhf import loop
 
-    algorithm = "dpo"
-    grpo = _plan(tmp_path / "g", *TWO, "num_processes=4", "algorithm=grpo")  # `loop stages` lists GRPO's update too
-    capsys.readouterr()
-    assert loop.main(["stages", str(grpo), "1"]) == 0 and "grpo" in capsys.readouterr().out.split()
     run = _plan(tmp_path, *TWO, "num_processes=4", f"algorithm={algorithm}", "kl_samples=1", "ifeval.when=every")
     planned = []
     for i in (0, 1):
@@ -383,10 +380,14 @@ def test_other_machine_script_takes_part_in_every_planned_stage(tmp_path, capsys
     visited = [ln.split("] ", 1)[1] for ln in r.stdout.splitlines() if ln.startswith("[machine 1] iteration")]
     assert visited == planned
     assert "+ " not in r.stdout and "all stages done" in r.stdout  # no command started
-    # the distributed ones were checked as done, the others are machine 0's
-    assert f"stage {algorithm} of iteration 1 is done and fresh; nothing to run on machine 1" in r.stdout
-    assert "stage ifeval_generate of iteration 1 is done and fresh" in r.stdout
-    assert "stage ifeval_score of iteration 1 runs on machine 0 only" in r.stdout
+    # machine 1 takes part in every distributed stage (generation shards, the reward model, the
+    # update) and finds it done; the others are machine 0's
+    distributed = {"generate", "rewards", algorithm, "eval_generate", "eval_rewards", "kl_generate", "ifeval_generate"}
+    assert distributed <= {p.split(" · ")[1] for p in planned}
+    for p in planned:
+        i, name = int(p.split(" · ")[0].split()[1]), p.split(" · ")[1]
+        said = ("is done and fresh; nothing to run on machine 1" if name in distributed else "runs on machine 0 only")
+        assert f"stage {name} of iteration {i} {said}" in r.stdout, p
 
 
 def test_no_script_keeps_its_own_list_of_stages():

@@ -1,0 +1,34 @@
+"""The loop's bookkeeping, called by run_loop.sh as ``python -m online_rlhf.loop COMMAND ...``
+(the commands: ``python -m online_rlhf.loop -h``, :mod:`online_rlhf.loop.cli`).
+
+One module per concern, each importing only those before it:
+
+- :mod:`.resolve`: the loop config resolved and checked (:func:`resolve`, :func:`stage_dict`);
+- :mod:`.provenance`: where each value of a stage YAML came from (its comment block);
+- :mod:`.plan`: the run directory's files (:func:`plan`, :func:`fresh_refusal`);
+- :mod:`.run`: freshness, ``exec``, ``mark``, ``stages``/``after`` and the dry run;
+- :mod:`.metrics`: one row of ``metrics.jsonl`` per iteration;
+- :mod:`.report`: ``report.md``, ``report.png``, wandb and the live metrics line;
+- :mod:`.cli`: the command line.
+
+The stages themselves are the rows of ``online_rlhf.stage_table.STAGES``.
+"""
+
+from ..config import ConfigError
+from ..jsonl import DataError
+from ..stage_configs import iteration_config
+from ..stage_table import STAGES, no_pairs_stop
+from .cli import main
+from .metrics import grpo_metrics, iteration_stats, mean_ci95, metrics
+from .plan import RUN_CONFIG_HEADER, fresh_refusal, plan, run_config_dict
+from .report import metrics_line, report
+from .resolve import auto_processes, resolve, sft_dict, stage_dict
+from .run import (DRY_RUN_STAGES, after_line, check, dry_run, exec_stage, mark, output_hint, previous_stage, stage_hash,
+                  stage_lines, stale_reason)
+from .run import _output_present, _reuse_cached, _stage_entry, _wait_for_previous_stage  # noqa: F401 (tests use loop._name)
+
+__all__ = ["ConfigError", "DataError", "STAGES", "DRY_RUN_STAGES", "RUN_CONFIG_HEADER", "after_line", "auto_processes",
+           "check", "dry_run", "exec_stage", "fresh_refusal", "grpo_metrics", "iteration_config", "iteration_stats",
+           "main", "mark", "mean_ci95", "metrics", "metrics_line", "no_pairs_stop", "output_hint", "plan",
+           "previous_stage", "report", "resolve", "run_config_dict", "sft_dict", "stage_dict", "stage_hash",
+           "stage_lines", "stale_reason"]

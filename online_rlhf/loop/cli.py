@@ -1,0 +1,129 @@
+"""The loop's bookkeeping, called by run_loop.sh (training env):
+
+    python -m online_rlhf.loop plan CONFIG [key=value ...]   # resolve + validate, write stage configs
+    python -m online_rlhf.loop plan-check CONFIG [key=value ...]  # the plan's checks only, nothing written
+    python -m online_rlhf.loop check RUN_DIR ITER STAGE       # exit 0 if STAGE is done and fresh, 1 to run (prints env, why), 3 not planned
+    python -m online_rlhf.loop fresh-check RUN_DIR            # exit 0 if run_loop.sh --fresh may empty RUN_DIR, else 2 (says why)
+    python -m online_rlhf.loop stages RUN_DIR ITER            # ITER's planned stages, one per line, in the stage table's order
+                                                              # ("<name> after": its row has an `after` check)
+    python -m online_rlhf.loop after RUN_DIR ITER STAGE       # exit 1 (with why) when STAGE's row says the loop stops after it
+    python -m online_rlhf.loop pairs-check RUN_DIR ITER       # exit 1 (with why and what to change) if ITER's pairs stage made 0 pairs
+    python -m online_rlhf.loop exec RUN_DIR ITER STAGE [machine_rank=R] [key=value ...]  # run STAGE as its config file says
+                                                              # (R > 0: this machine's part of a multi-machine stage;
+                                                              # key=value: appended to the stage's command, e.g. dry_run=true)
+    python -m online_rlhf.loop dry-run RUN_DIR                # each model stage once in dry mode; fit table; exit 1 if one does not fit
+    python -m online_rlhf.loop mark RUN_DIR ITER STAGE SECONDS
+    python -m online_rlhf.loop output-hint RUN_DIR MESSAGE    # which stage wrote a run file MESSAGE names, how to regenerate it
+    python -m online_rlhf.loop metrics RUN_DIR ITER           # one row of metrics.jsonl
+    python -m online_rlhf.loop report RUN_DIR                 # report.md + report.png (+ wandb)
+
+    python -m online_rlhf.loop -h                             # every loop config key, sections included
+
+``plan`` writes ``runs/<name>/config.yaml`` (the resolved loop config) and, per iteration,
+``iter_<i>/configs/<stage>.yaml`` plus ``iter_<i>/plan.json`` naming each stage's config, command,
+inputs and outputs (the stages are the rows of ``online_rlhf.stage_table.STAGES``). A stage's YAML
+holds everything it needs, launch settings included (``num_shards``, ``num_processes``,
+``launch_profile``), with comments saying how to run it by hand and where each value that is not
+the stage's default came from. A stage's freshness hash covers its config values and its inputs,
+so any changed setting or a re-made input reruns that stage and, through its outputs, every stage
+after it; its ``.done`` also records the size and hash of its outputs, so an output changed after
+the stage finished (cut, edited) reruns the stage that wrote it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..config import ConfigError
+from ..jsonl import DataError, read_json
+from ..paths import setup_cache_env
+from ..stage_configs import LoopConfig
+from ..stage_table import no_pairs_stop
+from .metrics import metrics
+from .plan import fresh_refusal, plan, _stdout_to_stderr
+from .report import metrics_line, report
+from .resolve import resolve
+from .run import after_line, dry_run, exec_stage, mark, output_hint, stage_lines, stale_reason
+
+
+def main(argv: list[str]) -> int:
+    setup_cache_env()
+    if not argv:
+        print(__doc__)
+        return 2
+    if argv[0] in ("-h", "--help"):
+        print(__doc__)
+        print("Loop config keys (configs/loop.yaml, or key=value after `bash run_loop.sh [CONFIG]`):")
+        print("\n".join(LoopConfig._field_lines("  ")))
+        return 0
+    cmd, args = argv[0], argv[1:]
+    try:
+        if cmd in ("plan", "plan-check", "run-dir"):
+            cfg_path = args[0] if args and "=" not in args[0] else None
+            overrides = args[1:] if cfg_path else args
+            if cmd in ("plan", "plan-check"):  # plan-check: every check of the plan, nothing written
+                with _stdout_to_stderr() as real_stdout:
+                    plan(cfg_path, overrides, write=cmd == "plan", shell_out=real_stdout)
+            else:  # where the run lives, nothing written (run_loop.sh locks it before any change)
+                cfg = resolve(cfg_path, overrides)
+                print((Path(cfg.output_root) / cfg.run_name).resolve())
+        elif cmd == "fresh-check":  # 0: run_loop.sh --fresh may empty RUN_DIR; 2: it must not (says why)
+            reason = fresh_refusal(Path(args[0]))
+            if reason:
+                print(f"run_loop.sh: {reason}", file=sys.stderr)
+                return 2
+        elif cmd == "pairs-check":  # 0: go on; 1: the iteration made 0 pairs (prints why and what to change)
+            line = no_pairs_stop(Path(args[0]), int(args[1]))
+            if line:
+                print(line)
+                return 1
+        elif cmd == "stages":  # the iteration's stages in the stage table's order, "<name> after" for a row with a hook
+            for line in stage_lines(Path(args[0]), int(args[1])):
+                print(line)
+        elif cmd == "after":  # 0: go on; 1: the stage's row says stop (prints why), e.g. pairs made 0 pairs
+            line = after_line(Path(args[0]), int(args[1]), args[2])
+            if line:
+                print(line)
+                return 1
+        elif cmd == "check":  # 0 done and fresh, 1 to run (prints the stage's env, then why), 3 not in the plan
+            entries = read_json(Path(args[0]) / f"iter_{int(args[1])}" / "plan.json")
+            if args[2] not in entries:
+                return 3
+            why = stale_reason(Path(args[0]), int(args[1]), args[2])
+            if why is None:
+                return 0
+            print(entries[args[2]]["env"])
+            print(why)
+            return 1
+        elif cmd == "exec":  # exec RUN_DIR ITER STAGE [machine_rank=R] [key=value ...]
+            ranks = [a.split("=", 1)[1] for a in args[3:] if a.startswith("machine_rank=")]
+            try:
+                rank = int(ranks[-1]) if ranks else 0
+            except ValueError:
+                raise ConfigError(f"exec: machine_rank={ranks[-1]!r} is not an integer.") from None
+            exec_stage(Path(args[0]), int(args[1]), args[2], [a for a in args[3:] if not a.startswith("machine_rank=")],
+                       machine_rank=rank)
+        elif cmd == "dry-run":
+            return dry_run(Path(args[0]))
+        elif cmd == "output-hint":  # output-hint RUN_DIR MESSAGE: which stage wrote a file the message names
+            line = output_hint(Path(args[0]), " ".join(args[1:]))
+            if line:
+                print(line)
+        elif cmd == "mark":
+            mark(Path(args[0]), int(args[1]), args[2], float(args[3]))
+        elif cmd == "metrics":
+            row = metrics(Path(args[0]), int(args[1]))
+            print(metrics_line(row))
+            for w in row["warnings"]:
+                print(f"WARNING: {w}")
+        elif cmd == "report":
+            print(report(Path(args[0])))
+        else:
+            print(f"unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
+            return 2
+    except (ConfigError, DataError, FileNotFoundError, TimeoutError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+

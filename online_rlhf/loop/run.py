@@ -1,0 +1,372 @@
+"""Running the planned stages: ``loop check``, ``exec``, ``mark``, ``stages``, ``after``,
+``output-hint`` and ``dry-run``.
+
+A stage is done and fresh when its ``.done`` records the hash of its config and inputs as they are
+now and its outputs are the ones it wrote (:func:`stale_reason`); ``exec`` starts it from its YAML
+(on machine k > 0 after the stage before it in machine 0's run), ``mark`` records it done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from ..config import ConfigError
+from ..jsonl import DataError, read_json, write_json
+from ..paths import PROJECT_ROOT
+from ..rundir import changed_outputs, fingerprint, is_done, mark_done
+from ..stage_table import STAGES, launch_command, stage_machines
+from ..stats import DryRunStats, stats_path
+
+
+def _stage_entry(run_dir: Path, i: int, stage: str) -> dict:
+    plan_path = run_dir / f"iter_{i}" / "plan.json"
+    entries = read_json(plan_path)
+    if stage not in entries:
+        raise ConfigError(f"{plan_path}: no stage {stage!r}; stages: {', '.join(entries)}.")
+    return entries[stage]
+
+
+def stage_hash(run_dir: Path, i: int, stage: str) -> str:
+    """Hash of a stage's config values (with the run dir's own path masked; launch settings
+    included, comments not) and its inputs' content: a run directory moved or copied elsewhere
+    resumes where it stopped, and a changed setting of any kind reruns the stage."""
+    e = _stage_entry(run_dir, i, stage)
+    values = yaml.safe_load(Path(e["config"]).read_text(encoding="utf-8"))  # values, not the comments
+    config_text = json.dumps(values, sort_keys=True, ensure_ascii=False).replace(str(run_dir), "<run_dir>")
+    return fingerprint({"stage": stage, "config": config_text}, e["inputs"], root=run_dir)
+
+
+def exec_stage(run_dir: Path, i: int, stage: str, overrides: list[str] = (), machine_rank: int = 0,
+               wait_poll_s: float = 10.0) -> None:
+    """Replace this process by the command that runs ``stage`` of iteration ``i``, built from the
+    stage's config file by :func:`online_rlhf.stage_table.launch_command` (the command written on
+    top of that file; the run's ``launcher`` from ``<run>/config.yaml``), from the project root.
+    Prints the command first (it heads the stage's log).
+
+    On machine ``machine_rank`` k > 0 (``num_machines`` > 1, ``launcher: local``): a stage that runs
+    on machine 0 only returns at once (nothing to run here); a stage that is already done and fresh
+    returns too; otherwise it first waits until the stage before it in machine 0's run is done and
+    fresh (its inputs are then written), so that machine k can run every stage of the run in order
+    (docs/multi-node.md) and meet machine 0 at each distributed one.
+
+    Args:
+        overrides: ``key=value`` arguments appended to the stage's command (e.g. ``dry_run=true``);
+            they change this run only, not the stage's config file or its freshness hash.
+    Raises:
+        ConfigError: no such stage in the iteration's plan.json; ``machine_rank`` outside the stage's
+            machines; a rank > 0 under ``launcher: slurm`` (srun starts every node's part).
+    """
+    e = _stage_entry(run_dir, i, stage)
+    d = yaml.safe_load(Path(e["config"]).read_text(encoding="utf-8"))
+    launcher = _run_launcher(run_dir)
+    if machine_rank != 0:
+        m = stage_machines(STAGES[stage], d)
+        if m > 1 and not 0 <= machine_rank < m:  # before any wait
+            raise ConfigError(f"machine_rank={machine_rank} must be in 0..{m - 1} (num_machines={m}).")
+        if launcher == "slurm":
+            raise ConfigError(f"machine_rank={machine_rank}: this run uses launcher=slurm, where srun starts every "
+                              "node's part from machine 0; nothing to start by hand.")
+        if stage_machines(STAGES[stage], d) == 1:
+            print(f"stage {stage} of iteration {i} runs on machine 0 only; nothing to run on machine {machine_rank}.")
+            return
+        _wait_for_previous_stage(run_dir, i, stage, wait_poll_s)
+        if check(run_dir, i, stage):
+            print(f"stage {stage} of iteration {i} is done and fresh; nothing to run on machine {machine_rank}.")
+            return
+    if machine_rank == 0 and not overrides and _reuse_cached(run_dir, i, stage, e, d):
+        return
+    argv, env = launch_command(STAGES[stage], e["config"], d, machine_rank=machine_rank, launcher=launcher,
+                               extra=list(overrides))
+    print("+ " + " ".join([*(f"{k}={v}" for k, v in env.items()), *map(shlex.quote, argv)]), flush=True)
+    os.chdir(PROJECT_ROOT)
+    os.execve(argv[0] if os.sep in argv[0] else _which(argv[0]), argv, {**os.environ, **env})
+
+
+def _eval_cache_key(run_dir: Path, i: int, stage: str, e: dict, d: dict) -> str | None:
+    """The evaluation-cache key of a stage (``online_rlhf.eval_cache``), or None when the stage is
+    not cached here (not a ``cache_iteration_0`` row, not iteration 0, or the run turned it off)."""
+    from .. import eval_cache
+
+    if i != 0 or not STAGES[stage].cache_iteration_0 or not eval_cache.enabled(_run_config(run_dir)):
+        return None
+    return eval_cache.cache_key(stage, d, e["inputs"])
+
+
+def _reuse_cached(run_dir: Path, i: int, stage: str, e: dict, d: dict) -> bool:
+    """Copy the stage's output from the evaluation cache when it holds it; True when it did."""
+    from .. import eval_cache
+
+    key = _eval_cache_key(run_dir, i, stage, e, d)
+    entry = eval_cache.lookup(key) if key else None
+    if entry is None:
+        return False
+    out = Path(e["outputs"][0])
+    source = eval_cache.restore(entry, out, stats_path(out), STAGES[stage].stats)
+    print(f"stage {stage} of iteration {i}: the same starting policy, prompts and settings were evaluated before; "
+          f"reused {source} (evaluation cache {entry}; eval_cache=false decodes afresh)", flush=True)
+    return True
+
+
+def _which(name: str) -> str:
+    import shutil
+
+    found = shutil.which(name)
+    if not found:
+        raise ConfigError(f"{name}: not found on PATH (launcher=slurm needs SLURM's srun: run inside an allocation).")
+    return found
+
+
+def _run_launcher(run_dir: Path) -> str:
+    """The run's ``launcher`` key (``<run>/config.yaml``); ``local`` for a run planned before the key."""
+    try:
+        return (yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8")) or {}).get("launcher", "local")
+    except FileNotFoundError:
+        return "local"
+
+
+def _run_config(run_dir: Path) -> dict:
+    path = run_dir / "config.yaml"
+    return (yaml.safe_load(path.read_text(encoding="utf-8")) or {}) if path.is_file() else {}
+
+
+def previous_stage(run_dir: Path, i: int, stage: str) -> tuple[int, str] | None:
+    """The stage that machine 0 runs just before ``stage`` of iteration ``i`` (run_loop.sh's order:
+    the plan.json order within an iteration, iterations in turn); None for the run's first stage."""
+    names = list(read_json(run_dir / f"iter_{i}" / "plan.json"))
+    at = names.index(stage)
+    if at > 0:
+        return i, names[at - 1]
+    for j in range(i - 1, -1, -1):
+        earlier = list(read_json(run_dir / f"iter_{j}" / "plan.json"))
+        if earlier:
+            return j, earlier[-1]
+    return None
+
+
+def _last_activity(run_dir: Path) -> float:
+    """Newest modification time of what machine 0's loop writes as it goes: the stages' logs and
+    ``.done`` markers (0.0 when there is none yet)."""
+    times = [p.stat().st_mtime for pat in ("iter_*/logs/*.log", "iter_*/*.done") for p in run_dir.glob(pat)]
+    return max(times, default=0.0)
+
+
+def _wait_for_previous_stage(run_dir: Path, i: int, stage: str, poll_s: float) -> None:
+    """Wait until machine 0 has finished the stage before ``stage`` (:func:`previous_stage`).
+
+    Gives up when machine 0 has written nothing in the run directory (no stage log grew, no stage
+    was marked done) for ``$ONLINE_RLHF_WAIT_TIMEOUT_S`` seconds (default 3600; 0 = wait for ever):
+    its loop has failed or was stopped, and this machine would poll for ever.
+
+    Raises:
+        TimeoutError: naming the stage waited for, the silence and how to go on.
+    """
+    prev = previous_stage(run_dir, i, stage)
+    if prev is None:
+        return
+    timeout_s = float(os.environ.get("ONLINE_RLHF_WAIT_TIMEOUT_S", "3600"))
+    t0, said = time.monotonic(), -1.0
+    while not check(run_dir, *prev):
+        waited = time.monotonic() - t0
+        silent = time.time() - max(_last_activity(run_dir), time.time() - waited)
+        if timeout_s > 0 and silent > timeout_s:
+            raise TimeoutError(
+                f"waited {waited:.0f} s for machine 0 to finish stage {prev[1]} of iteration {prev[0]}, and machine 0 "
+                f"has written nothing in {run_dir} (no stage log, no .done) for {silent:.0f} s: its run_loop.sh has "
+                "failed or was stopped (see its console and iter_*/logs/). Rerun it on machine 0, then this "
+                "machine's command again (ONLINE_RLHF_WAIT_TIMEOUT_S sets this limit; 0 waits for ever).")
+        if said < 0 or waited - said >= 60:
+            print(f"waiting for machine 0 to finish stage {prev[1]} of iteration {prev[0]} "
+                  f"({waited:.0f} s so far)", flush=True)
+            said = waited
+        time.sleep(poll_s)
+
+
+def _marker(run_dir: Path, i: int, stage: str) -> Path:
+    return run_dir / f"iter_{i}" / f"{stage}.done"
+
+
+def check(run_dir: Path, i: int, stage: str) -> bool:
+    """True when the stage is done and fresh (:func:`stale_reason` gives None)."""
+    return stale_reason(run_dir, i, stage) is None
+
+
+def _recorded_outputs(run_dir: Path, i: int, stage: str) -> list[str]:
+    """The files and folders whose size and hash ``<stage>.done`` records: the stage's outputs and
+    its stats file."""
+    outs = _stage_entry(run_dir, i, stage)["outputs"]
+    return [*outs, str(stats_path(outs[0]))] if outs else []
+
+
+def stale_reason(run_dir: Path, i: int, stage: str) -> str | None:
+    """Why the stage must run (one line), or None when it is done and fresh: its ``.done`` exists,
+    its hash matches (config and inputs unchanged), its outputs exist (a checkpoint folder only
+    counts with its weights: ``*.safetensors`` or ``pytorch_model*.bin``) and are the ones it wrote
+    (size and hash as recorded in ``.done``: an output cut or edited after the stage finished makes
+    it run again, instead of later stages using it silently), and its stats file reads back through
+    the stage's stats class (a stage whose stats are missing or broken runs again, rather than
+    stopping ``metrics`` later)."""
+    e = _stage_entry(run_dir, i, stage)
+    marker = _marker(run_dir, i, stage)
+    if not marker.is_file():
+        return "not run yet"
+    if not is_done(marker, stage_hash(run_dir, i, stage)):
+        return "its config or inputs changed since it finished"
+    missing = [o for o in e["outputs"] if not _output_present(Path(o))]
+    if missing:
+        return f"its output {missing[0]} is missing"
+    try:
+        STAGES[stage].stats.read(stats_path(e["outputs"][0]))
+    except (FileNotFoundError, DataError):
+        return f"its stats file {stats_path(e['outputs'][0])} is missing or not valid"
+    try:
+        changed = changed_outputs(marker, _recorded_outputs(run_dir, i, stage), root=run_dir)
+    except (FileNotFoundError, DataError):
+        return f"its marker {marker} is not readable"
+    if changed:
+        return f"its output changed after the stage finished ({'; '.join(changed)})"
+    return None
+
+
+def output_hint(run_dir: Path, message: str) -> str | None:
+    """For a stage's error ``message`` that names a line of a file another stage of the run wrote
+    (``<file>:<line>``: its content is bad): which stage wrote it and how to regenerate it (the first
+    such file named). None when it names none.
+
+    A stage output that is not what its stage left (:func:`stale_reason`) is rewritten by rerunning
+    the same command, since that stage then runs again; otherwise removing the file does it.
+    """
+    for plan_path in sorted(run_dir.glob("iter_*/plan.json"), key=lambda p: int(p.parent.name.split("_")[1])):
+        i = int(plan_path.parent.name.split("_")[1])
+        try:
+            entries = read_json(plan_path)
+        except (FileNotFoundError, DataError):
+            continue
+        for stage, e in entries.items():
+            for o in e.get("outputs", []):
+                if o and re.search(re.escape(o) + r":\d+", message):  # names a line of it: its content is bad
+                    why = stale_reason(run_dir, i, stage)
+                    how = (f"rerun the same command: stage {stage} runs again first ({why}) and rewrites it"
+                           if why is not None else f"remove it (rm -r {shlex.quote(o)}) and rerun the same command: "
+                           f"stage {stage} runs again and rewrites it")
+                    return f"{o} is the output of stage {stage} of iteration {i}; do not edit it by hand: {how}."
+    return None
+
+
+def _output_present(path: Path) -> bool:
+    if not path.exists():
+        return False
+    if path.is_dir() and (path / "config.json").is_file():
+        return any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin"))
+    return True
+
+
+def mark(run_dir: Path, i: int, stage: str, seconds: float) -> None:
+    """Write the stage's ``.done``: its config-and-inputs hash, the size and hash of its outputs and
+    stats file as they are now (:func:`stale_reason` compares them on the next run), the seconds. A
+    stage of the evaluation cache (``online_rlhf.eval_cache``) also stores its output there."""
+    mark_done(_marker(run_dir, i, stage), stage_hash(run_dir, i, stage), outputs=_recorded_outputs(run_dir, i, stage),
+              root=run_dir, seconds=round(seconds, 2))
+    e = _stage_entry(run_dir, i, stage)
+    key = _eval_cache_key(run_dir, i, stage, e, yaml.safe_load(Path(e["config"]).read_text(encoding="utf-8")))
+    if key:
+        from .. import eval_cache
+
+        out = Path(e["outputs"][0])
+        eval_cache.store(key, out, stats_path(out), run_dir)
+
+
+def stage_lines(run_dir: Path, i: int) -> list[str]:
+    """``loop stages``: iteration ``i``'s planned stages in the stage table's order (``plan.json``),
+    one line each, ``"<name> after"`` for a row with an ``after`` hook (``run_loop.sh`` and
+    ``scripts/other_machine.sh`` go through them in this order).
+
+    Raises:
+        FileNotFoundError, DataError: the iteration's ``plan.json`` is missing or not valid.
+    """
+    return [name + (" after" if STAGES[name].after is not None else "")
+            for name in read_json(run_dir / f"iter_{i}" / "plan.json")]
+
+
+def after_line(run_dir: Path, i: int, stage: str) -> str | None:
+    """``loop after``: the line that stops the loop after ``stage`` of iteration ``i``, from the
+    row's ``after`` hook (e.g. pairs: 0 pairs made); None to go on (or the row has no hook)."""
+    hook = STAGES[stage].after
+    return hook(run_dir, i) if hook is not None else None
+
+# The stages the loop's dry run checks, in order: (iteration, stage), the table's rows with a dry_run_iteration.
+DRY_RUN_STAGES = tuple((s.dry_run_iteration, s.name) for s in STAGES.values() if s.dry_run_iteration is not None)
+
+
+def dry_run(run_dir: Path) -> int:
+    """The loop's dry run (``bash run_loop.sh ... dry_run=true``, after the plan): run each stage of
+    :data:`DRY_RUN_STAGES` that the plan holds (``dpo`` or ``grpo``, as ``algorithm`` says) once with ``dry_run=true`` (``loop exec RUN_DIR I STAGE
+    dry_run=true``, the stage's own command; log ``iter_<i>/logs/<stage>.dry_run.log``), read what
+    each measured (:class:`~online_rlhf.stats.DryRunStats`) and print the table and advice of
+    :func:`online_rlhf.dry_run.report`; also written to ``<run>/dry_run.json``.
+
+    Pairs and verifier/remote/judge rewards load no model and are skipped. When SFT is enabled, the
+    later stages' policy (the SFT model) does not exist yet: they are measured on the SFT base model
+    (same architecture). Nothing is trained or marked done; stages' outputs are not written.
+
+    Returns:
+        the exit code: 0 when every measured stage fits, 1 when one would not (or its dry run failed).
+    """
+    import subprocess
+
+    from ..dry_run import Row, dry_run_path, report
+
+    rows: list[Row] = []
+    sft_base = None
+    for i, stage in DRY_RUN_STAGES:
+        plan_path = run_dir / f"iter_{i}" / "plan.json"
+        entries = read_json(plan_path) if plan_path.is_file() else {}
+        if stage not in entries:
+            continue
+        e = entries[stage]
+        d = yaml.safe_load(Path(e["config"]).read_text(encoding="utf-8"))
+        if stage == "sft":
+            sft_base = d.get("base_model")
+        if stage == "rewards" and d.get("source") != "reward_model":
+            rows.append(Row(stage, i, note=f"source={d.get('source')} loads no model"))
+            continue
+        extra, note = ["dry_run=true"], ""
+        if sft_base is not None and stage in ("generate", "dpo", "grpo"):  # the SFT model is not trained yet
+            extra += [f"model={sft_base}"] if stage == "generate" else [f"policy={sft_base}"]
+            if stage in ("dpo", "grpo") and d.get("reference"):
+                extra.append(f"reference={sft_base}")
+            note = "measured on the SFT base model"
+        out = dry_run_path(e["outputs"][0])
+        out.unlink(missing_ok=True)  # never report an earlier dry run's figures
+        log = run_dir / f"iter_{i}" / "logs" / f"{stage}.dry_run.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        print(f"[dry run] {stage} (iteration {i}) · log {log}", flush=True)
+        with open(log, "w", encoding="utf-8") as f:
+            rc = subprocess.run([sys.executable, "-m", "online_rlhf.loop", "exec", str(run_dir), str(i), stage, *extra],
+                                stdout=f, stderr=subprocess.STDOUT, cwd=PROJECT_ROOT).returncode
+        result = DryRunStats.read(out) if out.is_file() else None
+        if result is None:
+            why = ("killed (exit %d; on CPU often the kernel's out-of-memory killer)" % rc if rc < 0 or rc in (137, 9)
+                   else f"exit {rc}, no result written")
+            errors = [ln[7:].strip() for ln in log.read_text(encoding="utf-8", errors="replace").splitlines()
+                      if ln.startswith("error: ")]
+            if errors:  # the stage's own one-line reason (e.g. a config it refused), not a memory verdict
+                why += f": {errors[-1][:200]}"
+            rows.append(Row(stage, i, note=why, log=str(log), failed=True))
+        else:
+            rows.append(Row(stage, i, result=result, note=note, log=str(log)))
+    text, code = report(rows)
+    print(text, flush=True)
+    write_json(run_dir / "dry_run.json", [{"stage": r.stage, "iteration": r.iteration, "verdict": r.verdict,
+                                           "note": r.note, "log": r.log,
+                                           "result": r.result.model_dump(mode="json") if r.result else None}
+                                          for r in rows])
+    return code
+

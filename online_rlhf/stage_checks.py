@@ -1,0 +1,191 @@
+"""The plan's own checks of single stages, beyond what each stage's config class validates: each
+row of the stage table names its checks (``online_rlhf.stage_table.Stage.checks``, a
+:class:`PlanChecks`), so that the loop's plan (``online_rlhf.loop``) runs them without a branch per
+stage. Importable without torch or vLLM (transformers is imported inside the check that needs it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from .config import ConfigError, StageConfig
+from .paths import default_model_dir
+from .stage_configs import LoopConfig, iteration_config
+from .trl_args import check_axolotl_keys, check_dpo_training, check_lora, per_device_batch
+
+SFT_CONFIG = "configs/sft.yaml"  # the Axolotl stage file of sft.config when the loop config names none
+
+
+@dataclass(frozen=True)
+class PlanChecks:
+    """What the plan checks of one stage; each check optional (None: nothing to check).
+
+    Attributes:
+        config: ``(cfg, i, d, stage_cfg, where) -> None``, while the plan builds every stage of
+            every iteration dry: iteration ``i``'s resolved stage mapping ``d`` and its validated
+            config ``stage_cfg`` (``cfg``: the run's loop config; ``where``: ``"<source>,
+            iteration <i>"``, to start the message with). Raises ConfigError.
+        batch: ``d -> (train_batch_size, gradient_accumulation_steps)``: the batch that the
+            loop's ``num_processes`` (``auto`` included) must split evenly (``train_batch_size``
+            None: any count).
+        launch: ``(cfg, i, d, source) -> None``, once ``num_processes`` is resolved: the batch
+            per device, and what a dry run needs (``source``: the config file and overrides).
+            Raises ConfigError.
+        library: the library config class the stage builds from its YAML values, as
+            ``"module.Class"`` (DPO: ``"trl.DPOConfig"``): the plan builds it as the stage will, so
+            that values the library refuses together stop the plan (the build needs the stage's own
+            module, which imports this table: it lives in ``online_rlhf.loop.resolve``).
+        prompts: ``(c, i, rows, d, tokenizers) -> warnings``: iteration ``i``'s train prompts
+            ``rows`` against the stage's values ``d`` (``c``: the iteration's loop config;
+            ``tokenizers``: a cache the plan keeps across iterations).
+    """
+
+    config: Optional[Callable[[LoopConfig, int, dict, StageConfig, str], None]] = None
+    batch: Optional[Callable[[dict], tuple[Optional[int], int]]] = None
+    launch: Optional[Callable[[LoopConfig, int, dict, str], None]] = None
+    library: Optional[str] = None
+    prompts: Optional[Callable[[LoopConfig, int, list[dict], dict, dict], list[str]]] = None
+
+
+def check_sft_keys(cfg: LoopConfig, i: int, d: dict, sft: StageConfig, where: str) -> None:
+    """The SFT stage file's Axolotl keys (the loop's own ``sft`` keys are checked with the loop config).
+
+    Raises:
+        ConfigError: a key Axolotl does not know (named with the stage file).
+    """
+    check_axolotl_keys(sft.model_extra or {}, prefix=f"{cfg.sft.get('config', SFT_CONFIG)}: ",
+                       also_known=set(type(sft).model_fields))
+
+
+def check_generation_k(cfg: LoopConfig, i: int, d: dict, g: StageConfig, where: str) -> None:
+    """The train rollouts need at least 2 responses per prompt (a pair; GRPO: a group).
+
+    Raises:
+        ConfigError: ``generation.k < 2``, with the usual range for the run's algorithm.
+    """
+    if g.k < 2:
+        need = ("GRPO needs a group of at least 2 responses per train prompt (each response's advantage is "
+                "its reward against the group's)" if cfg.algorithm == "grpo" else
+                "a chosen/rejected pair needs at least 2 responses per train prompt")
+        raise ConfigError(f"{where}: generation.k={g.k}, but {need}; set generation.k >= 2 "
+                          f"({'4-16' if cfg.algorithm == 'grpo' else '4-8'} is usual).")
+
+
+def check_dpo_keys(cfg: LoopConfig, i: int, d: dict, dpo: StageConfig, where: str) -> None:
+    """The merged ``dpo`` section, the keys of the ``dpo_config`` file included: ``training``
+    against ``trl.DPOConfig``, ``lora`` against ``peft.LoraConfig``.
+
+    Raises:
+        ConfigError: an unknown or invalid key, named under ``dpo.training`` / ``dpo.lora``.
+    """
+    check_dpo_training(d["training"], f"{where}: dpo.training")
+    check_lora(d.get("lora"), f"{where}: dpo.lora", required=False)
+
+
+def check_grpo_length(cfg: LoopConfig, i: int, d: dict, grpo: StageConfig, where: str) -> None:
+    """``grpo.max_length`` (prompt + completion tokens) must leave room for a prompt beside a
+    completion of ``generation.max_tokens`` (the stage's ``max_completion_length``); the longest
+    prompt is not tokenized here (the stage counts and warns about what it cuts or drops).
+
+    Raises:
+        ConfigError: ``max_length <= generation.max_tokens``, naming both keys and where max_length was set.
+    """
+    L, T = d.get("max_length"), d["max_completion_length"]
+    if L is None or L > T:
+        return
+    if "max_length" in ((cfg.per_iteration.get(i) or {}).get("grpo") or {}):
+        origin = f"per_iteration.{i}.grpo.max_length"
+    elif "max_length" in cfg.grpo.model_dump(exclude_unset=True):
+        origin = "the grpo section"
+    else:
+        origin = f"grpo_config={iteration_config(cfg, i).grpo_config}"
+    raise ConfigError(f"{where}: grpo.max_length={L} ({origin}) is not above generation.max_tokens={T}: a completion "
+                      "of max_tokens would leave no room for its prompt, so every group is dropped or cut. Set "
+                      f"grpo.max_length above the longest prompt + generation.max_tokens (e.g. {T + 512}), lower "
+                      "generation.max_tokens, or set grpo.max_length=null (no cap).")
+
+
+def dpo_batch(d: dict) -> tuple[int | None, int]:
+    """(train_batch_size, gradient_accumulation_steps) of a resolved DPO stage dict."""
+    return d.get("train_batch_size"), int(d.get("training", {}).get("gradient_accumulation_steps", 1))
+
+
+def check_dpo_launch(cfg: LoopConfig, i: int, d: dict, src: str) -> None:
+    """Iteration ``i``'s DPO batch split over the resolved ``num_processes``; with ``dry_run=true``,
+    iteration 1's ``training.max_length`` (the dry run's dummy pairs are that long).
+
+    Raises:
+        ConfigError: a batch the process count does not split (naming the iteration), or a dry run
+            without ``dpo.training.max_length``.
+    """
+    try:
+        per_device_batch(d.get("train_batch_size"), d.get("training", {}), cfg.num_processes, where="dpo.",
+                         processes_key="num_processes")
+    except ConfigError as e:
+        raise ConfigError(f"{src}, iteration {i}: {e}") from None
+    if cfg.dry_run and i == 1 and d.get("training", {}).get("max_length") is None:
+        raise ConfigError(f"{src}: dry_run=true needs dpo.training.max_length (the dummy pairs are that long); "
+                          "set it, e.g. dpo.training.max_length=1024.")
+
+
+def check_grpo_launch(cfg: LoopConfig, i: int, d: dict, src: str) -> None:
+    """With ``dry_run=true``, iteration 1's ``grpo.max_length`` (the dry run's dummy prompt +
+    completion is that long).
+
+    Raises:
+        ConfigError: a dry run without ``grpo.max_length``.
+    """
+    if cfg.dry_run and i == 1 and d.get("max_length") is None:
+        raise ConfigError(f"{src}: dry_run=true needs grpo.max_length (the dummy prompt + completion is that "
+                          "long); set it, e.g. grpo.max_length=1024.")
+
+
+def grpo_prompt_length_warnings(c: LoopConfig, i: int, rows: list[dict], d: dict, tokenizers: dict) -> list[str]:
+    """Iteration ``i``'s GRPO length check against its train prompts: the longest prompt (the starting
+    policy's chat template, as the generation stage renders it) + ``generation.max_tokens`` against
+    ``grpo.max_length``. Only where it is cheap: the starting policy's tokenizer is in a local folder
+    (a Hub id or a model not made yet, e.g. the SFT model, is not checked here; the stage counts and
+    warns about what it drops or cuts).
+
+    Returns:
+        one warning when a prompt would be dropped (it fills max_length) or a full-length completion cut.
+    """
+    L, T = d.get("max_length"), d["max_completion_length"]
+    if L is None:
+        return []
+    path = str(default_model_dir()) if c.policy == "default" else c.policy  # the SFT model keeps its base's tokenizer
+    if path not in tokenizers:
+        tokenizers[path] = None
+        if (Path(path) / "tokenizer_config.json").is_file():
+            from transformers import AutoTokenizer
+
+            tokenizers[path] = AutoTokenizer.from_pretrained(path)
+    tok = tokenizers[path]
+    if tok is None or tok.chat_template is None:
+        return []
+    from .chat_tokens import ChatTokenError, chat_token_ids
+
+    lengths = []
+    for r in rows:
+        try:
+            lengths.append((len(chat_token_ids(tok, r["prompt"], add_generation_prompt=True)), r["id"]))
+        except ChatTokenError:
+            continue  # the generation stage skips and counts it
+    if not lengths:
+        return []
+    longest, rid = max(lengths)
+    if longest + T <= L:
+        return []
+    over = sum(n >= L for n, _ in lengths)
+    return [f"iteration {i}: the longest train prompt ({rid!r}) is {longest} tokens; with generation.max_tokens={T} "
+            f"a completion can reach {longest + T} > grpo.max_length={L} tokens, so long completions lose their tail"
+            + (f" and {over} prompt(s) that fill max_length drop their group" if over else "")
+            + f". Set grpo.max_length >= {longest + T} (or null), or lower generation.max_tokens."]
+
+
+SFT_CHECKS = PlanChecks(config=check_sft_keys)
+GENERATE_CHECKS = PlanChecks(config=check_generation_k)
+DPO_CHECKS = PlanChecks(config=check_dpo_keys, batch=dpo_batch, launch=check_dpo_launch, library="trl.DPOConfig")
+GRPO_CHECKS = PlanChecks(config=check_grpo_length, launch=check_grpo_launch, prompts=grpo_prompt_length_warnings)

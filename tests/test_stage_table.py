@@ -1,0 +1,94 @@
+"""The stage table (``online_rlhf.stage_table.STAGES``) is the only list of stages: each row is
+walked against every consumer (its entry script, config and stats classes, ``testing.example_stats``,
+the loop's typed sections, the plan and ``loop stages``, the launch command, the scripts that go
+through ``loop stages``, the docs), so that a row added to the table and missing anywhere fails here."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from online_rlhf import loop, stats
+from online_rlhf.jsonl import read_json, write_jsonl
+from online_rlhf.stage_configs import LOOP_OWNED, LoopConfig, StageConfig
+from online_rlhf.stage_table import STAGES, launch_command
+from online_rlhf.stats import StageStats
+from online_rlhf.testing import example_stats
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = "\n".join(p.read_text(encoding="utf-8") for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+
+
+@pytest.mark.parametrize("name", list(STAGES))
+def test_every_row_names_what_exists(name, tmp_path):
+    s = STAGES[name]
+    assert s.name == name
+    assert (ROOT / s.entry).is_file(), s.entry
+    assert issubclass(s.config, StageConfig)
+    fields = s.config.model_fields
+    for key in (*s.inputs, *s.outputs, *s.set_by_plan, *s.derived_from):
+        assert key in fields, (name, key)
+    for key in s.derived_from.values():
+        assert key in LoopConfig.model_fields, (name, key)
+    for sec in s.sections:
+        assert sec in LoopConfig.model_fields, (name, sec)
+    if s.stage_file_key:
+        assert s.stage_file_key.split(".")[0] in LoopConfig.model_fields, (name, s.stage_file_key)
+    # its stats class is one of online_rlhf.stats, with an example for the tests that fake a run
+    assert issubclass(s.stats, StageStats) and getattr(stats, s.stats.__name__) is s.stats
+    path = tmp_path / "out.stats.json"
+    example_stats(s.stats).write(path)
+    assert s.stats.read(path) == example_stats(s.stats)
+
+
+@pytest.mark.parametrize("name", [n for n, s in STAGES.items() if s.section in LOOP_OWNED])
+def test_the_plan_owns_the_files_of_every_row_in_its_section(name):
+    """A stage's outputs (and inputs, but for a reward model, the one input a section names
+    itself) are written by the plan from the run layout: its loop section refuses them."""
+    s = STAGES[name]
+    owned = set(LOOP_OWNED[s.section])
+    assert set(s.outputs) <= owned, (name, set(s.outputs) - owned)
+    assert set(s.inputs) - {"reward_model"} <= owned, (name, set(s.inputs) - owned)
+
+
+def _prompts(path: Path) -> Path:
+    write_jsonl(path, [{"id": f"p{i}", "prompt": f"question {i}", "answer": str(i)} for i in range(4)])
+    return path
+
+
+def test_every_row_is_planned_listed_and_launchable(tmp_path, capsys):
+    """With every stage on (SFT, KL, IFEval each iteration; DPO and GRPO in turn), the plan writes
+    each row's config, ``loop stages`` lists it, and its command starts its entry script."""
+    data = tmp_path / "sft.jsonl"
+    write_jsonl(data, [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}])
+    (tmp_path / "start").mkdir()
+    seen = set()
+    for algorithm in ("dpo", "grpo"):
+        run = loop.plan(None, [f"train_prompts={_prompts(tmp_path / 'train.jsonl')}",
+                               f"eval_prompts={_prompts(tmp_path / 'eval.jsonl')}", f"output_root={tmp_path / 'runs'}",
+                               f"run_name={algorithm}", f"policy={tmp_path / 'start'}", "iterations=1",
+                               f"algorithm={algorithm}", "sft.enabled=true", f"sft.dataset={data}", "kl_samples=1",
+                               "ifeval.when=every", "grpo.max_length=1024"])
+        for i in (0, 1):
+            entries = read_json(run / f"iter_{i}" / "plan.json")
+            capsys.readouterr()
+            assert loop.main(["stages", str(run), str(i)]) == 0
+            listed = [ln.split()[0] for ln in capsys.readouterr().out.splitlines()]
+            assert listed == list(entries) == [n for n in STAGES if n in entries]  # the table's order
+            for name, e in entries.items():
+                s = STAGES[name]
+                assert Path(e["config"]) == run / f"iter_{i}" / "configs" / f"{name}.yaml" and Path(e["config"]).is_file()
+                assert e["env"] == s.env and len(e["outputs"]) == len(s.outputs)
+                argv, _ = launch_command(s, e["config"], {}, root=Path("."))
+                assert s.entry in argv, (name, argv)
+                seen.add(name)
+    assert seen == set(STAGES)
+
+
+def test_the_scripts_go_through_loop_stages_and_the_docs_name_every_stage():
+    for script in ("run_loop.sh", "scripts/other_machine.sh"):
+        assert "-m online_rlhf.loop stages " in (ROOT / script).read_text(encoding="utf-8"), script
+    missing = [name for name in STAGES if not re.search(rf"(?<![\w.]){name}(?!\w)", DOCS)]
+    assert not missing, f"stages no page of README.md or docs/ names: {missing}"
