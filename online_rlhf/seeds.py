@@ -37,11 +37,17 @@ from .jsonl import DataError, read_jsonl, write_json
 from .paths import PROJECT_ROOT
 
 
+# Overrides that say where a run lives or what it reports to, not what it trains: left out of the name.
+LOCATION_KEYS = ("output_root", "wandb", "eval_cache")
+
+
 def recipe_name(base: str, overrides: list[str] = ()) -> str:
     """The recipe's name: ``base`` (the config's run_name), plus ``_<8 hex of sha256>`` of the sorted
-    overrides when there are any, so that a variant never reuses or overwrites another recipe's runs."""
+    overrides when there are any, so that a variant never reuses or overwrites another recipe's runs.
+    Overrides of :data:`LOCATION_KEYS` (``output_root=...``) do not make a variant."""
     import hashlib
 
+    overrides = [o for o in overrides if o.split("=", 1)[0].strip() not in LOCATION_KEYS]
     if not overrides:
         return base
     return f"{base}_{hashlib.sha256(' '.join(sorted(overrides)).encode()).hexdigest()[:8]}"

@@ -164,7 +164,7 @@ class DPOStageConfig(StageConfig):
     pairs: str = Field(..., description="pairs.jsonl")
     output_dir: str = Field(..., description="where the trained checkpoint is saved")
     train_batch_size: Optional[int] = Field(None, ge=1, description="pairs per optimizer step over all processes (OpenRLHF's name); per_device_train_batch_size = this / (processes x training.gradient_accumulation_steps), so the recipe is the same on 1 or N processes. null: set training.per_device_train_batch_size instead")
-    training: dict[str, Any] = Field(default_factory=dict, description="any trl.DPOConfig field (beta, loss_type, learning_rate, max_length, precompute_ref_log_probs, report_to, ...); stage defaults: bf16=false on CPU, precompute_ref_log_probs=true, report_to=none")
+    training: dict[str, Any] = Field(default_factory=dict, description="any trl.DPOConfig field (beta, loss_type, learning_rate, max_length, precompute_ref_log_probs, report_to, ...); stage defaults: bf16 from the hardware (on CPU true only with native bf16, AVX512-BF16/AMX; fp16 on a GPU without bf16), precompute_ref_log_probs=true, report_to=none")
     max_prompt_length: Optional[int] = Field(None, ge=1, description="drop (and count) pairs whose prompt has more tokens than this; TRL 1.9 has no prompt truncation. Pairs whose prompt fills training.max_length are always dropped")
     lora: Optional[dict[str, Any]] = Field(None, description="peft.LoraConfig fields; merged into the saved checkpoint")
     attn_implementation: str = Field("sdpa", description="sdpa (CPU/GPU) or flash_attention_2 (GPU with flash-attn)")

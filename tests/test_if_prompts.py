@@ -127,3 +127,20 @@ def test_an_unsatisfiable_draw_is_drawn_again_and_counted(tmp_path):
     recs, stats = ifp.build(ifp.template_prompts(2000), _cfg(tmp_path, max_constraints=2), None)
     assert not any(ifp.unsatisfiable(i, kw) for r in recs for i, kw in zip(r["instruction_id_list"], r["kwargs"]))
     assert sum(stats["unsatisfiable_redrawn"].values()) >= 1  # without the redraw, 3 of these 2,000 could not be met
+
+
+def test_a_prepared_default_from_before_the_redraw_is_rebuilt(tmp_path):
+    import importlib.util
+
+    from online_rlhf.jsonl import write_json
+    from online_rlhf.paths import PROJECT_ROOT
+
+    spec = importlib.util.spec_from_file_location("prepare_default", PROJECT_ROOT / "scripts" / "prepare_default.py")
+    prep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prep)
+    write_jsonl(tmp_path / prep.IF_TRAIN, [{"id": "x"}])
+    stats = {"prompts_out": prep.EXPECTED_IF_TRAIN, **prep.IF_TRAIN_SETTINGS}
+    write_json(tmp_path / f"{prep.IF_TRAIN}.stats.json", stats)
+    assert not prep.if_train_ready(tmp_path)  # an older build: its stats lack the redraw count
+    write_json(tmp_path / f"{prep.IF_TRAIN}.stats.json", {**stats, "unsatisfiable_redrawn": {}})
+    assert prep.if_train_ready(tmp_path)

@@ -85,7 +85,11 @@ def test_a_variant_recipe_gets_its_own_run_names_and_overrides_may_follow_seeds(
     # words after --seeds with '=' are overrides; the variant's runs are looked for under its own name
     rc = seeds.main(["configs/loop.yaml", f"output_root={tmp_path}", "--seeds", "1", "dpo.training.beta=0.05",
                      "--table-only"])
-    want = seeds.recipe_name("default", ["dpo.training.beta=0.05", f"output_root={tmp_path}"]) + "_seed1"
+    want = seeds.recipe_name("default", ["dpo.training.beta=0.05"]) + "_seed1"
+    # where the runs live is not part of the recipe: the default's runs under another root keep their names
+    assert seeds.recipe_name("default", [f"output_root={tmp_path}", "wandb=true"]) == "default"
+    assert seeds.recipe_name("default", ["dpo.training.beta=0.05", f"output_root={tmp_path}"]) == \
+        seeds.recipe_name("default", ["dpo.training.beta=0.05"])
     assert rc == 2 and f"{tmp_path / want}/metrics.jsonl: missing" in capsys.readouterr().err
     assert seeds.main(["configs/loop.yaml", "--seeds", "one", "--table-only"]) == 2
     assert "whole numbers" in capsys.readouterr().err
