@@ -20,8 +20,10 @@ from .config import ConfigError, did_you_mean
 
 # DPOConfig fields the stage sets itself; a user value for them is refused with the fix.
 STAGE_OWNED = {
-    "output_dir": "set the stage's output_dir instead (training runs in <output_dir>.work, saves via <output_dir>.tmp)",
-    "model_init_kwargs": "the stage loads the models itself; use torch_dtype / attn_implementation",
+    "output_dir": "the stage sets it from its own output_dir (training runs in <output_dir>.work, saves via "
+                  "<output_dir>.tmp); in the loop that is the run layout's iter_<i>/model, so leave it out",
+    "model_init_kwargs": "the stage loads the models itself; set the stage's torch_dtype / attn_implementation "
+                         "instead (in the loop: dpo.torch_dtype / dpo.attn_implementation)",
 }
 
 

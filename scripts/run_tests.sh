@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # The project's test command (README.md; CI runs it through .ci/run). From a clean clone it
 # builds both envs, prepares the embedded default (model + prompts, cached), then runs:
-#   1. the training-env suite (everything not marked `vllm`), slow end-to-end tests included;
+#   1. the training-env suite (everything not marked `vllm` or `trl_comparison`), slow end-to-end tests included;
 #   2. the inference-env suite (tests marked `vllm`: real vLLM engines on tiny models).
 # Extra arguments go to both pytest runs (e.g. -k pairs, -m "not slow", -x).
 set -euo pipefail
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then  # before any env build or data preparation
+  sed -n '2,6p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  exit 0
+fi
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash scripts/setup_envs.sh all

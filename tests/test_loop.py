@@ -375,6 +375,16 @@ def test_exec_runs_a_stage_from_its_config_file(small_cfg, tmp_path):
     assert loop.main(["check", str(run_dir), "0", "dpo"]) == 3  # not a stage of iteration 0
 
 
+def test_check_names_a_mistyped_stage_and_the_real_ones(small_cfg, capsys):
+    run_dir = loop.plan(None, small_cfg)
+    capsys.readouterr()
+    assert loop.main(["check", str(run_dir), "0", "dpo"]) == 3  # a real stage this iteration leaves out: quiet
+    assert capsys.readouterr().err == ""
+    assert loop.main(["check", str(run_dir), "1", "dpoo"]) == 3
+    err = capsys.readouterr().err
+    assert "no stage named 'dpoo'" in err and "dpo" in err.split("the stages are")[1]
+
+
 def test_stage_refuses_another_process_count_than_planned(monkeypatch):
     from online_rlhf.stage_table import check_process_count
 

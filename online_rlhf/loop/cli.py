@@ -39,7 +39,7 @@ from ..config import ConfigError
 from ..jsonl import DataError, read_json
 from ..paths import setup_cache_env
 from ..stage_configs import LoopConfig
-from ..stage_table import no_pairs_stop
+from ..stage_table import STAGES, no_pairs_stop
 from .metrics import metrics
 from .plan import fresh_refusal, plan, _stdout_to_stderr
 from .report import metrics_line, report
@@ -89,6 +89,9 @@ def main(argv: list[str]) -> int:
         elif cmd == "check":  # 0 done and fresh, 1 to run (prints the stage's env, then why), 3 not in the plan
             entries = read_json(Path(args[0]) / f"iter_{int(args[1])}" / "plan.json")
             if args[2] not in entries:
+                if args[2] not in STAGES:  # a typo, not a stage this iteration leaves out: say so
+                    print(f"loop check: no stage named {args[2]!r}; the stages are {', '.join(STAGES)} "
+                          f"(iteration {args[1]} plans {', '.join(entries)})", file=sys.stderr)
                 return 3
             why = stale_reason(Path(args[0]), int(args[1]), args[2])
             if why is None:

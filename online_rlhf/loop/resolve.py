@@ -48,7 +48,8 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
                           "(docs/multi-node.md).")
     for i in cfg.per_iteration:
         if not 1 <= i <= cfg.iterations:
-            raise ConfigError(f"{src}: per_iteration has iteration {i}, but iterations={cfg.iterations}.")
+            raise ConfigError(f"{src}: per_iteration has iteration {i}, but the iterations are 1..{cfg.iterations} "
+                              f"(iterations={cfg.iterations}); use one of those numbers, or raise iterations.")
     if cfg.policy != "default":  # the default is prepared by run_loop.sh before the plan runs
         _check_local_model(cfg.policy, "policy", src, "a checkpoint folder, an HF Hub id (owner/name) or 'default'")
     for i in range(0, cfg.iterations + 1):  # a reward model given as a local path (Hub ids are not looked up here)
