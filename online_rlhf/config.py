@@ -328,13 +328,19 @@ class StageConfig(BaseModel):
         return "\n".join(lines + cls._field_lines("  "))
 
     @classmethod
-    def _field_lines(cls, indent: str, prefix: str = "") -> list[str]:
+    def _field_lines(cls, indent: str, prefix: str = "", set_here: dict | None = None) -> list[str]:
         """One line per field (``name (default; choices): description``); a field typed by another
-        ``StageConfig`` (a loop section) lists that class's fields below it as ``section.key``."""
+        ``StageConfig`` (a loop section) lists that class's fields below it as ``section.key``, with
+        the defaults the section's own default sets (``set_here``: e.g. ``evaluation.k`` is 1, not the
+        generation class's 4)."""
         lines = []
+        set_here = set_here or {}
         for name, f in cls.model_fields.items():
             nested = f.annotation if isinstance(f.annotation, type) and issubclass(f.annotation, StageConfig) else None
-            if f.is_required():
+            set_keys = {}
+            if name in set_here:
+                default = f"default {set_here[name]!r}"
+            elif f.is_required():
                 default = "required"
             elif nested is not None:
                 set_keys = f.default_factory().model_dump(exclude_unset=True) if f.default_factory else {}
@@ -348,7 +354,7 @@ class StageConfig(BaseModel):
                 default += f"; one of {', '.join(ann)}"
             lines.append(f"{indent}{prefix}{name} ({default}): {f.description or ''}")
             if nested is not None:
-                lines += nested._field_lines(indent + "  ", prefix=f"{prefix}{name}.")
+                lines += nested._field_lines(indent + "  ", prefix=f"{prefix}{name}.", set_here=set_keys)
         return lines
 
     def to_yaml(self) -> str:

@@ -339,7 +339,7 @@ class LoopConfig(StageConfig):
     seed: int = Field(42, description="seed of sampling, pair selection and training: iteration i's rollouts use seed + 1000 x i, its pairs seed + i, held-out generation and DPO seed (a generation.seed / pairs.seed you set is used as is in every iteration)")
     iterations: int = Field(2, ge=1, description="number of generate -> reward -> pairs -> DPO rounds")
     policy: str = Field("default", description="starting policy: dir, Hub id or 'default'")
-    sft: dict[str, Any] = Field(default_factory=lambda: {"enabled": False}, description="enabled: run sft/ first; config: Axolotl YAML; overrides")
+    sft: dict[str, Any] = Field(default_factory=lambda: {"enabled": False}, description="sft.enabled: run sft/ once before iteration 1; sft.config: its YAML (default configs/sft.yaml); sft.dataset: SFT JSONL of {messages: [...]} (required when enabled); any other key of that YAML (SFTStageConfig or Axolotl) overrides it")
     train_prompts: str = Field("default", description="train prompt set ('default' = the IF prompts .cache/data/if_train.jsonl: IFEval constraint types on the project's own templates)")
     eval_prompts: str = Field("default", description="held-out prompt set ('default' = IFBench held-out split)")
     prompt_field: Optional[str] = Field(None, description="prompt column (text or message list) of the train set, if not messages/prompt; also of the held-out set unless eval_prompt_field is set")

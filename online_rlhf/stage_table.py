@@ -380,7 +380,8 @@ def _reward_model_scores(d: dict) -> bool:
 STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("sft", "train", "sft/run_sft.py", "python", SFTStageConfig, ("base_model", "dataset"), ("output_dir",),
           SFTStats, "start", _sft, ("sft",), "sft.config", enabled=lambda c: bool(c.sft.get("enabled")),
-          checks=SFT_CHECKS, stage_file_default=SFT_CONFIG, dry_run_iteration=0),
+          checks=SFT_CHECKS, stage_file_default=SFT_CONFIG, dry_run_iteration=0,
+          set_by_plan={"base_model": "loop key policy (SFT starts from the policy)"}),
     Stage("generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"), ("output",),
           GenerateStats, "train", _generate, ("generation",), every_machine=_always, checks=GENERATE_CHECKS,
           seed_offset="+ 1000 x iteration", dry_run_iteration=1),

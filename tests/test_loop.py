@@ -356,6 +356,9 @@ def test_loop_help_lists_the_section_keys(capsys):
                 "reward.source (default 'verifier'"):
         assert key in out, key
     assert "generation.model" not in out and "dpo.output_dir" not in out  # set by the loop
+    # a section's own defaults win over its class's: held-out generation is one greedy answer
+    assert "evaluation.k (default 1)" in out and "evaluation.temperature (default 0.0)" in out
+    assert "generation.k (default 4)" in out and "sft.dataset" in out
 
 
 def test_exec_runs_a_stage_from_its_config_file(small_cfg, tmp_path):
