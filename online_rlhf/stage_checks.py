@@ -57,6 +57,31 @@ def check_sft_keys(cfg: LoopConfig, i: int, d: dict, sft: StageConfig, where: st
     """
     check_axolotl_keys(sft.model_extra or {}, prefix=f"{cfg.sft.get('config', SFT_CONFIG)}: ",
                        also_known=set(type(sft).model_fields))
+    if cfg.sft.get("enabled"):
+        check_sft_data(sft)
+
+
+def check_sft_data(sft: StageConfig) -> None:
+    """With SFT on, every row of ``sft.dataset`` as the stage checks it before Axolotl starts
+    (:func:`online_rlhf.stages.run_sft.validate_sft_dataset`, with the dataset entry's message field).
+
+    Raises:
+        ConfigError: the file does not exist (naming ``sft.dataset``, the path and the fix).
+        DataError: a malformed row or an empty file (naming ``sft.dataset``, the file and the line).
+    """
+    from .jsonl import DataError
+    from .stages.run_sft import dataset_entry, validate_sft_dataset
+
+    path = Path(sft.dataset)
+    if not path.is_file():
+        raise ConfigError(f"sft.dataset={sft.dataset}: no such file (looked at {path.absolute()}); sft.enabled=true "
+                          "trains on it before iteration 1. Fix the path (an absolute one is the surest) to a JSONL "
+                          "file of {\"messages\": [{role, content}, ...]} rows, or set sft.enabled=false.")
+    field = dataset_entry((sft.model_extra or {}).get("datasets"), sft.dataset)["field_messages"]
+    try:
+        validate_sft_dataset(path, field)
+    except DataError as e:
+        raise DataError(f"sft.dataset={sft.dataset}: {e}") from None
 
 
 def check_generation_k(cfg: LoopConfig, i: int, d: dict, g: StageConfig, where: str) -> None:

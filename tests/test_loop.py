@@ -840,3 +840,38 @@ def test_plan_stdout_holds_only_the_shell_assignments_run_loop_evals(small_cfg):
     assert p.returncode == 0, p.stderr[-2000:]
     lines = p.stdout.splitlines()
     assert [ln.split("=", 1)[0] for ln in lines] == ["RUN_DIR", "ITERATIONS", "LAUNCH_PROFILE", "DRY_RUN"], p.stdout
+
+
+def test_every_missing_prompt_file_is_reported_at_once(small_cfg, tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    with pytest.raises(FileNotFoundError, match=rf"2 prompt file\(s\) missing: eval_prompts={b}: no such file .*; "
+                                                rf"train_prompts={a}: no such file .*Fix the paths"):
+        loop.plan(None, _with(small_cfg, f"train_prompts={a}", f"eval_prompts={b}"))
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_missing_or_malformed_sft_dataset_is_refused_by_the_plan(small_cfg, tmp_path):
+    from online_rlhf.jsonl import DataError
+
+    sft = ["sft.enabled=true"]
+    with pytest.raises(ConfigError, match=r"sft\.dataset=/missing_sft\.jsonl: no such file .*sft\.enabled=false"):
+        loop.plan(None, small_cfg + sft + ["sft.dataset=/missing_sft.jsonl"])
+    bad = tmp_path / "bad_sft.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n{not json\n')
+    with pytest.raises(DataError, match=rf"sft\.dataset={bad}: {bad}:2"):
+        loop.plan(None, small_cfg + sft + [f"sft.dataset={bad}"])
+    assert not (tmp_path / "runs").exists()
+    # the same file is not read while SFT is off
+    loop.plan(None, small_cfg + [f"sft.dataset={bad}"], write=False)
+
+
+def test_ifeval_prompts_without_instruction_fields_are_refused_by_the_plan(small_cfg, tmp_path):
+    bare = _prompts(tmp_path / "bare_ifeval.jsonl", 3)  # answer, no instruction_id_list
+    with pytest.raises(ConfigError, match=rf"ifeval\.prompts={bare} .*3 of 3 prompts lack the fields IFEval scores by; "
+                                          r"the first, id 'p0', needs instruction_id_list .*ifeval\.when=never"):
+        loop.plan(None, small_cfg + [f"ifeval.prompts={bare}"])
+    good = tmp_path / "good_ifeval.jsonl"
+    write_jsonl(good, [{"id": "i1", "prompt": "Answer in lowercase.", "instruction_id_list": ["change_case:english_lowercase"],
+                        "kwargs": [{}]}])
+    loop.plan(None, small_cfg + [f"ifeval.prompts={good}"], write=False)
+    loop.plan(None, small_cfg + [f"ifeval.prompts={bare}", "ifeval.when=never"], write=False)

@@ -22,7 +22,8 @@ from ..jsonl import atomic_open, json_text
 from ..stage_configs import LoopConfig, iteration_config
 from ..stage_table import STAGES, Stage, launch_command, prompt_source, stage_machines, starting_policy
 from .provenance import _Layers, _provenance, _stage_header
-from .resolve import (_LIBRARY_CHECKS, _check_ifeval_prompts, _check_verifier_fields, _eval_rows,
+from .resolve import (_LIBRARY_CHECKS, _check_ifeval_fields, _check_ifeval_prompts, _check_prompt_files,
+                      _check_verifier_fields, _eval_rows,
                       _other_algorithm_warnings, _overlap_warnings, _prompt_key, resolve, stage_dict)
 
 
@@ -49,7 +50,9 @@ def plan(config_path: str | None, overrides: list[str], write: bool = True, shel
             has been written then.
     """
     cfg = resolve(config_path, overrides)
+    _check_prompt_files(cfg)  # every missing prompt file at once
     _check_ifeval_prompts(cfg)
+    _check_ifeval_fields(cfg)
     run_dir = Path(cfg.output_root) / cfg.run_name
     run_dir = run_dir.resolve()
     train_sets: dict[str, list[dict]] = {}  # prompt source -> rows (a source may change per iteration)

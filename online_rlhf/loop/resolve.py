@@ -9,6 +9,7 @@ and the warnings it prints.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from ..config import ConfigError, apply_overrides, load_yaml
 from ..loop_keys import check_loop_keys
 from ..paths import PROJECT_ROOT, local_folder_prefix, resolve_model
 from ..stage_configs import DPOStageConfig, GenerateConfig, LoopConfig, iteration_config
-from ..stage_table import STAGES, Stage
+from ..stage_table import STAGES, Stage, prompt_source
 
 
 # Keys of the loop config whose values are fixed per run, not per iteration.
@@ -212,6 +213,63 @@ def _check_ifeval_prompts(cfg: LoopConfig) -> None:
                           "it. Prepare the default with `.venv-train/bin/python scripts/prepare_default.py` (writes "
                           f"{default_data_dir() / 'ifeval.jsonl'}), point ifeval.prompts at a JSONL file of IFEval "
                           "prompts (prompt, instruction_id_list, kwargs), or set ifeval.when=never.")
+
+
+def _check_ifeval_fields(cfg: LoopConfig) -> None:
+    """When the run has IFEval stages, every record of a local ``ifeval.prompts`` file (the first
+    ``ifeval.limit``) must carry the fields ``ifeval_score`` scores by (``instruction_id_list`` +
+    ``kwargs``; :func:`online_rlhf.verifiers.missing_fields` with ``verifier=ifeval``, the check of
+    :func:`_check_verifier_fields`), else every IFEval score of the run would fail after training.
+
+    Raises:
+        ConfigError: naming ``ifeval.prompts``, the file, how many records lack the fields, the first
+            one's id and what it lacks, and the fixes.  DataError: a malformed file (file and line).
+    """
+    if cfg.ifeval.when == "never":
+        return
+    from ..paths import default_data_dir
+    from ..records import load_prompts
+    from ..verifiers import missing_fields
+
+    given = cfg.ifeval.prompts
+    path = default_data_dir() / "ifeval.jsonl" if given == "default" else Path(given)
+    if not path.is_file():  # a Hub id is left to the stage; a missing file is _check_ifeval_prompts'
+        return
+    rows = load_prompts(str(path), prompt_field=None, limit=cfg.ifeval.limit)
+    bad = [(r["id"], m) for r in rows if (m := missing_fields(r, "ifeval"))]
+    if bad:
+        rid, lacks = bad[0]
+        raise ConfigError(f"ifeval.prompts={given} ({path}): {len(bad)} of {len(rows)} prompts lack the fields IFEval "
+                          f"scores by; the first, id {rid!r}, needs {lacks}. ifeval.when={cfg.ifeval.when} would score "
+                          "them after the training. Give a JSONL file of IFEval prompts (prompt, instruction_id_list, "
+                          "kwargs), e.g. the default (ifeval.prompts=default, prepared by "
+                          "`.venv-train/bin/python scripts/prepare_default.py`), or set ifeval.when=never.")
+
+
+def _check_prompt_files(cfg: LoopConfig) -> None:
+    """Every local prompt file of the run (``eval_prompts``, and ``train_prompts`` of each iteration,
+    ``per_iteration`` included) must exist; all the missing ones are reported at once. A Hub dataset
+    id (``owner/name``) is left to the loaders, as :func:`online_rlhf.records.load_prompts` does.
+
+    Raises:
+        FileNotFoundError: naming every missing file with its key (and iteration), and the fix.
+    """
+    from ..records import _hub_like
+
+    wanted = [("eval_prompts", prompt_source(cfg.eval_prompts, "eval"))]
+    for i in range(1, cfg.iterations + 1):
+        key = "train_prompts" if i not in cfg.per_iteration else f"train_prompts (iteration {i})"
+        wanted.append((key, prompt_source(iteration_config(cfg, i).train_prompts, "train")))
+    missing: list[str] = []
+    for key, src in wanted:
+        p = Path(src)
+        local = p.suffix in (".jsonl", ".json", ".parquet", ".csv") or os.sep in src and not _hub_like(src)
+        entry = f"{key}={src}: no such file (looked at {p.absolute()})"
+        if local and not p.exists() and entry not in missing:
+            missing.append(entry)
+    if missing:
+        raise FileNotFoundError(f"{len(missing)} prompt file(s) missing: " + "; ".join(missing) + ". Fix the paths (an "
+                                "absolute one is the surest), or give an HF Hub dataset id (owner/name).")
 
 
 def _eval_rows(cfg: LoopConfig, run_dir: Path) -> tuple[str, list[dict]]:
