@@ -182,7 +182,7 @@ def load_prompt_set(source: str | os.PathLike, split: str = "train", prompt_fiel
             if kind is None:
                 raise DataError(f"{path}: unsupported prompt file type {path.suffix!r}; use .jsonl, .json or .parquet.")
             ds = datasets.load_dataset(kind, data_files=str(path), split="train")
-        elif path.suffix in (".jsonl", ".json", ".parquet", ".csv") or os.sep in source and not _hub_like(source):
+        elif is_local_source(source):
             raise FileNotFoundError(f"{source}: no such prompt file.")
         else:
             ds = _load_hub_prompts(datasets, source, split)
@@ -251,6 +251,13 @@ def _load_hub_prompts(datasets, source: str, split: str):
 
 def _hub_like(s: str) -> bool:
     return s.count("/") == 1 and not s.startswith((".", "/"))
+
+
+def is_local_source(source: str) -> bool:
+    """Whether a prompt ``source`` that does not exist is meant as a local file (a missing file, not
+    an HF Hub dataset id): it has a data file's suffix, or a path separator without the shape of
+    ``owner/name``. The rule :func:`load_prompts` applies."""
+    return Path(source).suffix in (".jsonl", ".json", ".parquet", ".csv") or os.sep in source and not _hub_like(source)
 
 
 def validate_generated(rec: dict, where: str) -> None:

@@ -9,7 +9,6 @@ and the warnings it prints.
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 from pathlib import Path
@@ -192,6 +191,14 @@ def _check_dpo_config(d: dict, i: int, prov: list[tuple[str, Any, str]]) -> None
 _LIBRARY_CHECKS = {"trl.DPOConfig": _check_dpo_config}
 
 
+def _ifeval_prompts_path(cfg: LoopConfig) -> tuple[str, Path]:
+    """``(ifeval.prompts as given, the file it names)``: ``default`` is the prepared ``ifeval.jsonl``."""
+    from ..paths import default_data_dir
+
+    given = cfg.ifeval.prompts
+    return given, default_data_dir() / "ifeval.jsonl" if given == "default" else Path(given)
+
+
 def _check_ifeval_prompts(cfg: LoopConfig) -> None:
     """When the run has IFEval stages (``ifeval.when`` other than ``never``), their prompt file must
     exist before the first stage (else ``ifeval_generate`` fails after the training of the run).
@@ -204,8 +211,7 @@ def _check_ifeval_prompts(cfg: LoopConfig) -> None:
         return
     from ..paths import default_data_dir
 
-    given = cfg.ifeval.prompts
-    path = default_data_dir() / "ifeval.jsonl" if given == "default" else Path(given)
+    given, path = _ifeval_prompts_path(cfg)
     local = (given == "default" or path.suffix in (".jsonl", ".json", ".parquet", ".csv") or path.is_absolute()
              or given.startswith(".") or given.count("/") != 1)
     if local and not path.exists():
@@ -227,12 +233,10 @@ def _check_ifeval_fields(cfg: LoopConfig) -> None:
     """
     if cfg.ifeval.when == "never":
         return
-    from ..paths import default_data_dir
     from ..records import load_prompts
     from ..verifiers import missing_fields
 
-    given = cfg.ifeval.prompts
-    path = default_data_dir() / "ifeval.jsonl" if given == "default" else Path(given)
+    given, path = _ifeval_prompts_path(cfg)
     if not path.is_file():  # a Hub id is left to the stage; a missing file is _check_ifeval_prompts'
         return
     rows = load_prompts(str(path), prompt_field=None, limit=cfg.ifeval.limit)
@@ -254,7 +258,7 @@ def _check_prompt_files(cfg: LoopConfig) -> None:
     Raises:
         FileNotFoundError: naming every missing file with its key (and iteration), and the fix.
     """
-    from ..records import _hub_like
+    from ..records import is_local_source
 
     wanted = [("eval_prompts", prompt_source(cfg.eval_prompts, "eval"))]
     for i in range(1, cfg.iterations + 1):
@@ -263,9 +267,8 @@ def _check_prompt_files(cfg: LoopConfig) -> None:
     missing: list[str] = []
     for key, src in wanted:
         p = Path(src)
-        local = p.suffix in (".jsonl", ".json", ".parquet", ".csv") or os.sep in src and not _hub_like(src)
         entry = f"{key}={src}: no such file (looked at {p.absolute()})"
-        if local and not p.exists() and entry not in missing:
+        if is_local_source(src) and not p.exists() and entry not in missing:
             missing.append(entry)
     if missing:
         raise FileNotFoundError(f"{len(missing)} prompt file(s) missing: " + "; ".join(missing) + ". Fix the paths (an "
