@@ -9,7 +9,9 @@ it) and one of its stats class (``online_rlhf.stats``: key, type)::
     <!-- keys:dpo end -->
 
 The classes are the one source of these facts; a page's prose around the tables is written by hand.
-:data:`PAGES` says which page documents which rows of the stage table and which tables it holds.
+:data:`PAGES` says which page documents which rows of the stage table and which tables it holds: a
+stage's page (its row's ``page``, by default ``docs/<name>.md``) gets a key table of its config class
+and a stats table of its stats class without a line here.
 
     python -m online_rlhf.doc_tables --write    # rewrite every table in place
     python -m online_rlhf.doc_tables --check    # exit 1, naming each table that disagrees with its class
@@ -33,11 +35,10 @@ from pydantic import BaseModel
 
 from .config import StageConfig
 from .paths import PROJECT_ROOT
-from .stage_configs import (LOOP_OWNED, DPOStageConfig, GenerateConfig, GRPOStageConfig, IFEvalScoreConfig,
-                            IFEvalSection, KLConfig, LoopConfig, PairsConfig, RewardConfig, SFTDataConfig,
-                            SFTStageConfig)
-from .stats import (DPOStats, GenerateShardStats, GenerateStats, GRPOStats, IFEvalStats, KLStats, PairsStats,
-                    RewardStats, SFTDataStats, SFTStats)
+from .loop_config import LOOP_OWNED, LoopConfig
+from .stage_configs import IFEvalSection, SFTDataConfig
+from .stage_table import STAGES
+from .stats import GenerateShardStats, SFTDataStats
 
 
 @dataclass(frozen=True)
@@ -71,39 +72,50 @@ class Page:
     tables: tuple[Table, ...]
 
 
-PAGES: tuple[Page, ...] = (
-    Page("docs/generation.md", ("generate", "eval_generate", "kl_generate", "ifeval_generate"), (
-        Table("generation", "keys", GenerateConfig, ("generation", "evaluation")),
-        Table("generation", "stats", GenerateStats),
-        Table("generation_shard", "stats", GenerateShardStats))),
-    Page("docs/rewards.md", ("rewards", "eval_rewards"), (
-        Table("rewards", "keys", RewardConfig, ("reward",)),
-        Table("rewards", "stats", RewardStats))),
-    Page("docs/pairs.md", ("pairs",), (
-        Table("pairs", "keys", PairsConfig, ("pairs",)),
-        Table("pairs", "stats", PairsStats))),
-    Page("docs/dpo.md", ("dpo",), (
-        Table("dpo", "keys", DPOStageConfig, ("dpo",)),
-        Table("dpo", "stats", DPOStats))),
-    Page("docs/grpo.md", ("grpo",), (
-        Table("grpo", "keys", GRPOStageConfig, ("grpo",)),
-        Table("grpo", "stats", GRPOStats))),
-    Page("docs/sft.md", ("sft",), (
-        Table("sft", "keys", SFTStageConfig, ("sft",)),
-        Table("sft", "stats", SFTStats),
-        Table("sft_data", "keys", SFTDataConfig),
-        Table("sft_data", "stats", SFTDataStats))),
-    Page("docs/kl.md", ("kl",), (
-        Table("kl", "keys", KLConfig, stage="kl"),
-        Table("kl", "stats", KLStats))),
-    Page("docs/ifeval-score.md", ("ifeval_score",), (
-        Table("ifeval_score", "keys", IFEvalScoreConfig, stage="ifeval_score"),
-        Table("ifeval_score", "stats", IFEvalStats))),
-    Page("docs/custom.md", (), (
-        Table("loop", "keys", LoopConfig),)),
-    Page("docs/evaluation.md", (), (
-        Table("ifeval_section", "keys", IFEvalSection, ("ifeval",)),)),
+def _dict_section(name: str) -> bool:
+    """Whether the loop section ``name`` is a plain mapping (``sft``: Axolotl's keys), not a typed section."""
+    return typing.get_origin(LoopConfig.model_fields[name].annotation) is dict
+
+
+def stage_page(path: str, extra: tuple[Table, ...] = ()) -> Page:
+    """The page ``path`` of the stage table's rows whose :attr:`Stage.docs_page` it is: a key table
+    of each of their config classes (named after the page: ``docs/ifeval-score.md`` ->
+    ``ifeval_score``), "in the loop" by the rows' own typed or mapping sections (else by the first
+    row's ``build``), and a stats table of each of their stats classes; then ``extra``.
+
+    Raises:
+        ValueError: no row of the stage table has that page.
+    """
+    rows = [s for s in STAGES.values() if s.docs_page == path]
+    if not rows:
+        raise ValueError(f"{path}: no stage of the stage table has this page")
+    stem = Path(path).stem.replace("-", "_")
+    tables: list[Table] = []
+    for kind, classes in (("keys", [s.config for s in rows]), ("stats", [s.stats for s in rows])):
+        for n, cls in enumerate(dict.fromkeys(classes)):
+            mine = [s for s in rows if (s.config if kind == "keys" else s.stats) is cls]
+            name = stem if n == 0 else f"{stem}_{mine[0].name}"
+            if kind == "stats":
+                tables.append(Table(name, "stats", cls))
+                continue
+            sections = tuple(dict.fromkeys(s.section for s in mine if s.section and (
+                s.section in LOOP_OWNED or _dict_section(s.section))))
+            tables.append(Table(name, "keys", cls, sections, None if sections else mine[0].name))
+    return Page(path, tuple(s.name for s in rows), (*tables, *extra))
+
+
+# Tables of a stage page beyond its rows' classes, and the pages that are not a stage's.
+_EXTRA_TABLES: dict[str, tuple[Table, ...]] = {
+    "docs/generation.md": (Table("generation_shard", "stats", GenerateShardStats),),
+    "docs/sft.md": (Table("sft_data", "keys", SFTDataConfig), Table("sft_data", "stats", SFTDataStats)),
+}
+_OTHER_PAGES: tuple[Page, ...] = (
+    Page("docs/custom.md", (), (Table("loop", "keys", LoopConfig),)),
+    Page("docs/evaluation.md", (), (Table("ifeval_section", "keys", IFEvalSection, ("ifeval",)),)),
 )
+# Every page with generated tables: one per stage page of the stage table (in its order), then the others.
+PAGES: tuple[Page, ...] = (*(stage_page(path, _EXTRA_TABLES.get(path, ()))
+                             for path in dict.fromkeys(s.docs_page for s in STAGES.values())), *_OTHER_PAGES)
 
 # Keys of the loop's `sft` section that the loop sets itself (online_rlhf.loop_keys refuses them
 # there); the section has no class of its own, so LOOP_OWNED has no entry for it.
@@ -200,7 +212,7 @@ def render(table: Table) -> str:
     """The Markdown of ``table``: the text between its two markers, newline-terminated."""
     cls = table.cls
     doc = summary(cls)
-    where = "online_rlhf/stage_configs.py" if table.kind == "keys" else "online_rlhf/stats.py"
+    where = cls.__module__.replace(".", "/") + ".py"
     lines = [f"<!-- generated by `python -m online_rlhf.doc_tables --write` from {cls.__name__}; edit the class, "
              "not this table -->"]
     if table.kind == "stats":

@@ -23,16 +23,19 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
 
 from .config import ConfigError, deep_merge, load_yaml
 from .paths import PROJECT_ROOT, default_data_dir, default_model_dir
 from .jsonl import read_json
 from .stage_checks import DPO_CHECKS, GENERATE_CHECKS, GRPO_CHECKS, SFT_CHECKS, SFT_CONFIG, PlanChecks
-from .stage_configs import (DPOStageConfig, GenerateConfig, GRPOStageConfig, IFEvalScoreConfig, KLConfig, LoopConfig,
-                            PairsConfig, RewardConfig, SFTStageConfig, StageConfig)
+from .stage_configs import (DPOStageConfig, GenerateConfig, GRPOStageConfig, IFEvalScoreConfig, KLConfig, PairsConfig,
+                            RewardConfig, SFTStageConfig, StageConfig)
 from .stats import (DPOStats, GenerateStats, GRPOStats, IFEvalStats, KLStats, PairsStats, RewardStats, SFTStats,
                     StageStats, stats_path)
+
+if TYPE_CHECKING:  # online_rlhf.loop_config builds the loop config's sections from this table
+    from .loop_config import LoopConfig
 
 
 def check_process_count(planned: Optional[int], where: str) -> None:
@@ -285,7 +288,8 @@ class Stage:
     Attributes:
         name: the stage's name in ``run_loop.sh``, ``iter_<i>/configs/<name>.yaml`` and ``<name>.done``.
         env: ``infer`` (.venv-infer, vLLM) or ``train`` (.venv-train).
-        entry: the entry script, relative to the project root.
+        entry: the entry script, relative to the project root, or the stage module itself
+            (``online_rlhf.stages.NAME``, run with ``python -m``: :func:`is_module_entry`).
         launcher: ``python`` (one process; the stage may start its own shards) or ``accelerate``
             (``accelerate launch`` with the config's ``num_processes`` / ``launch_profile``; a single
             CPU process without a DeepSpeed profile runs as plain python).
@@ -322,6 +326,13 @@ class Stage:
         derived_from: ``{key: top-level loop key}`` the stage's value of ``key`` comes from, where it
             differs from the plan's usual rule (eval_generate's ``prompts``: ``eval_prompts``).
         seed_offset: how ``build`` offsets the loop's ``seed`` per iteration (for the provenance comments).
+        section_inputs: inputs a user names in the stage's loop section (rewards: ``reward_model``); the
+            plan sets every other input (``online_rlhf.loop_config.owned_keys``).
+        loop_owned: keys the plan sets (so the section refuses them) beyond the row's files, the
+            launch keys (``online_rlhf.loop_config.LAUNCH_KEYS``) and ``set_by_plan``: values taken
+            from top-level loop keys (generation's ``prompt_field``, ``limit``).
+        page: the stage's docs page, from the project root (None: ``docs/<name>.md``); it holds the
+            key and stats tables ``online_rlhf.doc_tables`` generates from the two classes.
     """
 
     name: str
@@ -347,12 +358,20 @@ class Stage:
     set_by_plan: dict[str, str] = field(default_factory=dict, hash=False)
     derived_from: dict[str, str] = field(default_factory=dict, hash=False)
     seed_offset: Optional[str] = None
+    section_inputs: tuple[str, ...] = ()
+    loop_owned: tuple[str, ...] = ()
+    page: Optional[str] = None
 
     @property
     def section(self) -> Optional[str]:
         """The loop section the stage's own keys live in (``generation`` for generate, ``reward`` for
         rewards, ...): the first of :attr:`sections`; None for a stage without one (kl, ifeval_score)."""
         return self.sections[0] if self.sections else None
+
+    @property
+    def docs_page(self) -> str:
+        """The stage's docs page from the project root: :attr:`page`, else ``docs/<name>.md``."""
+        return self.page or f"docs/{self.name}.md"
 
     def runs_in(self, cfg: LoopConfig, i: int) -> bool:
         """Whether this stage is part of iteration ``i`` of the loop ``cfg``."""
@@ -376,6 +395,9 @@ def _reward_model_scores(d: dict) -> bool:
     return d.get("source", "verifier") == "reward_model"
 
 
+# Generation keys the loop sets from its top-level prompt keys (prompt_field, train_limit / eval_limit).
+_TOP_LEVEL_PROMPTS = ("prompt_field", "limit")
+
 # In the order of one iteration.
 STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("sft", "train", "sft/run_sft.py", "python", SFTStageConfig, ("base_model", "dataset"), ("output_dir",),
@@ -384,10 +406,10 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           set_by_plan={"base_model": "loop key policy (SFT starts from the policy)"}),
     Stage("generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"), ("output",),
           GenerateStats, "train", _generate, ("generation",), every_machine=_always, checks=GENERATE_CHECKS,
-          seed_offset="+ 1000 x iteration", dry_run_iteration=1),
+          seed_offset="+ 1000 x iteration", dry_run_iteration=1, loop_owned=_TOP_LEVEL_PROMPTS, page="docs/generation.md"),
     Stage("rewards", "train", "annotate_data/get_rewards.py", "accelerate", RewardConfig, ("input", "reward_model"),
           ("output",), RewardStats, "train", _rewards, ("reward",), every_machine=_reward_model_scores,
-          dry_run_iteration=1),
+          dry_run_iteration=1, section_inputs=("reward_model",), page="docs/rewards.md"),
     Stage("pairs", "train", "annotate_data/make_pairs.py", "python", PairsConfig, ("input",), ("output",),
           PairsStats, "train", _pairs, ("pairs",), enabled=_dpo_run, after=no_pairs_stop, seed_offset="+ iteration"),
     Stage("dpo", "train", "dpo_iteration/run_dpo.py", "accelerate", DPOStageConfig, ("policy", "pairs", "reference"),
@@ -401,10 +423,10 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           dry_run_iteration=1),
     Stage("eval_generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"),
           ("output",), GenerateStats, "every", _eval_generate, ("evaluation", "generation"), cache_iteration_0=True,
-          every_machine=_always, derived_from={"prompts": "eval_prompts"}),
+          every_machine=_always, derived_from={"prompts": "eval_prompts"}, loop_owned=_TOP_LEVEL_PROMPTS, page="docs/generation.md"),
     Stage("eval_rewards", "train", "annotate_data/get_rewards.py", "accelerate", RewardConfig,
           ("input", "reward_model"), ("output",), RewardStats, "every", _eval_rewards, ("reward",),
-          every_machine=_reward_model_scores),
+          every_machine=_reward_model_scores, section_inputs=("reward_model",), page="docs/rewards.md"),
     # Evaluation beyond the held-out reward: the KL of the iteration's policy from the starting
     # policy (iterations >= 1; 0 at iteration 0) and IFEval (iteration 0 and the last by default).
     Stage("kl_generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"),
@@ -414,16 +436,16 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
                        "prompts": "loop key eval_prompts (the held-out prompts)",
                        "temperature": "the KL estimate samples from the policy itself (temperature 1)",
                        "top_p": "the KL estimate samples from the policy itself (top_p 1)",
-                       "seed": "loop key seed + 1000 x iteration + 500"}),
+                       "seed": "loop key seed + 1000 x iteration + 500"}, loop_owned=_TOP_LEVEL_PROMPTS, page="docs/generation.md"),
     Stage("kl", "train", "annotate_data/kl_estimate.py", "python", KLConfig, ("input", "policy", "reference"),
           ("output",), KLStats, "train", _kl, enabled=lambda c: c.kl_samples > 0,
           set_by_plan={"reference": "the starting policy (KL is measured from where the loop started)"}),
     Stage("ifeval_generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"),
           ("output",), GenerateStats, "every", _ifeval_generate, ("ifeval", "evaluation", "generation"),
           runs=_ifeval_runs, cache_iteration_0=True, every_machine=_always,
-          set_by_plan={"prompts": "loop key ifeval.prompts"}),
+          set_by_plan={"prompts": "loop key ifeval.prompts"}, page="docs/generation.md"),
     Stage("ifeval_score", "train", "annotate_data/ifeval_score.py", "python", IFEvalScoreConfig, ("input",),
-          ("output",), IFEvalStats, "every", _ifeval_score, runs=_ifeval_runs),
+          ("output",), IFEvalStats, "every", _ifeval_score, runs=_ifeval_runs, page="docs/ifeval-score.md"),
 )}
 
 
@@ -497,6 +519,12 @@ def launch_command(stage: Stage, config_path: str, d: dict[str, Any], root: Path
     return argv, env
 
 
+def is_module_entry(entry: str) -> bool:
+    """Whether a row's ``entry`` names a module (``online_rlhf.stages.NAME``, run with ``-m``: the stage
+    module is its own entry point) rather than an entry script (``dpo_iteration/run_dpo.py``)."""
+    return not entry.endswith(".py")
+
+
 def _slurm_word(a: str) -> str:
     """One word of the command run by ``bash -c`` on each node: quoted, except the rank placeholder,
     which that shell expands to the node's ``$SLURM_NODEID``."""
@@ -510,7 +538,8 @@ def _slurm_word(a: str) -> str:
 def _single_machine_command(stage: Stage, config_path: str, d: dict[str, Any], root: Path
                             ) -> tuple[list[str], dict[str, str]]:
     py = str(root / f".venv-{stage.env}" / "bin" / "python")
-    tail = [stage.entry, "--config", config_path]
+    # an entry script (generation/launch.py), or a stage module run as ``-m`` (online_rlhf.stages.NAME)
+    tail = [*(("-m",) if is_module_entry(stage.entry) else ()), stage.entry, "--config", config_path]
     if stage.launcher == "python":
         return [py, *tail], {}
     n = int(d.get("num_processes") or 1)
