@@ -1,15 +1,16 @@
 """Typed configs of every stage, importable without torch/vLLM so that a whole loop config can be
-validated dry (no model loaded). Each stage script builds its config with ``Cls.from_cli()``.
+validated dry (no model loaded). Each stage script builds its config with ``Cls.from_cli()``. The
+loop config, whose sections these classes type, is ``online_rlhf.loop_config``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional
 
-from pydantic import ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
-from .config import StageConfig, deep_merge
+from .config import StageConfig
 from .stats import stats_path
 
 LaunchProfile = Literal["cpu", "zero2", "zero3"]

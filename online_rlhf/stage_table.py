@@ -8,14 +8,14 @@ with :func:`launch_command`; ``run_loop.sh`` and ``scripts/other_machine.sh`` ru
 planned stages in this table's order (``loop stages RUN_DIR I``), and ``loop after`` runs a row's
 ``after`` hook.
 
-Adding a stage: its config class (``online_rlhf.stage_configs``, with the keys the plan sets in
-``LOOP_OWNED`` when it has a loop section), its stats class (``online_rlhf.stats``, with an example
-in ``online_rlhf.testing.example_stats``), its module (``online_rlhf/stages/``, a recipe: ``main``
-calls one function a step, and a stage that loads a model has a ``dry_run(cfg)``) with a thin entry
-script, and one :class:`Stage` row here with the function that wires its config from the loop
-config, ``dry_run_iteration`` when the loop's dry run should measure it and, if the plan checks more
-than the config class does, its :class:`PlanChecks` (``online_rlhf.stage_checks``). The loop has no
-list of stages of its own: ``tests/test_stage_table.py`` walks every row against every consumer.
+Adding a stage (docs/adding-a-stage.md): its config class (``online_rlhf.stage_configs``), its stats
+class (``online_rlhf.stats``), its module (``online_rlhf/stages/``, a recipe: ``main`` calls one
+function a step, and a stage that loads a model has a ``dry_run(cfg)``; the module may be the row's
+entry itself), one :class:`Stage` row here with the function that wires its config from the loop
+config, and its docs page. Its loop section, the keys the loop owns there
+(``online_rlhf.loop_config.owned_keys``), its page's tables (``online_rlhf.doc_tables.PAGES``) and its
+example stats follow from the row. The loop has no list of stages of its own:
+``tests/test_stage_table.py`` walks every row against every consumer.
 """
 
 from __future__ import annotations
