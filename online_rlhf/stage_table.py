@@ -173,7 +173,9 @@ def _ifeval_score(c: LoopConfig, run_dir: Path, i: int) -> dict:
 
 
 def _ifeval_runs(c: LoopConfig, i: int) -> bool:
-    """IFEval runs at iteration 0 and the last (``ends``), at every iteration, or never."""
+    """``ifeval.when``: 0 and N (``ends``), 0..N (``every``) or none (``never``)
+
+    IFEval runs at iteration 0 and the last, at every iteration, or never."""
     return {"ends": i in (0, c.iterations), "every": True, "never": False}[c.ifeval.when]
 
 
@@ -278,7 +280,28 @@ def no_pairs_stop(run_dir: Path, i: int) -> str | None:
 
 
 def _dpo_run(c: LoopConfig) -> bool:
+    """``algorithm: dpo``"""
     return c.algorithm == "dpo"
+
+
+def _grpo_run(c: LoopConfig) -> bool:
+    """``algorithm: grpo``"""
+    return c.algorithm == "grpo"
+
+
+def _sft_enabled(c: LoopConfig) -> bool:
+    """``sft.enabled``"""
+    return bool(c.sft.get("enabled"))
+
+
+def _kl_enabled(c: LoopConfig) -> bool:
+    """``kl_samples > 0``"""
+    return c.kl_samples > 0
+
+
+def _always_enabled(c: LoopConfig) -> bool:
+    """Every row's ``enabled`` unless it names its own."""
+    return True
 
 
 @dataclass(frozen=True)
@@ -303,9 +326,11 @@ class Stage:
         sections: the loop sections the stage's values come from (for the provenance comments), its
             own first (:attr:`section`).
         stage_file_key: the loop key naming the stage's own YAML that the section is layered on.
-        enabled: whether the loop runs the stage at all.
+        enabled: whether the loop runs the stage at all; the first line of its docstring is the
+            condition as the stage list of docs/architecture.md shows it (``algorithm: dpo``).
         runs: ``(loop config, i) -> bool`` when the iterations the stage runs in depend on the config
-            (IFEval: ``ifeval.when``); ``when`` is then not used.
+            (IFEval: ``ifeval.when``); ``when`` is then not used, and the first line of its docstring
+            is the iterations as docs/architecture.md shows them.
         after: ``(run dir, i) -> line or None``, run on machine 0 after the stage (``loop after``): a
             line stops the loop with that reason (pairs: 0 pairs, :func:`no_pairs_stop`).
         cache_iteration_0: its iteration-0 output depends only on the starting policy, the prompts
@@ -347,7 +372,7 @@ class Stage:
     build: Callable[[LoopConfig, Path, int], dict]
     sections: tuple[str, ...] = ()
     stage_file_key: Optional[str] = None
-    enabled: Callable[[LoopConfig], bool] = field(default=lambda c: True)
+    enabled: Callable[[LoopConfig], bool] = _always_enabled
     runs: Optional[Callable[[LoopConfig, int], bool]] = None
     after: Optional[Callable[[Path, int], Optional[str]]] = None
     cache_iteration_0: bool = False
@@ -401,7 +426,7 @@ _TOP_LEVEL_PROMPTS = ("prompt_field", "limit")
 # In the order of one iteration.
 STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("sft", "train", "sft/run_sft.py", "python", SFTStageConfig, ("base_model", "dataset"), ("output_dir",),
-          SFTStats, "start", _sft, ("sft",), "sft.config", enabled=lambda c: bool(c.sft.get("enabled")),
+          SFTStats, "start", _sft, ("sft",), "sft.config", enabled=_sft_enabled,
           checks=SFT_CHECKS, stage_file_default=SFT_CONFIG, dry_run_iteration=0,
           set_by_plan={"base_model": "loop key policy (SFT starts from the policy)"}),
     Stage("generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"), ("output",),
@@ -417,7 +442,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           checks=DPO_CHECKS, dry_run_iteration=1),
     Stage("grpo", "train", "grpo_iteration/run_grpo.py", "accelerate", GRPOStageConfig,
           ("policy", "rewards", "reference"), ("output_dir",), GRPOStats, "train", _grpo, ("grpo",), "grpo_config",
-          enabled=lambda c: c.algorithm == "grpo", every_machine=_always, checks=GRPO_CHECKS,
+          enabled=_grpo_run, every_machine=_always, checks=GRPO_CHECKS,
           set_by_plan={"temperature": "loop key generation.temperature (the rollouts' sampling temperature)",
                        "max_completion_length": "loop key generation.max_tokens (the rollouts' max new tokens)"},
           dry_run_iteration=1),
@@ -431,14 +456,14 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     # policy (iterations >= 1; 0 at iteration 0) and IFEval (iteration 0 and the last by default).
     Stage("kl_generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"),
           ("output",), GenerateStats, "train", _kl_generate, ("evaluation", "generation"),
-          enabled=lambda c: c.kl_samples > 0, every_machine=_always,
+          enabled=_kl_enabled, every_machine=_always,
           set_by_plan={"k": "loop key kl_samples",
                        "prompts": "loop key eval_prompts (the held-out prompts)",
                        "temperature": "the KL estimate samples from the policy itself (temperature 1)",
                        "top_p": "the KL estimate samples from the policy itself (top_p 1)",
                        "seed": "loop key seed + 1000 x iteration + 500"}, loop_owned=_TOP_LEVEL_PROMPTS, page="docs/generation.md"),
     Stage("kl", "train", "annotate_data/kl_estimate.py", "python", KLConfig, ("input", "policy", "reference"),
-          ("output",), KLStats, "train", _kl, enabled=lambda c: c.kl_samples > 0,
+          ("output",), KLStats, "train", _kl, enabled=_kl_enabled,
           set_by_plan={"reference": "the starting policy (KL is measured from where the loop started)"}),
     Stage("ifeval_generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"),
           ("output",), GenerateStats, "every", _ifeval_generate, ("ifeval", "evaluation", "generation"),
