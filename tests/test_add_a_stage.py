@@ -1,9 +1,11 @@
 """Adding a stage takes its config class, its stats class, its module (its own entry point), its row
 of the stage table and its docs page: five files (docs/adding-a-stage.md). This test adds a toy stage
-to a copy of the project, touching only those five files, and runs the loop's real commands on it
-in subprocesses: ``plan`` (its section typed, its loop-owned keys refused, its YAML written),
-``stages``, ``exec`` (the stage reads its YAML, writes its output and stats), ``mark`` and ``check``
-(done and fresh), and ``doc_tables --check`` (its page's tables generated from its classes)."""
+to a copy of the project, touching only those five files, runs ``doc_tables --write`` (which also
+rewrites the generated lists of stages in docs/README.md and docs/architecture.md and the loop-key
+table of docs/custom.md: no hand edit) and then, in subprocesses, ``doc_tables --check`` and the
+docs tests (``tests/test_docs.py`` in the copy) and the loop's real commands on it: ``plan`` (its
+section typed, its loop-owned keys refused, its YAML written), ``stages``, ``exec`` (the stage reads
+its YAML, writes its output and stats), ``mark`` and ``check`` (done and fresh)."""
 
 from __future__ import annotations
 
@@ -85,6 +87,13 @@ TOY_PAGE = '''# The toy stage
 '''
 
 
+# The files `python -m online_rlhf.doc_tables --write` rewrites beyond the stage's own page, in
+# generated sections only, never a hand-written line: the lists of stages of docs/README.md and
+# docs/architecture.md (`<!-- index:... -->`) and the loop-key table of docs/custom.md
+# (`<!-- keys:loop -->`, which gains the stage's loop section).
+GENERATED = {"docs/README.md", "docs/architecture.md", "docs/custom.md"}
+
+
 def _edit(path: Path, old: str, new: str) -> None:
     text = path.read_text(encoding="utf-8")
     assert text.count(old) == 1, (path, old)
@@ -92,9 +101,10 @@ def _edit(path: Path, old: str, new: str) -> None:
 
 
 def _copy_project(dst: Path) -> None:
+    """Every tracked file (the docs tests read the scripts, tests and benches too), and the train env."""
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     for rel in files:
-        if rel.startswith(("online_rlhf/", "configs/", "docs/")) or rel in ("README.md", "pyproject.toml"):
+        if (ROOT / rel).is_file():
             (dst / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / rel, dst / rel)
     for link in (".venv-train", ".cache"):
@@ -129,22 +139,36 @@ def _run(proj: Path, *args: str, check: bool = True) -> subprocess.CompletedProc
     return p
 
 
+def _changed(proj: Path) -> set[str]:
+    """The files of the copy that differ from the project's, or are new (caches and envs aside)."""
+    return {str(p.relative_to(proj)) for p in proj.rglob("*") if p.is_file() and not p.is_symlink()
+            and not {".venv-train", ".cache", "__pycache__", ".pytest_cache"} & set(p.parts)
+            and (not (ROOT / p.relative_to(proj)).is_file()
+                 or (ROOT / p.relative_to(proj)).read_bytes() != p.read_bytes())}
+
+
 def test_a_toy_stage_in_five_files_is_planned_run_and_marked(tmp_path):
     proj = tmp_path / "proj"
     _copy_project(proj)
     touched = _add_toy_stage(proj)
     assert len(touched) == 5
-    changed = {str(p.relative_to(proj)) for p in proj.rglob("*") if p.is_file() and not p.is_symlink()
-               and ".venv" not in p.parts and ".cache" not in p.parts
-               and (not (ROOT / p.relative_to(proj)).is_file()
-                    or (ROOT / p.relative_to(proj)).read_bytes() != p.read_bytes())}
-    assert changed == touched, changed
+    assert _changed(proj) == touched
 
-    # its page's tables are generated from its two classes, and then agree with them
+    # its page's tables and the lists of stages are generated, and then agree with their sources
+    stale = _run(proj, "-m", "online_rlhf.doc_tables", "--check", check=False)
+    assert stale.returncode == 1 and "index:stage_pages" in stale.stderr and "keys:toy" in stale.stderr
     _run(proj, "-m", "online_rlhf.doc_tables", "--write")
+    assert _changed(proj) == touched | GENERATED, _changed(proj)
     _run(proj, "-m", "online_rlhf.doc_tables", "--check")
     page = (proj / "docs" / "toy.md").read_text(encoding="utf-8")
     assert "| `scale` | int | `1` | `toy.scale` |" in page and "| `output` | str | required | the plan |" in page
+    assert "- [toy.md](toy.md): `toy`" in (proj / "docs" / "README.md").read_text(encoding="utf-8")
+    arch = (proj / "docs" / "architecture.md").read_text(encoding="utf-8")
+    assert "| `toy` | train | 1..N | - | [toy.md](toy.md) |" in arch and "| `ToyStats` |" in arch
+
+    # the docs tests pass in the copy as they are (index links, stage list, stats classes, tables)
+    docs = _run(proj, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_docs.py", check=False)
+    assert docs.returncode == 0 and " passed" in docs.stdout, docs.stdout[-4000:]
 
     # its loop section is typed by its config class: a misspelt key and a loop-owned key are refused
     base = ["-m", "online_rlhf.loop", "plan", "configs/loop.yaml", f"output_root={tmp_path / 'runs'}",
