@@ -463,6 +463,36 @@ def main(cfg: GRPOStageConfig) -> GRPOStats:
 
 # ------------------------------------------------------------------------------ the dry run
 
+def dry_run_lengths(cfg: GRPOStageConfig) -> tuple[int, int, int]:
+    """``(L, C, P)`` of the dry run's dummy completions: ``max_length`` tokens in all, ``C`` of them
+    completion (``max_completion_length``, leaving at least one prompt token) and ``P`` prompt.
+
+    Raises:
+        ConfigError: ``max_length`` is null (no largest shape to try).
+    """
+    if cfg.max_length is None:
+        raise ConfigError("dry_run needs max_length (prompt + completion tokens to try); it is null. Set it, e.g. "
+                          "max_length=1024 (in the loop: grpo.max_length).")
+    L = int(cfg.max_length)
+    C = min(int(cfg.max_completion_length), L - 1)  # at least one prompt token
+    return L, C, L - C
+
+
+def dry_run_record(cfg: GRPOStageConfig, L: int, C: int, P: int, world: int, dtype: str) -> tuple[str, dict, dict]:
+    """``(step, shapes, settings)`` of the dry run's :class:`~online_rlhf.stats.DryRunStats`: the step
+    it tried in words, the shapes of its batch and the settings that decide its memory."""
+    B, ga = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
+    settings = {"per_device_train_batch_size": B, "gradient_accumulation_steps": ga, "max_length": L,
+                "gradient_checkpointing": cfg.gradient_checkpointing, "beta": cfg.beta, "torch_dtype": dtype,
+                "launch_profile": cfg.launch_profile, "num_processes": world}
+    step = (f"1 optimizer step: {ga} micro-batch(es) x {B} completions x {L} tokens ({P} prompt + {C} completion) "
+            "per process, forward + backward + AdamW step, old log-probs" + (" and reference log-probs"
+                                                                           if cfg.beta != 0.0 else "") + " first")
+    shapes = {"completions_per_process": B * ga, "micro_batch_completions": B, "sequence_tokens": L,
+              "prompt_tokens": P, "completion_tokens": C}
+    return step, shapes, settings
+
+
 def dry_run(cfg: GRPOStageConfig) -> Optional[DryRunStats]:
     """The GRPO stage's dry run (``dry_run=true``): :func:`construct`, then the stage's own path:
     its model loading (:func:`prepare_models`: dtype, gradient checkpointing, the reference when
@@ -482,12 +512,7 @@ def dry_run(cfg: GRPOStageConfig) -> Optional[DryRunStats]:
     on_gpu = construct(cfg)
     import torch
 
-    if cfg.max_length is None:
-        raise ConfigError("dry_run needs max_length (prompt + completion tokens to try); it is null. Set it, e.g. "
-                          "max_length=1024 (in the loop: grpo.max_length).")
-    L = int(cfg.max_length)
-    C = min(int(cfg.max_completion_length), L - 1)  # at least one prompt token
-    P = L - C
+    L, C, P = dry_run_lengths(cfg)
     B, ga = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
     status, error, step_s, world, dtype = "ok", None, None, _world_size(), cfg.torch_dtype
     with PeakMemory("cuda" if on_gpu else "cpu") as mem:
@@ -512,14 +537,7 @@ def dry_run(cfg: GRPOStageConfig) -> Optional[DryRunStats]:
             step_s = time.perf_counter() - t0
         except out_of_memory_errors() as e:
             status, error = "out_of_memory", str(e)[:1000]
-    settings = {"per_device_train_batch_size": B, "gradient_accumulation_steps": ga, "max_length": L,
-                "gradient_checkpointing": cfg.gradient_checkpointing, "beta": cfg.beta, "torch_dtype": dtype,
-                "launch_profile": cfg.launch_profile, "num_processes": world}
-    step = (f"1 optimizer step: {ga} micro-batch(es) x {B} completions x {L} tokens ({P} prompt + {C} completion) "
-            "per process, forward + backward + AdamW step, old log-probs" + (" and reference log-probs"
-                                                                           if cfg.beta != 0.0 else "") + " first")
-    shapes = {"completions_per_process": B * ga, "micro_batch_completions": B, "sequence_tokens": L,
-              "prompt_tokens": P, "completion_tokens": C}
+    step, shapes, settings = dry_run_record(cfg, L, C, P, world, dtype)
     result = finish("grpo", mem, cfg.output_dir, status=status, error=error, step_s=step_s, step=step, shapes=shapes,
                     settings=settings, t_start=t_start)
     exit_if_out_of_memory("grpo", status, error)
