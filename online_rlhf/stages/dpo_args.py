@@ -18,7 +18,8 @@ from online_rlhf.trl_args import per_device_batch as split_batch
 _HALF = {"float16", "bfloat16"}
 
 
-def _world_size() -> int:
+def launch_world_size() -> int:
+    """The processes ``accelerate launch`` started over all machines (``WORLD_SIZE``; 1 without it)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -74,8 +75,8 @@ def build_dpo_args(cfg: DPOStageConfig, work_dir: Path, on_gpu: bool, overrides:
     """
     from trl import DPOConfig
 
-    world = _world_size() if world_size is None else world_size
-    kw = {**training_defaults(on_gpu, _world_size()), **per_device_batch(cfg, world),
+    world = launch_world_size() if world_size is None else world_size
+    kw = {**training_defaults(on_gpu, launch_world_size()), **per_device_batch(cfg, world),
           **check_dpo_training(cfg.training), **(overrides or {})}
     if not on_gpu and kw.get("bf16"):
         compute_dtype("cpu", "bfloat16")  # warns when the CPU has no native bf16

@@ -73,7 +73,7 @@ def tokenize_pairs(pairs: list[dict], tokenizer) -> tuple[list[dict], dict]:
     template's end-of-turn marker). Only the template's own markers are special ids: a
     ``<|im_end|>`` written inside a response or a prompt is the text's sub-tokens, not an EOS or a
     new turn. (TRL's own tokenization, ``apply_chat_template(tokenize=True)``, parses them as
-    special tokens; the trainer here is given these ids instead, see :func:`_timed_trainer_class`.)
+    special tokens; the trainer here is given these ids instead, see :func:`timed_trainer_class`.)
 
     Returns:
         (pairs with ``prompt_ids``, ``chosen_ids``, ``rejected_ids`` added, info) with info =

@@ -62,7 +62,7 @@ def prepared_forward(accelerator, model):
             del model.forward  # back to the class's method
 
 
-def _timed_trainer_class(layout: str | None = "sequence"):
+def timed_trainer_class(layout: str | None = "sequence"):
     """The stage's ``trl.DPOTrainer`` subclass. ``layout``: how :mod:`online_rlhf.completion_logps`
     runs the rows (``"sequence"``, ``"side"``), or None for TRL's own log-prob computation."""
     from trl import DPOTrainer

@@ -140,7 +140,7 @@ def old_log_probs(model, completions: list[dict], indices: list[int], batch_size
     return out
 
 
-def _all_log_probs(accelerator, model, completions, batch_size, pad_id, temperature) -> list[list[float]]:
+def all_log_probs(accelerator, model, completions, batch_size, pad_id, temperature) -> list[list[float]]:
     """Every completion's log-probs under ``model``: each rank computes its share (i % ranks), then all
     ranks exchange them."""
     from accelerate.utils import gather_object
@@ -155,7 +155,8 @@ def _all_log_probs(accelerator, model, completions, batch_size, pad_id, temperat
     return [merged[i] for i in range(len(completions))]
 
 
-def _pad_rows(rows: list[list[float]], C: int, device):
+def pad_rows(rows: list[list[float]], C: int, device):
+    """Per-token log-prob rows as one ``(len(rows), C)`` tensor on ``device``, right-padded with 0."""
     import torch
 
     return torch.tensor([r + [0.0] * (C - len(r)) for r in rows], device=device)  # (B, C)

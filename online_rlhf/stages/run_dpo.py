@@ -64,11 +64,11 @@ from online_rlhf.paths import resolve_model, setup_cache_env
 from online_rlhf.stage_configs import DPOStageConfig
 from online_rlhf.stage_table import check_process_count
 from online_rlhf.stats import DPOStats, DryRunStats, PairsStats, stats_path
-from online_rlhf.stages.dpo_args import (_world_size, training_defaults, per_device_batch, build_dpo_args,
+from online_rlhf.stages.dpo_args import (launch_world_size, training_defaults, per_device_batch, build_dpo_args,
                                          build_lora_config, stored_dtype,
                                          resolve_load_dtypes)  # noqa: F401 (re-exported)
 from online_rlhf.stages.dpo_data import load_pairs, tokenize_pairs, special_text_counts, check_lengths
-from online_rlhf.stages.dpo_trainer import (log_probs_layout, load_causal_lm, prepared_forward, _timed_trainer_class,
+from online_rlhf.stages.dpo_trainer import (log_probs_layout, load_causal_lm, prepared_forward, timed_trainer_class,
                                             summarize_log_history, save_checkpoint)  # noqa: F401 (re-exported)
 
 
@@ -138,7 +138,7 @@ def construct(cfg: DPOStageConfig, for_dry_run: bool = False) -> DPORun:
     check_process_count(cfg.num_processes, "dpo")
     on_gpu = torch.cuda.is_available()
     if not on_gpu:  # a stage alone on the machine: every usable core, split between the ranks
-        torch.set_num_threads(stage_threads(processes_here(_world_size())))
+        torch.set_num_threads(stage_threads(processes_here(launch_world_size())))
     out_dir = Path(cfg.output_dir).resolve()
     tmp_dir, work_dir = Path(f"{out_dir}.tmp"), Path(f"{out_dir}.work")
     if for_dry_run:  # one optimizer step on dummy pairs in <output_dir>.dry_run.work
@@ -263,10 +263,10 @@ def load_models(run: DPORun):
 
 
 def build_trainer(run: DPORun, policy, ref_model, train_ds, tokenizer):
-    """Step 4's trainer: the stage's ``DPOTrainer`` (:func:`_timed_trainer_class`, in the
+    """Step 4's trainer: the stage's ``DPOTrainer`` (:func:`timed_trainer_class`, in the
     :func:`log_probs_layout` of ``cfg.log_probs``) on ``train_ds``'s token ids. TRL precomputes the
     reference log-probs here when ``training.precompute_ref_log_probs`` is on."""
-    return _timed_trainer_class(log_probs_layout(run.cfg.log_probs, run.on_gpu))(
+    return timed_trainer_class(log_probs_layout(run.cfg.log_probs, run.on_gpu))(
         model=policy, ref_model=ref_model, args=run.args, train_dataset=train_ds, processing_class=tokenizer,
         peft_config=run.lora_config)
 
@@ -294,7 +294,7 @@ def setup(run: DPORun, data: DPOData):
     for col in ("prompt_ids", "chosen_ids", "rejected_ids"):  # TRL trains on the stage's ids, not its own
         if [list(x) for x in trainer.train_dataset[col]] != [p[col] for p in kept]:
             raise RuntimeError(f"the trainer's {col} differ from the stage's tokenization; TRL tokenized the pairs "
-                               "itself (a TRL version change? see _timed_trainer_class).")
+                               "itself (a TRL version change? see timed_trainer_class).")
     if run.args.precompute_ref_log_probs and trainer.ref_model is not None:
         trainer.ref_model = None  # its log-probs are in the dataset now; free the memory
         ref_model = None
@@ -470,7 +470,7 @@ def dry_run(cfg: DPOStageConfig) -> Optional[DryRunStats]:
     if args.max_length is None:
         raise ConfigError("dry_run needs training.max_length (the sequence length to try); it is null.")
     L = int(args.max_length)
-    B, ga, world = int(args.per_device_train_batch_size), int(args.gradient_accumulation_steps), _world_size()
+    B, ga, world = int(args.per_device_train_batch_size), int(args.gradient_accumulation_steps), launch_world_size()
     prompt_len = max(1, L // 2)
     times: list[float] = []
     status, error = "ok", None

@@ -72,17 +72,13 @@ from online_rlhf.memory import PeakMemory
 from online_rlhf.paths import resolve_model, setup_cache_env
 from online_rlhf.stage_configs import GRPOStageConfig
 from online_rlhf.chat_tokens import prompt_response_ids  # noqa: F401 (re-exported: tests tokenize as the stage does)
-from online_rlhf.stages.dpo_args import stored_dtype
+from online_rlhf.stages.dpo_args import launch_world_size, stored_dtype
 from online_rlhf.stages.dpo_trainer import load_causal_lm, prepared_forward
 from online_rlhf.stage_table import check_process_count
 from online_rlhf.stats import DryRunStats, GRPOStats, stats_path
 from online_rlhf.stages.grpo_data import load_groups, group_advantages, build_completions, data_warnings
 from online_rlhf.stages.grpo_objective import (collate, completion_log_probs, grpo_loss, old_log_probs,
-                                               _all_log_probs, _pad_rows)  # noqa: F401 (re-exported)
-
-
-def _world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+                                               all_log_probs, pad_rows)  # noqa: F401 (re-exported)
 
 
 # ------------------------------------------------------------------------------ loss
@@ -125,8 +121,8 @@ def train(cfg: GRPOStageConfig, accelerator, model, optimizer, completions: list
                     batch = collate([completions[i] for i in idx], pad_id, accelerator.device)
                     C = batch["completion_mask"].size(1)
                     logps = completion_log_probs(model, batch, cfg.temperature)  # (b, C)
-                    old_lp = _pad_rows([old[i] for i in idx], C, accelerator.device)  # (b, C)
-                    ref_lp = _pad_rows([ref[i] for i in idx], C, accelerator.device) if ref is not None else None
+                    old_lp = pad_rows([old[i] for i in idx], C, accelerator.device)  # (b, C)
+                    ref_lp = pad_rows([ref[i] for i in idx], C, accelerator.device) if ref is not None else None
                     loss, m = grpo_loss(logps, old_lp.to(logps.dtype), None if ref_lp is None else ref_lp.to(logps.dtype),
                                         batch["advantages"].to(logps.dtype), batch["completion_mask"].to(logps.dtype),
                                         beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=eps_hi,
@@ -201,7 +197,7 @@ def _accelerator(cfg: GRPOStageConfig):
 
         os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(cfg.gradient_accumulation_steps)
         os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(cfg.max_grad_norm)
-        if not torch.cuda.is_available() and _world_size() > 1:
+        if not torch.cuda.is_available() and launch_world_size() > 1:
             PartialState(backend="gloo")  # DeepSpeed on CPU: without it every rank sees a world of 1
     kwargs = {}
     if _cpu_bf16_autocast(cfg):
@@ -263,13 +259,13 @@ def old_and_reference_log_probs(cfg: GRPOStageConfig, accelerator, model, ref_mo
     """Every completion's per-token log-probs under the policy before any update (``old``) and, when
     ``beta != 0``, under the reference (the policy's own when ``ref_model`` is None: the reference is
     the policy); ``ref`` is None at ``beta == 0``."""
-    old = _all_log_probs(accelerator, model, completions, cfg.per_device_train_batch_size, pad_id, cfg.temperature)
+    old = all_log_probs(accelerator, model, completions, cfg.per_device_train_batch_size, pad_id, cfg.temperature)
     if cfg.beta == 0.0:
         return old, None
     if ref_model is None:
         return old, old
     with prepared_forward(accelerator, ref_model):  # the reference as the prepared policy runs: same precision
-        ref = _all_log_probs(accelerator, ref_model, completions, cfg.per_device_train_batch_size, pad_id,
+        ref = all_log_probs(accelerator, ref_model, completions, cfg.per_device_train_batch_size, pad_id,
                              cfg.temperature)
     return old, ref
 
@@ -290,7 +286,7 @@ def construct(cfg: GRPOStageConfig) -> bool:
     check_process_count(cfg.num_processes, "grpo")
     on_gpu = torch.cuda.is_available()
     if not on_gpu:  # a stage alone on the machine: every usable core, split between the ranks
-        torch.set_num_threads(stage_threads(processes_here(_world_size())))
+        torch.set_num_threads(stage_threads(processes_here(launch_world_size())))
     torch.manual_seed(cfg.seed)
     return on_gpu
 
@@ -514,7 +510,7 @@ def dry_run(cfg: GRPOStageConfig) -> Optional[DryRunStats]:
 
     L, C, P = dry_run_lengths(cfg)
     B, ga = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
-    status, error, step_s, world, dtype = "ok", None, None, _world_size(), cfg.torch_dtype
+    status, error, step_s, world, dtype = "ok", None, None, launch_world_size(), cfg.torch_dtype
     with PeakMemory("cuda" if on_gpu else "cpu") as mem:
         try:
             policy_path = resolve_model(cfg.policy)

@@ -71,8 +71,9 @@ from online_rlhf.paths import PROJECT_ROOT, resolve_model, setup_cache_env  # no
 from online_rlhf.records import ROLES, check_messages  # noqa: E402
 from online_rlhf.stage_configs import SFTStageConfig  # noqa: E402
 from online_rlhf.stats import DryRunStats, SFTStats, stats_path  # noqa: E402
-from online_rlhf.stages.sft_axolotl_config import (PLUGIN, AXOLOTL_TRAIN, TRAIN_LOG, _on_gpu, dataset_entry,  # noqa: E402
-                                                    check_axolotl_keys, turn_end_tokens, axolotl_config)  # noqa: F401 (re-exported)
+from online_rlhf.stages.sft_axolotl_config import (PLUGIN, AXOLOTL_TRAIN, TRAIN_LOG, cuda_available,  # noqa: E402
+                                                    dataset_entry, check_axolotl_keys, turn_end_tokens,
+                                                    axolotl_config)  # noqa: F401 (re-exported)
 
 # Files of an HF checkpoint; everything else Axolotl leaves in its output_dir is removed.
 _CHECKPOINT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -396,8 +397,8 @@ def write_stats(run: SFTRun, ax: dict, special: dict, dropped: dict, train_log: 
                      **loss_summary(train_log), wall_seconds=round(time.monotonic() - run.t0, 1),
                      launcher=cfg.launcher, sequence_len=ax.get("sequence_len"), special_token_text=special,
                      eot_tokens=ax.get("eot_tokens"),
-                     hardware=describe("cuda" if _on_gpu() else "cpu", _precision(ax),
-                                       threads=None if _on_gpu() else stage_threads()),
+                     hardware=describe("cuda" if cuda_available() else "cpu", _precision(ax),
+                                       threads=None if cuda_available() else stage_threads()),
                      **summary)
     stats.write(run.stats_file)
     print(f"[sft] saved {run.out}: {stats.steps} steps, loss {stats.train_loss_first} -> {stats.train_loss_last}, "

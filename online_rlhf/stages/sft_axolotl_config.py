@@ -26,7 +26,8 @@ _STAGE_OWNED = {
 }
 
 
-def _on_gpu() -> bool:
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA device (torch is imported only when asked)."""
     import torch
 
     return torch.cuda.is_available()
@@ -146,7 +147,7 @@ def axolotl_config(cfg: SFTStageConfig, base: str, eos: str, tmp: Path, prepared
     special.setdefault("pad_token", special["eos_token"])
     if ax.get("deepspeed"):
         ax["deepspeed"] = _abs_path(ax["deepspeed"])
-    if ax.get("bf16", "auto") == "auto" and not _on_gpu():
+    if ax.get("bf16", "auto") == "auto" and not cuda_available():
         # Axolotl's own "auto" looks at GPUs only; on CPU bf16 autocast pays only with native bf16.
         ax["bf16"] = compute_dtype("cpu") == "bfloat16"
     ax.setdefault("chat_template", "tokenizer_default")
