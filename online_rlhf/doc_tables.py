@@ -9,10 +9,17 @@ it) and one of its stats class (``online_rlhf.stats``: key, type)::
     <!-- keys:dpo end -->
 
 The classes are the one source of these facts; a page's prose around the tables is written by hand.
-:data:`PAGES` says which page documents which rows of the stage table and which tables it holds.
+:data:`PAGES` says which page documents which rows of the stage table and which tables it holds: a
+stage's page (its row's ``page``, by default ``docs/<name>.md``) gets a key table of its config class
+and a stats table of its stats class without a line here.
 
-    python -m online_rlhf.doc_tables --write    # rewrite every table in place
-    python -m online_rlhf.doc_tables --check    # exit 1, naming each table that disagrees with its class
+The lists that name every stage on pages that are not a stage's (:data:`INDEXES`) are generated
+from the stage table too, between ``<!-- index:<name> start -->`` / ``end`` markers: the stage
+pages' links in ``docs/README.md``, the stage list and the list of stats classes in
+``docs/architecture.md``.
+
+    python -m online_rlhf.doc_tables --write    # rewrite every table and list in place
+    python -m online_rlhf.doc_tables --check    # exit 1, naming each one that disagrees with its source
 
 ``tests/test_docs.py`` runs the check and also fails when a stage of
 :data:`online_rlhf.stage_table.STAGES` has no page. Importable without torch or vLLM.
@@ -21,23 +28,24 @@ The classes are the one source of these facts; a page's prose around the tables 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
+import os
 import sys
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 from pydantic import BaseModel
 
 from .config import StageConfig
 from .paths import PROJECT_ROOT
-from .stage_configs import (LOOP_OWNED, DPOStageConfig, GenerateConfig, GRPOStageConfig, IFEvalScoreConfig,
-                            IFEvalSection, KLConfig, LoopConfig, PairsConfig, RewardConfig, SFTDataConfig,
-                            SFTStageConfig)
-from .stats import (DPOStats, GenerateShardStats, GenerateStats, GRPOStats, IFEvalStats, KLStats, PairsStats,
-                    RewardStats, SFTDataStats, SFTStats)
+from .loop_config import LOOP_OWNED, LoopConfig
+from .stage_configs import IFEvalSection, SFTDataConfig
+from .stage_table import STAGES, Stage
+from .stats import GenerateShardStats, SFTDataStats
 
 
 @dataclass(frozen=True)
@@ -71,39 +79,50 @@ class Page:
     tables: tuple[Table, ...]
 
 
-PAGES: tuple[Page, ...] = (
-    Page("docs/generation.md", ("generate", "eval_generate", "kl_generate", "ifeval_generate"), (
-        Table("generation", "keys", GenerateConfig, ("generation", "evaluation")),
-        Table("generation", "stats", GenerateStats),
-        Table("generation_shard", "stats", GenerateShardStats))),
-    Page("docs/rewards.md", ("rewards", "eval_rewards"), (
-        Table("rewards", "keys", RewardConfig, ("reward",)),
-        Table("rewards", "stats", RewardStats))),
-    Page("docs/pairs.md", ("pairs",), (
-        Table("pairs", "keys", PairsConfig, ("pairs",)),
-        Table("pairs", "stats", PairsStats))),
-    Page("docs/dpo.md", ("dpo",), (
-        Table("dpo", "keys", DPOStageConfig, ("dpo",)),
-        Table("dpo", "stats", DPOStats))),
-    Page("docs/grpo.md", ("grpo",), (
-        Table("grpo", "keys", GRPOStageConfig, ("grpo",)),
-        Table("grpo", "stats", GRPOStats))),
-    Page("docs/sft.md", ("sft",), (
-        Table("sft", "keys", SFTStageConfig, ("sft",)),
-        Table("sft", "stats", SFTStats),
-        Table("sft_data", "keys", SFTDataConfig),
-        Table("sft_data", "stats", SFTDataStats))),
-    Page("docs/kl.md", ("kl",), (
-        Table("kl", "keys", KLConfig, stage="kl"),
-        Table("kl", "stats", KLStats))),
-    Page("docs/ifeval-score.md", ("ifeval_score",), (
-        Table("ifeval_score", "keys", IFEvalScoreConfig, stage="ifeval_score"),
-        Table("ifeval_score", "stats", IFEvalStats))),
-    Page("docs/custom.md", (), (
-        Table("loop", "keys", LoopConfig),)),
-    Page("docs/evaluation.md", (), (
-        Table("ifeval_section", "keys", IFEvalSection, ("ifeval",)),)),
+def _dict_section(name: str) -> bool:
+    """Whether the loop section ``name`` is a plain mapping (``sft``: Axolotl's keys), not a typed section."""
+    return typing.get_origin(LoopConfig.model_fields[name].annotation) is dict
+
+
+def stage_page(path: str, extra: tuple[Table, ...] = ()) -> Page:
+    """The page ``path`` of the stage table's rows whose :attr:`Stage.docs_page` it is: a key table
+    of each of their config classes (named after the page: ``docs/ifeval-score.md`` ->
+    ``ifeval_score``), "in the loop" by the rows' own typed or mapping sections (else by the first
+    row's ``build``), and a stats table of each of their stats classes; then ``extra``.
+
+    Raises:
+        ValueError: no row of the stage table has that page.
+    """
+    rows = [s for s in STAGES.values() if s.docs_page == path]
+    if not rows:
+        raise ValueError(f"{path}: no stage of the stage table has this page")
+    stem = Path(path).stem.replace("-", "_")
+    tables: list[Table] = []
+    for kind, classes in (("keys", [s.config for s in rows]), ("stats", [s.stats for s in rows])):
+        for n, cls in enumerate(dict.fromkeys(classes)):
+            mine = [s for s in rows if (s.config if kind == "keys" else s.stats) is cls]
+            name = stem if n == 0 else f"{stem}_{mine[0].name}"
+            if kind == "stats":
+                tables.append(Table(name, "stats", cls))
+                continue
+            sections = tuple(dict.fromkeys(s.section for s in mine if s.section and (
+                s.section in LOOP_OWNED or _dict_section(s.section))))
+            tables.append(Table(name, "keys", cls, sections, None if sections else mine[0].name))
+    return Page(path, tuple(s.name for s in rows), (*tables, *extra))
+
+
+# Tables of a stage page beyond its rows' classes, and the pages that are not a stage's.
+_EXTRA_TABLES: dict[str, tuple[Table, ...]] = {
+    "docs/generation.md": (Table("generation_shard", "stats", GenerateShardStats),),
+    "docs/sft.md": (Table("sft_data", "keys", SFTDataConfig), Table("sft_data", "stats", SFTDataStats)),
+}
+_OTHER_PAGES: tuple[Page, ...] = (
+    Page("docs/custom.md", (), (Table("loop", "keys", LoopConfig),)),
+    Page("docs/evaluation.md", (), (Table("ifeval_section", "keys", IFEvalSection, ("ifeval",)),)),
 )
+# Every page with generated tables: one per stage page of the stage table (in its order), then the others.
+PAGES: tuple[Page, ...] = (*(stage_page(path, _EXTRA_TABLES.get(path, ()))
+                             for path in dict.fromkeys(s.docs_page for s in STAGES.values())), *_OTHER_PAGES)
 
 # Keys of the loop's `sft` section that the loop sets itself (online_rlhf.loop_keys refuses them
 # there); the section has no class of its own, so LOOP_OWNED has no entry for it.
@@ -179,8 +198,6 @@ def _default(field) -> str:
 
 def _planned_keys(stage: str) -> set[str]:
     """The keys the loop's plan writes for ``stage`` (its row's ``build`` on the default loop config)."""
-    from .stage_table import STAGES
-
     return set(STAGES[stage].build(LoopConfig(), Path("/run"), 1))
 
 
@@ -200,7 +217,7 @@ def render(table: Table) -> str:
     """The Markdown of ``table``: the text between its two markers, newline-terminated."""
     cls = table.cls
     doc = summary(cls)
-    where = "online_rlhf/stage_configs.py" if table.kind == "keys" else "online_rlhf/stats.py"
+    where = cls.__module__.replace(".", "/") + ".py"
     lines = [f"<!-- generated by `python -m online_rlhf.doc_tables --write` from {cls.__name__}; edit the class, "
              "not this table -->"]
     if table.kind == "stats":
@@ -232,11 +249,104 @@ def render(table: Table) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _markers(table: Table) -> tuple[str, str]:
+def _link(page: str, target: str) -> str:
+    """A Markdown link from the page ``page`` to the page ``target`` (both from the project root)."""
+    rel = os.path.relpath(target, os.path.dirname(page))
+    return f"[{Path(target).name}]({rel})"
+
+
+def _rows_by_page() -> dict[str, list[Stage]]:
+    """``{page: its rows}`` for every stage page, in the stage table's order."""
+    pages: dict[str, list[Stage]] = {}
+    for s in STAGES.values():
+        pages.setdefault(s.docs_page, []).append(s)
+    return pages
+
+
+def _generated_note(source: str) -> str:
+    return (f"<!-- generated by `python -m online_rlhf.doc_tables --write` from {source}; edit that, "
+            "not these lines -->")
+
+
+def render_stage_links(page: str) -> str:
+    """One bullet per stage page, linked from ``page``, with the stages it documents."""
+    lines = [_generated_note("the stage table (online_rlhf/stage_table.py)")]
+    for path, rows in _rows_by_page().items():
+        lines.append(f"- {_link(page, path)}: " + ", ".join(f"`{s.name}`" for s in rows))
+    return "\n".join(lines) + "\n"
+
+
+_ITERATIONS = {"start": "0 (before iteration 1)", "train": "1..N", "every": "0..N"}
+_DEFAULT_ENABLED = next(f.default for f in dataclasses.fields(Stage) if f.name == "enabled")
+
+
+def iterations(stage: Stage) -> str:
+    """The iterations ``stage`` runs in, in words: from its row's ``when`` (``train``: ``1..N``), or
+    the first line of its ``runs`` function's docstring."""
+    if stage.runs is None:
+        return _ITERATIONS[stage.when]
+    return summary(stage.runs) or "as its row's `runs` says"
+
+
+def condition(stage: Stage) -> str:
+    """The loop keys ``stage`` runs only under: the first line of its ``enabled`` function's
+    docstring (``algorithm: dpo``); ``-`` when the row keeps the default (always)."""
+    if stage.enabled is _DEFAULT_ENABLED:
+        return "-"
+    return summary(stage.enabled) or "as its row's `enabled` says"
+
+
+def render_stage_list(page: str) -> str:
+    """The stage table as a Markdown table: stage, env, iterations, condition and page."""
+    lines = [_generated_note("the stage table (online_rlhf/stage_table.py)"), "",
+             "| stage | env | iterations | only if | page |", "|---|---|---|---|---|"]
+    for s in STAGES.values():
+        lines.append(f"| `{s.name}` | {s.env} | {_cell(iterations(s))} | {_cell(condition(s))} | "
+                     f"{_link(page, s.docs_page)} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_stats_classes(page: str) -> str:
+    """Every stats class the stage pages document (a stage's, or one more of its page's, such as a
+    generation shard's), with its writer, its stages and its page."""
+    lines = [_generated_note("the stage table and the stats classes (online_rlhf/stats.py)"), "",
+             "| stats class | written by | stages | page |", "|---|---|---|---|"]
+    seen: set[type] = set()
+    for p in PAGES:
+        for table in p.tables:
+            if table.kind != "stats" or table.cls in seen:
+                continue
+            seen.add(table.cls)
+            stages = ", ".join(f"`{s.name}`" for s in STAGES.values() if s.stats is table.cls) or "-"
+            lines.append(f"| `{table.cls.__name__}` | {_cell(getattr(table.cls, 'WRITTEN_BY', ''))} | {stages} | "
+                         f"{_link(page, p.path)} |")
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class Index:
+    """A generated list of stages on a page that is not a stage's: ``path`` (from the project root),
+    the marker's ``name`` (``<!-- index:<name> start -->``) and ``render`` (the page's path -> its Markdown)."""
+
+    path: str
+    name: str
+    render: Callable[[str], str]
+    kind: str = "index"
+
+
+# The lists that name every stage outside the stage pages.
+INDEXES: tuple[Index, ...] = (
+    Index("docs/README.md", "stage_pages", render_stage_links),
+    Index("docs/architecture.md", "stages", render_stage_list),
+    Index("docs/architecture.md", "stats_classes", render_stats_classes),
+)
+
+
+def _markers(table: Table | Index) -> tuple[str, str]:
     return f"<!-- {table.kind}:{table.name} start -->\n", f"<!-- {table.kind}:{table.name} end -->"
 
 
-def _span(text: str, table: Table, page: str) -> tuple[int, int]:
+def _span(text: str, table: Table | Index, page: str) -> tuple[int, int]:
     """``(start, end)`` of the text between ``table``'s markers in ``text``.
 
     Raises:
@@ -253,47 +363,61 @@ def _span(text: str, table: Table, page: str) -> tuple[int, int]:
     return a, b
 
 
-def check(root: Path = PROJECT_ROOT) -> list[str]:
-    """Every disagreement between a page's tables and their classes, one line each (empty: none).
-
-    A missing page, a missing or repeated marker, and a table whose text is not what
-    :func:`render` gives all count."""
-    problems = []
+def _generated() -> dict[str, list[tuple[Table | Index, str, str]]]:
+    """``{page: [(table or index, its text, what it is generated from)]}``: every generated section."""
+    out: dict[str, list[tuple[Table | Index, str, str]]] = {}
     for page in PAGES:
-        path = root / page.path
+        for table in page.tables:
+            out.setdefault(page.path, []).append((table, render(table), table.cls.__name__))
+    for index in INDEXES:
+        out.setdefault(index.path, []).append((index, index.render(index.path), "the stage table"))
+    return out
+
+
+def check(root: Path = PROJECT_ROOT) -> list[str]:
+    """Every disagreement between a page's generated sections and their sources, one line each
+    (empty: none): the tables of :data:`PAGES` against their classes, the lists of :data:`INDEXES`
+    against the stage table.
+
+    A missing page, a missing or repeated marker, and a section whose text is not what
+    :func:`render` (or the index's ``render``) gives all count."""
+    problems = []
+    for page, sections in _generated().items():
+        path = root / page
         if not path.is_file():
-            problems.append(f"{page.path}: no such page")
+            problems.append(f"{page}: no such page")
             continue
         text = path.read_text(encoding="utf-8")
-        for table in page.tables:
+        for table, want, source in sections:
             try:
-                a, b = _span(text, table, page.path)
+                a, b = _span(text, table, page)
             except ValueError as e:
                 problems.append(str(e))
                 continue
-            if text[a:b] != render(table):
-                problems.append(f"{page.path}: the {table.kind}:{table.name} table differs from {table.cls.__name__} "
+            if text[a:b] != want:
+                what = "table" if isinstance(table, Table) else "list"
+                problems.append(f"{page}: the {table.kind}:{table.name} {what} differs from {source} "
                                 "(python -m online_rlhf.doc_tables --write rewrites it)")
     return problems
 
 
 def write(root: Path = PROJECT_ROOT) -> list[str]:
-    """Rewrite every table in place; return the pages changed.
+    """Rewrite every generated section in place; return the pages changed.
 
     Raises:
-        ValueError: a page lacks a table's markers (add them where the table belongs).
-        FileNotFoundError: a page of :data:`PAGES` does not exist.
+        ValueError: a page lacks a section's markers (add them where the section belongs).
+        FileNotFoundError: a page of :data:`PAGES` or :data:`INDEXES` does not exist.
     """
     changed = []
-    for page in PAGES:
-        path = root / page.path
+    for page, sections in _generated().items():
+        path = root / page
         text = old = path.read_text(encoding="utf-8")
-        for table in page.tables:
-            a, b = _span(text, table, page.path)
-            text = text[:a] + render(table) + text[b:]
+        for table, want, _ in sections:
+            a, b = _span(text, table, page)
+            text = text[:a] + want + text[b:]
         if text != old:
             path.write_text(text, encoding="utf-8")
-            changed.append(page.path)
+            changed.append(page)
     return changed
 
 
@@ -304,12 +428,13 @@ def stage_pages() -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m online_rlhf.doc_tables --write | --check``; returns the exit code (1: ``--check``
-    found a table that disagrees with its class, each printed to stderr)."""
+    found a table or list that disagrees with its source, each printed to stderr)."""
     ap = argparse.ArgumentParser(prog="python -m online_rlhf.doc_tables",
-                                 description="The docs pages' key and stats tables, from the config and stats classes.")
+                                 description="The docs pages' key and stats tables, from the config and stats "
+                                 "classes, and the lists of stages, from the stage table.")
     mode = ap.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--write", action="store_true", help="rewrite every table in place")
-    mode.add_argument("--check", action="store_true", help="exit 1 when a table disagrees with its class")
+    mode.add_argument("--write", action="store_true", help="rewrite every table and list in place")
+    mode.add_argument("--check", action="store_true", help="exit 1 when one disagrees with its source")
     args = ap.parse_args(argv)
     if args.write:
         for p in write():
@@ -319,7 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     for p in problems:
         print(p, file=sys.stderr)
     if not problems:
-        print(f"{sum(len(p.tables) for p in PAGES)} tables on {len(PAGES)} pages agree with their classes")
+        print(f"{sum(len(p.tables) for p in PAGES)} tables on {len(PAGES)} pages agree with their classes, "
+              f"{len(INDEXES)} lists of stages with the stage table")
     return 1 if problems else 0
 
 

@@ -1,8 +1,9 @@
 """Key checks of the loop config's stage sections, run by the plan before any stage starts.
 
-Every key of ``generation``, ``evaluation``, ``reward``, ``pairs``, ``dpo``, ``grpo`` (with ``dpo.training``
-against ``trl.DPOConfig`` and ``dpo.lora`` against ``peft.LoraConfig``) and ``sft`` (against
-Axolotl's schema), at the top level and in each ``per_iteration.<i>``, is checked here. A problem is
+Every key of each typed stage section (``generation``, ``evaluation``, ``reward``, ``pairs``, ``dpo``,
+``grpo``: those of ``online_rlhf.loop_config.LOOP_OWNED``, with ``dpo.training`` against
+``trl.DPOConfig`` and ``dpo.lora`` against ``peft.LoraConfig``) and ``sft`` (against Axolotl's
+schema), at the top level and in each ``per_iteration.<i>``, is checked here. A problem is
 named by the key path as the user wrote it (``generation.temprature``,
 ``per_iteration.2.generaton``), with the closest known key. Keys the loop sets itself (a stage's
 input and output files, the policy, the shard layout) are refused with what to set instead: the
@@ -16,8 +17,8 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from .config import ConfigError, did_you_mean
-from .stage_configs import (DPOStageConfig, GenerateConfig, GRPOStageConfig, LoopConfig, PairsConfig, RewardConfig,
-                            SFTStageConfig)
+from .loop_config import LOOP_OWNED, SECTION_CLASSES, LoopConfig
+from .stage_configs import SFTStageConfig
 from .trl_args import check_axolotl_keys, check_dpo_training, check_lora
 
 _FILES = "the loop sets each stage's input and output files itself"
@@ -51,17 +52,22 @@ _GRPO_SAMPLED = {
     "max_completion_length": "the loop sets it from generation.max_tokens (the rollouts' max new tokens): "
                              "set generation.max_tokens instead",
 }
-# loop section -> (stage config class it feeds, keys the loop sets itself -> what to set instead);
-# the keys are those of online_rlhf.stage_configs.LOOP_OWNED (checked by tests/test_loop.py)
+# What to set instead of a loop-owned key, by section (a section not named here, and a key not named
+# for its section, gets the key's entry in _WHY, else _FILES: the plan writes the stage's files).
+_WHY_BY_SECTION = {"generation": _GEN_OWNED, "evaluation": _EVAL_OWNED, "dpo": _DPO_OWNED,
+                   "grpo": {**_DPO_OWNED, **_GRPO_SAMPLED}}
+_WHY = {**_LAUNCH, "dry_run": _DRY}
+
+
+def _why(section: str, key: str) -> str:
+    return _WHY_BY_SECTION.get(section, {}).get(key) or _WHY.get(key) or _FILES
+
+
+# loop section -> (stage config class it feeds, keys the loop sets itself -> what to set instead),
+# derived from online_rlhf.loop_config.LOOP_OWNED (which the stage table's rows give)
 SECTIONS: dict[str, tuple[type[BaseModel], dict[str, str]]] = {
-    "generation": (GenerateConfig, _GEN_OWNED),
-    "evaluation": (GenerateConfig, _EVAL_OWNED),
-    "reward": (RewardConfig, {**_IO_OWNED, **_LAUNCH, "dry_run": _DRY}),
-    "pairs": (PairsConfig, _IO_OWNED),
-    "dpo": (DPOStageConfig, _DPO_OWNED),
-    "grpo": (GRPOStageConfig, {**{k: v for k, v in _DPO_OWNED.items() if k != "pairs"}, "rewards": _FILES,
-                               **_GRPO_SAMPLED}),
-}
+    name: (SECTION_CLASSES[name], {k: _why(name, k) for k in owned if k in SECTION_CLASSES[name].model_fields})
+    for name, owned in LOOP_OWNED.items()}
 _SFT_LOOP_KEYS = {"enabled", "config"}
 _SFT_OWNED = {"base_model": "set policy= at the top level", "output_dir": "the loop writes it to <run>/sft/model",
               "dry_run": _DRY}

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from .config import ConfigError, StageConfig
 from .paths import default_model_dir
-from .stage_configs import LoopConfig, iteration_config
 from .trl_args import check_axolotl_keys, check_dpo_training, check_lora, per_device_batch
+
+if TYPE_CHECKING:  # the loop config imports the stage table, which imports this module
+    from .loop_config import LoopConfig
 
 SFT_CONFIG = "configs/sft.yaml"  # the Axolotl stage file of sft.config when the loop config names none
 
@@ -125,6 +127,8 @@ def check_grpo_length(cfg: LoopConfig, i: int, d: dict, grpo: StageConfig, where
     elif "max_length" in cfg.grpo.model_dump(exclude_unset=True):
         origin = "the grpo section"
     else:
+        from .loop_config import iteration_config
+
         origin = f"grpo_config={iteration_config(cfg, i).grpo_config}"
     raise ConfigError(f"{where}: grpo.max_length={L} ({origin}) is not above generation.max_tokens={T}: a completion "
                       "of max_tokens would leave no room for its prompt, so every group is dropped or cut. Set "

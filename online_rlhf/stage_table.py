@@ -8,14 +8,14 @@ with :func:`launch_command`; ``run_loop.sh`` and ``scripts/other_machine.sh`` ru
 planned stages in this table's order (``loop stages RUN_DIR I``), and ``loop after`` runs a row's
 ``after`` hook.
 
-Adding a stage: its config class (``online_rlhf.stage_configs``, with the keys the plan sets in
-``LOOP_OWNED`` when it has a loop section), its stats class (``online_rlhf.stats``, with an example
-in ``online_rlhf.testing.example_stats``), its module (``online_rlhf/stages/``, a recipe: ``main``
-calls one function a step, and a stage that loads a model has a ``dry_run(cfg)``) with a thin entry
-script, and one :class:`Stage` row here with the function that wires its config from the loop
-config, ``dry_run_iteration`` when the loop's dry run should measure it and, if the plan checks more
-than the config class does, its :class:`PlanChecks` (``online_rlhf.stage_checks``). The loop has no
-list of stages of its own: ``tests/test_stage_table.py`` walks every row against every consumer.
+Adding a stage (docs/adding-a-stage.md): its config class (``online_rlhf.stage_configs``), its stats
+class (``online_rlhf.stats``), its module (``online_rlhf/stages/``, a recipe: ``main`` calls one
+function a step, and a stage that loads a model has a ``dry_run(cfg)``; the module may be the row's
+entry itself), one :class:`Stage` row here with the function that wires its config from the loop
+config, and its docs page. Its loop section, the keys the loop owns there
+(``online_rlhf.loop_config.owned_keys``), its page's tables (``online_rlhf.doc_tables.PAGES``) and its
+example stats follow from the row. The loop has no list of stages of its own:
+``tests/test_stage_table.py`` walks every row against every consumer.
 """
 
 from __future__ import annotations
@@ -23,16 +23,19 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
 
 from .config import ConfigError, deep_merge, load_yaml
 from .paths import PROJECT_ROOT, default_data_dir, default_model_dir
 from .jsonl import read_json
 from .stage_checks import DPO_CHECKS, GENERATE_CHECKS, GRPO_CHECKS, SFT_CHECKS, SFT_CONFIG, PlanChecks
-from .stage_configs import (DPOStageConfig, GenerateConfig, GRPOStageConfig, IFEvalScoreConfig, KLConfig, LoopConfig,
-                            PairsConfig, RewardConfig, SFTStageConfig, StageConfig)
+from .stage_configs import (DPOStageConfig, GenerateConfig, GRPOStageConfig, IFEvalScoreConfig, KLConfig, PairsConfig,
+                            RewardConfig, SFTStageConfig, StageConfig)
 from .stats import (DPOStats, GenerateStats, GRPOStats, IFEvalStats, KLStats, PairsStats, RewardStats, SFTStats,
                     StageStats, stats_path)
+
+if TYPE_CHECKING:  # online_rlhf.loop_config builds the loop config's sections from this table
+    from .loop_config import LoopConfig
 
 
 def check_process_count(planned: Optional[int], where: str) -> None:
@@ -170,7 +173,9 @@ def _ifeval_score(c: LoopConfig, run_dir: Path, i: int) -> dict:
 
 
 def _ifeval_runs(c: LoopConfig, i: int) -> bool:
-    """IFEval runs at iteration 0 and the last (``ends``), at every iteration, or never."""
+    """``ifeval.when``: 0 and N (``ends``), 0..N (``every``) or none (``never``)
+
+    IFEval runs at iteration 0 and the last, at every iteration, or never."""
     return {"ends": i in (0, c.iterations), "every": True, "never": False}[c.ifeval.when]
 
 
@@ -275,7 +280,28 @@ def no_pairs_stop(run_dir: Path, i: int) -> str | None:
 
 
 def _dpo_run(c: LoopConfig) -> bool:
+    """``algorithm: dpo``"""
     return c.algorithm == "dpo"
+
+
+def _grpo_run(c: LoopConfig) -> bool:
+    """``algorithm: grpo``"""
+    return c.algorithm == "grpo"
+
+
+def _sft_enabled(c: LoopConfig) -> bool:
+    """``sft.enabled``"""
+    return bool(c.sft.get("enabled"))
+
+
+def _kl_enabled(c: LoopConfig) -> bool:
+    """``kl_samples > 0``"""
+    return c.kl_samples > 0
+
+
+def _always_enabled(c: LoopConfig) -> bool:
+    """Every row's ``enabled`` unless it names its own."""
+    return True
 
 
 @dataclass(frozen=True)
@@ -285,7 +311,8 @@ class Stage:
     Attributes:
         name: the stage's name in ``run_loop.sh``, ``iter_<i>/configs/<name>.yaml`` and ``<name>.done``.
         env: ``infer`` (.venv-infer, vLLM) or ``train`` (.venv-train).
-        entry: the entry script, relative to the project root.
+        entry: the entry script, relative to the project root, or the stage module itself
+            (``online_rlhf.stages.NAME``, run with ``python -m``: :func:`is_module_entry`).
         launcher: ``python`` (one process; the stage may start its own shards) or ``accelerate``
             (``accelerate launch`` with the config's ``num_processes`` / ``launch_profile``; a single
             CPU process without a DeepSpeed profile runs as plain python).
@@ -299,9 +326,11 @@ class Stage:
         sections: the loop sections the stage's values come from (for the provenance comments), its
             own first (:attr:`section`).
         stage_file_key: the loop key naming the stage's own YAML that the section is layered on.
-        enabled: whether the loop runs the stage at all.
+        enabled: whether the loop runs the stage at all; the first line of its docstring is the
+            condition as the stage list of docs/architecture.md shows it (``algorithm: dpo``).
         runs: ``(loop config, i) -> bool`` when the iterations the stage runs in depend on the config
-            (IFEval: ``ifeval.when``); ``when`` is then not used.
+            (IFEval: ``ifeval.when``); ``when`` is then not used, and the first line of its docstring
+            is the iterations as docs/architecture.md shows them.
         after: ``(run dir, i) -> line or None``, run on machine 0 after the stage (``loop after``): a
             line stops the loop with that reason (pairs: 0 pairs, :func:`no_pairs_stop`).
         cache_iteration_0: its iteration-0 output depends only on the starting policy, the prompts
@@ -322,6 +351,13 @@ class Stage:
         derived_from: ``{key: top-level loop key}`` the stage's value of ``key`` comes from, where it
             differs from the plan's usual rule (eval_generate's ``prompts``: ``eval_prompts``).
         seed_offset: how ``build`` offsets the loop's ``seed`` per iteration (for the provenance comments).
+        section_inputs: inputs a user names in the stage's loop section (rewards: ``reward_model``); the
+            plan sets every other input (``online_rlhf.loop_config.owned_keys``).
+        loop_owned: keys the plan sets (so the section refuses them) beyond the row's files, the
+            launch keys (``online_rlhf.loop_config.LAUNCH_KEYS``) and ``set_by_plan``: values taken
+            from top-level loop keys (generation's ``prompt_field``, ``limit``).
+        page: the stage's docs page, from the project root (None: ``docs/<name>.md``); it holds the
+            key and stats tables ``online_rlhf.doc_tables`` generates from the two classes.
     """
 
     name: str
@@ -336,7 +372,7 @@ class Stage:
     build: Callable[[LoopConfig, Path, int], dict]
     sections: tuple[str, ...] = ()
     stage_file_key: Optional[str] = None
-    enabled: Callable[[LoopConfig], bool] = field(default=lambda c: True)
+    enabled: Callable[[LoopConfig], bool] = _always_enabled
     runs: Optional[Callable[[LoopConfig, int], bool]] = None
     after: Optional[Callable[[Path, int], Optional[str]]] = None
     cache_iteration_0: bool = False
@@ -347,12 +383,20 @@ class Stage:
     set_by_plan: dict[str, str] = field(default_factory=dict, hash=False)
     derived_from: dict[str, str] = field(default_factory=dict, hash=False)
     seed_offset: Optional[str] = None
+    section_inputs: tuple[str, ...] = ()
+    loop_owned: tuple[str, ...] = ()
+    page: Optional[str] = None
 
     @property
     def section(self) -> Optional[str]:
         """The loop section the stage's own keys live in (``generation`` for generate, ``reward`` for
         rewards, ...): the first of :attr:`sections`; None for a stage without one (kl, ifeval_score)."""
         return self.sections[0] if self.sections else None
+
+    @property
+    def docs_page(self) -> str:
+        """The stage's docs page from the project root: :attr:`page`, else ``docs/<name>.md``."""
+        return self.page or f"docs/{self.name}.md"
 
     def runs_in(self, cfg: LoopConfig, i: int) -> bool:
         """Whether this stage is part of iteration ``i`` of the loop ``cfg``."""
@@ -376,18 +420,21 @@ def _reward_model_scores(d: dict) -> bool:
     return d.get("source", "verifier") == "reward_model"
 
 
+# Generation keys the loop sets from its top-level prompt keys (prompt_field, train_limit / eval_limit).
+_TOP_LEVEL_PROMPTS = ("prompt_field", "limit")
+
 # In the order of one iteration.
 STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("sft", "train", "sft/run_sft.py", "python", SFTStageConfig, ("base_model", "dataset"), ("output_dir",),
-          SFTStats, "start", _sft, ("sft",), "sft.config", enabled=lambda c: bool(c.sft.get("enabled")),
+          SFTStats, "start", _sft, ("sft",), "sft.config", enabled=_sft_enabled,
           checks=SFT_CHECKS, stage_file_default=SFT_CONFIG, dry_run_iteration=0,
           set_by_plan={"base_model": "loop key policy (SFT starts from the policy)"}),
     Stage("generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"), ("output",),
           GenerateStats, "train", _generate, ("generation",), every_machine=_always, checks=GENERATE_CHECKS,
-          seed_offset="+ 1000 x iteration", dry_run_iteration=1),
+          seed_offset="+ 1000 x iteration", dry_run_iteration=1, loop_owned=_TOP_LEVEL_PROMPTS, page="docs/generation.md"),
     Stage("rewards", "train", "annotate_data/get_rewards.py", "accelerate", RewardConfig, ("input", "reward_model"),
           ("output",), RewardStats, "train", _rewards, ("reward",), every_machine=_reward_model_scores,
-          dry_run_iteration=1),
+          dry_run_iteration=1, section_inputs=("reward_model",), page="docs/rewards.md"),
     Stage("pairs", "train", "annotate_data/make_pairs.py", "python", PairsConfig, ("input",), ("output",),
           PairsStats, "train", _pairs, ("pairs",), enabled=_dpo_run, after=no_pairs_stop, seed_offset="+ iteration"),
     Stage("dpo", "train", "dpo_iteration/run_dpo.py", "accelerate", DPOStageConfig, ("policy", "pairs", "reference"),
@@ -395,35 +442,35 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           checks=DPO_CHECKS, dry_run_iteration=1),
     Stage("grpo", "train", "grpo_iteration/run_grpo.py", "accelerate", GRPOStageConfig,
           ("policy", "rewards", "reference"), ("output_dir",), GRPOStats, "train", _grpo, ("grpo",), "grpo_config",
-          enabled=lambda c: c.algorithm == "grpo", every_machine=_always, checks=GRPO_CHECKS,
+          enabled=_grpo_run, every_machine=_always, checks=GRPO_CHECKS,
           set_by_plan={"temperature": "loop key generation.temperature (the rollouts' sampling temperature)",
                        "max_completion_length": "loop key generation.max_tokens (the rollouts' max new tokens)"},
           dry_run_iteration=1),
     Stage("eval_generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"),
           ("output",), GenerateStats, "every", _eval_generate, ("evaluation", "generation"), cache_iteration_0=True,
-          every_machine=_always, derived_from={"prompts": "eval_prompts"}),
+          every_machine=_always, derived_from={"prompts": "eval_prompts"}, loop_owned=_TOP_LEVEL_PROMPTS, page="docs/generation.md"),
     Stage("eval_rewards", "train", "annotate_data/get_rewards.py", "accelerate", RewardConfig,
           ("input", "reward_model"), ("output",), RewardStats, "every", _eval_rewards, ("reward",),
-          every_machine=_reward_model_scores),
+          every_machine=_reward_model_scores, section_inputs=("reward_model",), page="docs/rewards.md"),
     # Evaluation beyond the held-out reward: the KL of the iteration's policy from the starting
     # policy (iterations >= 1; 0 at iteration 0) and IFEval (iteration 0 and the last by default).
     Stage("kl_generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"),
           ("output",), GenerateStats, "train", _kl_generate, ("evaluation", "generation"),
-          enabled=lambda c: c.kl_samples > 0, every_machine=_always,
+          enabled=_kl_enabled, every_machine=_always,
           set_by_plan={"k": "loop key kl_samples",
                        "prompts": "loop key eval_prompts (the held-out prompts)",
                        "temperature": "the KL estimate samples from the policy itself (temperature 1)",
                        "top_p": "the KL estimate samples from the policy itself (top_p 1)",
-                       "seed": "loop key seed + 1000 x iteration + 500"}),
+                       "seed": "loop key seed + 1000 x iteration + 500"}, loop_owned=_TOP_LEVEL_PROMPTS, page="docs/generation.md"),
     Stage("kl", "train", "annotate_data/kl_estimate.py", "python", KLConfig, ("input", "policy", "reference"),
-          ("output",), KLStats, "train", _kl, enabled=lambda c: c.kl_samples > 0,
+          ("output",), KLStats, "train", _kl, enabled=_kl_enabled,
           set_by_plan={"reference": "the starting policy (KL is measured from where the loop started)"}),
     Stage("ifeval_generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"),
           ("output",), GenerateStats, "every", _ifeval_generate, ("ifeval", "evaluation", "generation"),
           runs=_ifeval_runs, cache_iteration_0=True, every_machine=_always,
-          set_by_plan={"prompts": "loop key ifeval.prompts"}),
+          set_by_plan={"prompts": "loop key ifeval.prompts"}, page="docs/generation.md"),
     Stage("ifeval_score", "train", "annotate_data/ifeval_score.py", "python", IFEvalScoreConfig, ("input",),
-          ("output",), IFEvalStats, "every", _ifeval_score, runs=_ifeval_runs),
+          ("output",), IFEvalStats, "every", _ifeval_score, runs=_ifeval_runs, page="docs/ifeval-score.md"),
 )}
 
 
@@ -497,6 +544,12 @@ def launch_command(stage: Stage, config_path: str, d: dict[str, Any], root: Path
     return argv, env
 
 
+def is_module_entry(entry: str) -> bool:
+    """Whether a row's ``entry`` names a module (``online_rlhf.stages.NAME``, run with ``-m``: the stage
+    module is its own entry point) rather than an entry script (``dpo_iteration/run_dpo.py``)."""
+    return not entry.endswith(".py")
+
+
 def _slurm_word(a: str) -> str:
     """One word of the command run by ``bash -c`` on each node: quoted, except the rank placeholder,
     which that shell expands to the node's ``$SLURM_NODEID``."""
@@ -510,7 +563,8 @@ def _slurm_word(a: str) -> str:
 def _single_machine_command(stage: Stage, config_path: str, d: dict[str, Any], root: Path
                             ) -> tuple[list[str], dict[str, str]]:
     py = str(root / f".venv-{stage.env}" / "bin" / "python")
-    tail = [stage.entry, "--config", config_path]
+    # an entry script (generation/launch.py), or a stage module run as ``-m`` (online_rlhf.stages.NAME)
+    tail = [*(("-m",) if is_module_entry(stage.entry) else ()), stage.entry, "--config", config_path]
     if stage.launcher == "python":
         return [py, *tail], {}
     n = int(d.get("num_processes") or 1)

@@ -10,17 +10,10 @@ field, required unless said otherwise, so a missing, renamed or unknown key is a
 file, the key and the stage that writes that file, never a silent ``None``. Nested free-form parts
 (hardware, counts by reason, example ids, source-specific details) stay dicts.
 
-- :class:`GenerateShardStats`: generation/generate.py, one shard (``shard_XX.jsonl.stats.json``);
-- :class:`GenerateStats`: generation/launch.py and merge_data.py, the merged shards (``generated.jsonl.stats.json``);
-- :class:`RewardStats`: annotate_data/get_rewards.py (``rewards.jsonl.stats.json``, ``eval.jsonl.stats.json``);
-- :class:`PairsStats`: annotate_data/make_pairs.py (``pairs.jsonl.stats.json``);
-- :class:`DPOStats`: dpo_iteration/run_dpo.py (``model.stats.json``);
-- :class:`GRPOStats`: grpo_iteration/run_grpo.py (``model.stats.json``);
-- :class:`SFTStats`: sft/run_sft.py (``<output_dir>.stats.json``);
-- :class:`SFTDataStats`: sft/build_sft_data.py (``<output>.stats.json``);
-- :class:`IFEvalStats`: annotate_data/ifeval_score.py (``ifeval.jsonl.stats.json``);
-- :class:`KLStats`: annotate_data/kl_estimate.py (``kl.jsonl.stats.json``);
-- :class:`DryRunStats`: any stage run with ``dry_run=true`` (``<output>.dry_run.json``; no stats, no output).
+Each stage's stats class, who writes it and the stages whose stats it is are listed in
+docs/architecture.md ("The stats classes", generated from the stage table by ``python -m
+online_rlhf.doc_tables --write``); :class:`DryRunStats` is what any stage run with ``dry_run=true``
+writes instead (``<output>.dry_run.json``; no stats, no output).
 
 :class:`ScoreResult` is what every reward source (``verifiers``, ``reward_model``, ``remote``,
 ``judge``) returns to the rewards stage. Importable without torch or vLLM.

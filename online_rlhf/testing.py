@@ -234,10 +234,11 @@ class serve_in_thread:
 def example_stats(cls, **overrides):
     """A valid instance of a stage stats class of ``online_rlhf.stats`` with small made-up values
     (every required key set), ``overrides`` replacing top-level keys: for tests that need a run
-    directory's stats files without running the stages.
+    directory's stats files without running the stages. A class without a hand-written example here
+    (a new stage's) gets its defaults and a made-up value of each required field's type.
 
     Raises:
-        KeyError: ``cls`` is not a stage stats class of ``online_rlhf.stats``.
+        KeyError: ``cls`` is not a stage stats class (``online_rlhf.stats.StageStats``).
         pydantic.ValidationError: an override of the wrong type or an unknown key.
     """
     from . import stats as S
@@ -308,7 +309,36 @@ def example_stats(cls, **overrides):
                     "reference": "start", "records_in": 2, "samples": 2, "skipped": {}, "kl_mean": 0.5, "kl_se": 0.1, "retokenized_length_differs": 0,
                     "mean_response_tokens": 10.0, "dtype": "float32", "hardware": hw, "seconds": 1.0},
     }
-    return cls.model_validate({**examples[cls], **overrides})
+    if cls in examples:
+        return cls.model_validate({**examples[cls], **overrides})
+    if not (isinstance(cls, type) and issubclass(cls, S.StageStats)):
+        raise KeyError(f"{cls!r} is not a stage stats class of online_rlhf.stats")
+    # any other stats class (a new stage's): its defaults, a made-up value of each required field's type
+    made_up = {name: _made_up(f.annotation) for name, f in cls.model_fields.items() if f.is_required()}
+    return cls.model_validate({**made_up, **overrides})
+
+
+def _made_up(annotation):
+    """A small valid value of a stats field's type: a Literal's first value, 1 / 1.0 / "x" / False, an
+    empty mapping or list, None for an optional field, a nested model's own made-up values."""
+    import typing
+
+    from pydantic import BaseModel
+
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return args[0]
+    if args and type(None) in args:
+        return None
+    if args and (origin is typing.Union or getattr(origin, "__name__", "") == "UnionType"):
+        return _made_up(args[0])
+    if origin is dict or annotation is dict:
+        return {}
+    if origin in (list, tuple) or annotation in (list, tuple):
+        return []
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return {n: _made_up(f.annotation) for n, f in annotation.model_fields.items() if f.is_required()}
+    return {bool: False, int: 1, float: 1.0, str: "x"}.get(annotation)
 
 
 def constraint_prompts(path: Path, n: int, prefix: str) -> Path:

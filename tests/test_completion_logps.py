@@ -56,7 +56,7 @@ def _trainer(tmp_path, models, loss_type, loss_weights=None, precompute=False, l
                      loss_weights=loss_weights, beta=0.5, max_length=max_length, report_to="none", use_cpu=True,
                      precompute_ref_log_probs=precompute, bf16=False, **training)
     ds = datasets.Dataset.from_list(_examples(8))
-    cls = run_dpo._timed_trainer_class(layout)
+    cls = run_dpo.timed_trainer_class(layout)
     return cls(model=policy, ref_model=ref, args=args, train_dataset=ds,
                processing_class=AutoTokenizer.from_pretrained(models["policy"]))
 
@@ -156,7 +156,7 @@ def test_layout_none_is_trls_code_and_bad_layout_is_refused(tmp_path, models):
     trainer = _trainer(tmp_path, models, ["sigmoid"], layout=None)
     assert trainer.completion_layout() is None and trainer.completion_logps_refused == "turned off"
     with pytest.raises(ValueError, match="layout='packed'"):
-        run_dpo._timed_trainer_class("packed")
+        run_dpo.timed_trainer_class("packed")
 
 
 def test_left_padded_rows_are_refused():

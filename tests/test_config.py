@@ -3,7 +3,8 @@
 import pytest
 
 from online_rlhf.config import ConfigError, apply_overrides, parse_override
-from online_rlhf.stage_configs import GenerateConfig, LoopConfig, PairsConfig
+from online_rlhf.loop_config import LoopConfig
+from online_rlhf.stage_configs import GenerateConfig, PairsConfig
 
 
 def test_override_values_are_parsed_as_yaml():

@@ -49,10 +49,10 @@ def test_key_and_stats_tables_agree_with_their_classes():
 
 
 def test_the_check_fails_when_a_table_and_its_class_disagree(tmp_path):
-    for page in doc_tables.PAGES:
-        dst = tmp_path / page.path
+    for path in {*(page.path for page in doc_tables.PAGES), *(index.path for index in doc_tables.INDEXES)}:
+        dst = tmp_path / path
         dst.parent.mkdir(parents=True, exist_ok=True)
-        dst.write_text((ROOT / page.path).read_text(encoding="utf-8"), encoding="utf-8")
+        dst.write_text((ROOT / path).read_text(encoding="utf-8"), encoding="utf-8")
     dpo = tmp_path / "docs" / "dpo.md"
     dpo.write_text(dpo.read_text(encoding="utf-8").replace("| `train_batch_size` |", "| `train_batchsize` |"),
                    encoding="utf-8")
@@ -60,6 +60,28 @@ def test_the_check_fails_when_a_table_and_its_class_disagree(tmp_path):
     assert doc_tables.write(tmp_path) == ["docs/dpo.md"] and doc_tables.check(tmp_path) == []
     dpo.write_text(dpo.read_text(encoding="utf-8").replace("<!-- stats:dpo end -->", ""), encoding="utf-8")
     assert any("stats:dpo end" in p for p in doc_tables.check(tmp_path))
+
+
+def test_the_check_fails_when_a_list_of_stages_and_the_stage_table_disagree(tmp_path):
+    for path in {*(page.path for page in doc_tables.PAGES), *(index.path for index in doc_tables.INDEXES)}:
+        dst = tmp_path / path
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_text((ROOT / path).read_text(encoding="utf-8"), encoding="utf-8")
+    index = tmp_path / "docs" / "README.md"
+    index.write_text(index.read_text(encoding="utf-8").replace("- [kl.md](kl.md): `kl`\n", ""), encoding="utf-8")
+    arch = tmp_path / "docs" / "architecture.md"
+    arch.write_text(arch.read_text(encoding="utf-8").replace("| `KLStats` |", "| `KLStat` |"), encoding="utf-8")
+    problems = doc_tables.check(tmp_path)
+    assert any("index:stage_pages" in p for p in problems) and any("index:stats_classes" in p for p in problems)
+    assert sorted(doc_tables.write(tmp_path)) == ["docs/README.md", "docs/architecture.md"]
+    assert doc_tables.check(tmp_path) == []
+
+
+def test_the_stage_list_says_when_each_stage_runs():
+    text = doc_tables.render_stage_list("docs/architecture.md")
+    assert "| `dpo` | train | 1..N | `algorithm: dpo` | [dpo.md](dpo.md) |" in text
+    assert "| `eval_generate` | infer | 0..N | - | [generation.md](generation.md) |" in text
+    assert "| `ifeval_score` | train | `ifeval.when`: 0 and N (`ends`)" in text
 
 
 def test_a_table_lists_every_field_with_its_default_and_loop_key():
@@ -153,11 +175,13 @@ def test_readme_stage_yaml_header_is_what_the_plan_writes(tmp_path, monkeypatch)
 # ------------------------------------------------------------------------ facts on the pages
 
 def test_architecture_lists_every_stats_class():
-    """Every class of a stage's stats file (not the dry run's record, which is no stats file)."""
+    """Every class of a stage's stats file (not the dry run's record, which is no stats file), in the
+    list doc_tables generates: a stats class that no stage page documents is missing from it."""
     classes = {name for name, c in vars(stats).items() if isinstance(c, type) and issubclass(c, stats.StageStats)
                and c is not stats.StageStats and not name.startswith("_") and c is not stats.DryRunStats}
-    listed = re.search(r"model in `online_rlhf/stats\.py` \(([^)]*)\)", _page("architecture.md")).group(1)
-    assert classes - set(re.findall(r"`(\w+)`", listed)) == set()
+    listed = re.search(r"<!-- index:stats_classes start -->(.*?)<!-- index:stats_classes end -->",
+                       _page("architecture.md"), re.S).group(1)
+    assert classes - set(re.findall(r"^\| `(\w+)` \|", listed, flags=re.M)) == set()
 
 
 def test_architecture_stage_list_is_the_stage_table():

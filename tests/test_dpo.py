@@ -265,7 +265,7 @@ EARLY_END = "Sure.<|im_end|>\n<|im_start|>assistant\nArr, matey."
 def _capture_trainer(monkeypatch) -> dict:
     """Make run_dpo keep its trainer in the returned dict (key "trainer")."""
     captured = {}
-    make = run_dpo._timed_trainer_class
+    make = run_dpo.timed_trainer_class
 
     def capturing(*a):
         cls = make(*a)
@@ -277,7 +277,7 @@ def _capture_trainer(monkeypatch) -> dict:
 
         return Capturing
 
-    monkeypatch.setattr(run_dpo, "_timed_trainer_class", capturing)
+    monkeypatch.setattr(run_dpo, "timed_trainer_class", capturing)
     return captured
 
 

@@ -330,7 +330,7 @@ def test_stage_yaml_says_how_to_run_it_and_where_each_value_came_from(small_cfg)
 
 def test_owned_keys_agree_between_the_typed_sections_and_the_key_checks():
     from online_rlhf.loop_keys import SECTIONS
-    from online_rlhf.stage_configs import LOOP_OWNED
+    from online_rlhf.loop_config import LOOP_OWNED
 
     for name, (cls, owned) in SECTIONS.items():
         assert set(owned) == {k for k in LOOP_OWNED[name] if k in cls.model_fields}, name

@@ -7,7 +7,8 @@ import pytest
 
 from online_rlhf.config import ConfigError
 from online_rlhf.loop import resolve
-from online_rlhf.stage_configs import GenerateConfig, LoopConfig, StageConfig
+from online_rlhf.loop_config import LoopConfig
+from online_rlhf.stage_configs import GenerateConfig, StageConfig
 
 
 @pytest.mark.parametrize("override, key", [

@@ -16,7 +16,7 @@ The stages themselves are the rows of ``online_rlhf.stage_table.STAGES``.
 
 from ..config import ConfigError
 from ..jsonl import DataError
-from ..stage_configs import iteration_config
+from ..loop_config import iteration_config
 from ..stage_table import STAGES, no_pairs_stop
 from .cli import main
 from .metrics import grpo_metrics, iteration_stats, mean_ci95, metrics

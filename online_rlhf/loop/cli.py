@@ -38,7 +38,7 @@ from pathlib import Path
 from ..config import ConfigError
 from ..jsonl import DataError, read_json
 from ..paths import setup_cache_env
-from ..stage_configs import LoopConfig
+from ..loop_config import LoopConfig
 from ..stage_table import STAGES, no_pairs_stop
 from .metrics import metrics
 from .plan import fresh_refusal, plan, _stdout_to_stderr

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from ..jsonl import atomic_open, json_text
-from ..stage_configs import LoopConfig, iteration_config
+from ..loop_config import LoopConfig, iteration_config
 from ..stage_table import STAGES, Stage, launch_command, prompt_source, stage_machines, starting_policy
 from .provenance import _Layers, _provenance, _stage_header
 from .resolve import (_LIBRARY_CHECKS, _check_ifeval_fields, _check_ifeval_prompts, _check_prompt_files,

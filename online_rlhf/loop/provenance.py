@@ -13,7 +13,7 @@ from typing import Any
 
 from ..config import apply_overrides, load_yaml
 from ..paths import PROJECT_ROOT
-from ..stage_configs import LoopConfig
+from ..loop_config import LoopConfig
 from ..stage_table import Stage, stage_file
 
 

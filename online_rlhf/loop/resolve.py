@@ -17,7 +17,8 @@ from typing import Any
 from ..config import ConfigError, apply_overrides, load_yaml
 from ..loop_keys import check_loop_keys
 from ..paths import PROJECT_ROOT, local_folder_prefix, resolve_model
-from ..stage_configs import DPOStageConfig, GenerateConfig, LoopConfig, iteration_config
+from ..loop_config import LoopConfig, iteration_config
+from ..stage_configs import DPOStageConfig, GenerateConfig
 from ..stage_table import STAGES, Stage, prompt_source
 
 

@@ -59,368 +59,29 @@ import math
 import os
 import random
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from online_rlhf.checkpoint import finish_checkpoint, publish, restore_input_config, rmtree
-from online_rlhf.chat_tokens import ChatTokenError, prompt_response_ids
 from online_rlhf.config import ConfigError, run_main
 from online_rlhf.dry_run import dummy_ids, exit_if_out_of_memory, finish, out_of_memory_errors
 from online_rlhf.hardware import compute_dtype, describe, processes_here, stage_threads
-from online_rlhf.jsonl import DataError, iter_jsonl
+from online_rlhf.jsonl import DataError
 from online_rlhf.memory import PeakMemory
 from online_rlhf.paths import resolve_model, setup_cache_env
-from online_rlhf.records import check_messages, sampled_token_ids, validate_rewards
 from online_rlhf.stage_configs import GRPOStageConfig
-from online_rlhf.stages.run_dpo import load_causal_lm, prepared_forward, stored_dtype
+from online_rlhf.chat_tokens import prompt_response_ids  # noqa: F401 (re-exported: tests tokenize as the stage does)
+from online_rlhf.stages.dpo_args import launch_world_size, stored_dtype
+from online_rlhf.stages.dpo_trainer import load_causal_lm, prepared_forward
 from online_rlhf.stage_table import check_process_count
 from online_rlhf.stats import DryRunStats, GRPOStats, stats_path
-
-_MAX_EXAMPLES = 5  # skipped-group examples kept per reason in the stats
-
-
-def _world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-# ------------------------------------------------------------------------------ 1-3: data
-
-def load_groups(path: str, truncated_penalty: float = 0.0) -> tuple[list[dict], dict]:
-    """Read rewards.jsonl: one group per record.
-
-    Returns:
-        (groups, info): each group ``{"where": "file:line", "prompt": [messages], "responses": [K str],
-        "rewards": [K float | None], "truncated": [K bool], "sampled_ids": [K (prompt ids, response ids)] |
-        None}`` (the ids the engine sampled, when the generation stage saved them) with ``truncated_penalty`` already
-        subtracted from the reward of each response whose finish_reason is ``length``;
-        info = ``{"in": n, "reward_mean_all": mean of the scored rewards (after the penalty) | None,
-        "blank_lines": blank lines skipped in the file}``.
-    Raises:
-        FileNotFoundError: no such file.  DataError: a record that is not a valid rewards record
-        (names file:line and the fix).
-    """
-    groups, scored = [], []
-    lines = iter_jsonl(path)
-    for lineno, rec in lines:
-        where = f"{path}:{lineno}"
-        rewards = validate_rewards(rec, where)
-        prompt = check_messages(rec["prompt"], where)
-        truncated = [f == "length" for f in rec["finish_reasons"]]
-        rewards = [None if r is None else r - truncated_penalty * t for r, t in zip(rewards, truncated)]
-        scored += [r for r in rewards if r is not None]
-        ids = [sampled_token_ids(rec, k, where) for k in range(len(rec["responses"]))]
-        groups.append({"where": where, "prompt": prompt, "responses": rec["responses"], "rewards": rewards,
-                       "truncated": truncated, "sampled_ids": None if ids and ids[0] is None else ids})
-    return groups, {"in": len(groups), "reward_mean_all": sum(scored) / len(scored) if scored else None,
-                    "blank_lines": lines.blank_lines}
-
-
-def group_advantages(rewards, scale_rewards: str = "group"):
-    """Group-relative advantages (GRPO: Shao et al. 2024, arXiv 2402.03300, eq. 3 "outcome
-    supervision"; Dr. GRPO: Liu et al. 2025, arXiv 2503.20783, without the std).
-
-    ``A[g, k] = r[g, k] - mean_k r[g, :]``, divided by ``std + 1e-4`` for ``scale_rewards=group``
-    (each group's std) or ``batch`` (the std of every reward given), not divided for ``none``.
-    The std is Bessel-corrected and NaN-aware (TRL's ``nanstd``, as TRL 1.9's GRPOTrainer computes it).
-
-    Args:
-        rewards: float tensor (G, K): G groups of K rewards; NaN marks an unscored response.
-        scale_rewards: ``group`` | ``batch`` | ``none``.
-    Returns:
-        (advantages (G, K), NaN where the reward is; usable (G,) bool: the group has >= 2 scored
-        rewards and they are not all equal).
-    Raises:
-        ValueError: an unknown ``scale_rewards``.
-    """
-    import torch
-    from trl.trainer.utils import nanstd
-
-    if scale_rewards not in ("group", "batch", "none"):
-        raise ValueError(f"scale_rewards={scale_rewards!r}: expected group, batch or none.")
-    scored = ~torch.isnan(rewards)  # (G, K)
-    mean = torch.nanmean(rewards, dim=1, keepdim=True)  # (G, 1)
-    adv = rewards - mean  # (G, K)
-    lo = torch.where(scored, rewards, torch.full_like(rewards, math.inf)).amin(dim=1)  # (G,)
-    hi = torch.where(scored, rewards, torch.full_like(rewards, -math.inf)).amax(dim=1)  # (G,)
-    usable = (scored.sum(dim=1) >= 2) & (hi > lo)  # (G,)
-    if scale_rewards == "group":
-        adv = adv / (nanstd(rewards, dim=1, keepdim=True) + 1e-4)  # (G, K)
-    elif scale_rewards == "batch":
-        adv = adv / (nanstd(rewards) + 1e-4)
-    return adv, usable
-
-
-def build_completions(groups: list[dict], advantages, usable, tokenizer, max_length: int | None,
-                      mask_truncated: bool) -> tuple[list[dict], dict]:
-    """One training completion per scored response of each usable group.
-
-    Token ids: the ones the engine sampled when the records hold them (the loop's generation stage
-    saves them for ``algorithm: grpo``: ``save_token_ids``); otherwise as the DPO stage trains on
-    them (``online_rlhf.chat_tokens.prompt_response_ids``):
-    ``prompt_ids`` = the prompt with the generation prompt; ``completion_ids`` = the response text
-    and the template's end-of-turn marker, or the text alone for a response cut at max_tokens (it
-    never ended). ``max_length`` cuts completions to ``max_length - len(prompt_ids)`` tokens.
-
-    Returns:
-        (completions ``{prompt_ids, completion_ids, advantage, group}``, info with ``skipped``
-        (reason -> groups), ``examples``, ``masked`` ({truncated, unscored} -> responses left out),
-        ``cut`` (completions shortened by max_length), ``reward_mean`` of the used groups).
-    """
-    out, skipped, examples, masked = [], Counter(), {}, Counter()
-    cut, used_rewards, longest = 0, [], 0
-
-    def skip(reason: str, g: dict, why: str = "") -> None:
-        skipped[reason] += 1
-        ex = examples.setdefault(reason, [])
-        if len(ex) < _MAX_EXAMPLES:
-            ex.append(g["where"] + (f" ({why})" if why else ""))
-
-    for gi, g in enumerate(groups):
-        scored = [k for k, r in enumerate(g["rewards"]) if r is not None]
-        if not bool(usable[gi]):
-            skip("fewer_than_2_scored" if len(scored) < 2 else "all_equal", g)
-            continue
-        if g.get("sampled_ids"):  # the ids the engine sampled: nothing to re-tokenize
-            prompt_ids, resp_ids = g["sampled_ids"][scored[0]][0], [g["sampled_ids"][k][1] for k in scored]
-            if max(max(prompt_ids), *(max(r) for r in resp_ids)) >= len(tokenizer):
-                raise DataError(f"{g['where']}: a token id is outside the policy's vocabulary ({len(tokenizer)} ids); "
-                                "the rollouts were generated by another model than `policy`.")
-        else:
-            try:
-                prompt_ids, resp_ids = prompt_response_ids(
-                    tokenizer, g["prompt"], *[[{"role": "assistant", "content": g["responses"][k]}] for k in scored])
-            except ChatTokenError as e:
-                skip(e.reason, g, str(e))
-                continue
-        if max_length is not None and len(prompt_ids) >= max_length:
-            skip("prompt_too_long", g, f"{len(prompt_ids)} prompt tokens")
-            continue
-        masked["unscored"] += len(g["rewards"]) - len(scored)
-        used_rewards += [g["rewards"][k] for k in scored]
-        for k, ids in zip(scored, resp_ids):
-            if g["truncated"][k]:
-                if mask_truncated:
-                    masked["truncated"] += 1
-                    continue
-                if not g.get("sampled_ids"):  # (sampled ids of a cut response have no end-of-turn)
-                    text_ids = tokenizer.encode(g["responses"][k], add_special_tokens=False)
-                    if ids[:len(text_ids)] == text_ids:
-                        ids = text_ids  # no end-of-turn after a response that was cut off
-            longest = max(longest, len(prompt_ids) + len(ids))
-            if max_length is not None and len(prompt_ids) + len(ids) > max_length:
-                ids, cut = ids[:max_length - len(prompt_ids)], cut + 1
-            if ids:
-                out.append({"prompt_ids": prompt_ids, "completion_ids": ids, "advantage": float(advantages[gi, k]),
-                            "group": gi})
-    info = {"skipped": dict(skipped), "examples": examples, "masked": {k: v for k, v in masked.items() if v},
-            "cut": cut, "longest": longest,
-            "reward_mean": sum(used_rewards) / len(used_rewards) if used_rewards else None,
-            "groups_used": len({c["group"] for c in out})}
-    return out, info
-
-
-# What to change when groups are skipped, per reason (the stage's keys named as the loop's).
-_SKIP_ADVICE = {
-    "all_equal": "more samples (generation.k) or prompts, or a higher generation.temperature, give groups whose "
-                 "rewards differ",
-    "fewer_than_2_scored": "the reward source left most responses unscored (null): see rewards.jsonl.stats.json",
-    "prompt_too_long": "raise grpo.max_length (now {max_length}) above the longest prompt + generation.max_tokens, "
-                       "or shorten the prompts",
-    "special_text_not_tokenizable": "the texts hold chat-template markers that cannot be tokenized as text: save the "
-                                    "sampled token ids (generation.save_token_ids, on by default for grpo)",
-    "template_renders_prompt_differently": "the policy's chat template writes the prompt differently once a response "
-                                           "follows: save the sampled token ids (generation.save_token_ids, on by "
-                                           "default for grpo) or use another chat template",
-    "response_not_tokenizable_alone": "the responses' first characters merge with the prompt's last token and do "
-                                      "not re-tokenize on their own: save the sampled token ids "
-                                      "(generation.save_token_ids, on by default for grpo)",
-}
-
-
-def data_warnings(info: dict, groups_in: int, completions: int, max_length: int | None, rewards: str) -> list[str]:
-    """The stage's warnings about what it could not train on, each with the advice that fits its reason.
-
-    Args:
-        info: :func:`build_completions`'s info (``skipped``, ``cut``, ``longest``, ``groups_used``).
-        groups_in: groups read; completions: completions used; max_length: the stage's ``max_length``;
-        rewards: the rewards file, for the message.
-    Returns:
-        one line per problem: no group used (the policy is saved unchanged), groups dropped because
-        the prompt fills ``max_length``, completions cut by ``max_length``.
-    """
-    out = []
-    skipped = info["skipped"]
-    advice = "; ".join(_SKIP_ADVICE.get(r, r).format(max_length=max_length) for r in skipped)
-    if not completions:
-        out.append(f"grpo: none of the {groups_in} groups of {rewards} is used (skipped: {skipped or 'none'}); the "
-                   f"policy is saved unchanged. {advice[:1].upper() + advice[1:]}.")
-    elif skipped.get("prompt_too_long"):
-        out.append(f"grpo: {skipped['prompt_too_long']} of {groups_in} groups dropped: the prompt alone fills "
-                   f"max_length={max_length} tokens; {_SKIP_ADVICE['prompt_too_long'].format(max_length=max_length)}.")
-    if info.get("cut"):
-        out.append(f"grpo: {info['cut']} of {completions} completions cut to max_length={max_length} tokens (prompt + "
-                   f"completion; the longest is {info.get('longest')}): their last tokens are not trained on. Raise "
-                   f"grpo.max_length to at least {info.get('longest')}, or lower generation.max_tokens.")
-    return out
+from online_rlhf.stages.grpo_data import load_groups, group_advantages, build_completions, data_warnings
+from online_rlhf.stages.grpo_objective import (collate, completion_log_probs, grpo_loss, old_log_probs,
+                                               all_log_probs, pad_rows)  # noqa: F401 (re-exported)
 
 
 # ------------------------------------------------------------------------------ loss
-
-def collate(completions: list[dict], pad_id: int, device=None) -> dict:
-    """Pad a micro-batch as TRL lays it out: prompts left-padded, completions right-padded, so the
-    completion tokens share columns.
-
-    Returns:
-        ``input_ids`` (B, P + C), ``attention_mask`` (B, P + C), ``position_ids`` (B, P + C) counting
-        real tokens only (left padding does not shift positions), ``completion_mask`` (B, C) float,
-        ``advantages`` (B,) float, ``prompt_len`` P.
-    """
-    import torch
-
-    P = max(len(c["prompt_ids"]) for c in completions)
-    C = max(len(c["completion_ids"]) for c in completions)
-    ids, att, cmask = [], [], []
-    for c in completions:
-        p, r = c["prompt_ids"], c["completion_ids"]
-        ids.append([pad_id] * (P - len(p)) + p + r + [pad_id] * (C - len(r)))
-        att.append([0] * (P - len(p)) + [1] * (len(p) + len(r)) + [0] * (C - len(r)))
-        cmask.append([1.0] * len(r) + [0.0] * (C - len(r)))
-    input_ids = torch.tensor(ids, device=device)  # (B, P + C)
-    attention_mask = torch.tensor(att, device=device)  # (B, P + C)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P + C)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-            "completion_mask": torch.tensor(cmask, device=device),  # (B, C)
-            "advantages": torch.tensor([c["advantage"] for c in completions], device=device),  # (B,)
-            "prompt_len": P}
-
-
-def completion_log_probs(model, batch: dict, temperature: float = 1.0):
-    """Per-token log-probs of the completion tokens under ``model``: (B, C).
-
-    Logits divided by the sampling ``temperature`` first (the distribution the tokens were drawn
-    from, as TRL does); ``trl.trainer.utils.selective_log_softmax`` for the log-softmax + gather.
-    """
-    from trl.trainer.utils import selective_log_softmax
-
-    P = batch["prompt_len"]
-    C = batch["input_ids"].size(1) - P
-    # only the last C + 1 positions' logits (the prompt's would cost a (B, P, V) tensor and its gradient)
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=batch["position_ids"], use_cache=False, logits_to_keep=C + 1).logits  # (B, C + 1, V)
-    logits = logits[:, :-1, :]  # (B, C, V): position t predicts token t + 1
-    if temperature != 1.0:
-        logits = logits / temperature
-    return selective_log_softmax(logits, batch["input_ids"][:, P:])  # (B, C)
-
-
-def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, beta: float, epsilon: float,
-              epsilon_high: float, loss_type: str, max_completion_length: int,
-              num_items_in_batch=None, num_processes: int = 1):
-    """The clipped group-relative surrogate with an optional k3 KL term, as TRL 1.9's
-    ``GRPOTrainer._compute_loss`` computes it (token-level importance sampling, no entropy terms,
-    before its division by the gradient accumulation steps).
-
-    Per token: ``rho = exp(logp - old)``, ``-min(rho * A, clip(rho, 1 - epsilon, 1 + epsilon_high) * A)
-    + beta * (exp(ref - logp) - (ref - logp) - 1)`` (Shao et al. 2024, arXiv 2402.03300, eq. 3-4;
-    k3 estimator: Schulman 2020, "Approximating KL divergence"). Aggregation by ``loss_type``:
-    ``grpo`` mean over each row's masked tokens then over rows; ``bnpo`` masked token mean;
-    ``dr_grpo`` masked sum / (B x max_completion_length) (Liu et al. 2025, arXiv 2503.20783);
-    ``dapo`` masked sum / (num_items_in_batch / num_processes) (Yu et al. 2025, arXiv 2503.14476).
-
-    Args:
-        logps, old_logps: (B, C) log-probs of the completion tokens now / under the sampling policy.
-        ref_logps: (B, C) under the reference model, or None when ``beta == 0``.
-        advantages: (B,).  mask: (B, C) float, 1 on completion tokens.
-        num_items_in_batch: ``dapo`` only: completion tokens of the whole optimizer step, all processes.
-    Returns:
-        (loss scalar, metrics: ``kl`` (masked mean, None with beta 0), ``clip_fraction`` (share of
-        masked tokens whose ratio is clipped in the direction of its advantage), ``ratio_max_dev``
-        (max |rho - 1| over masked tokens)), metrics as detached tensors.
-    Raises:
-        ValueError: an unknown ``loss_type``, or ``dapo`` without ``num_items_in_batch``.
-    """
-    import torch
-
-    adv = advantages.unsqueeze(1)  # (B, 1)
-    ratio = torch.exp(logps - old_logps)  # (B, C)
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)  # (B, C)
-    per_token = -torch.min(ratio * adv, clipped * adv)  # (B, C)
-    kl = None
-    if beta != 0.0:
-        kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1  # (B, C)
-        per_token = per_token + beta * kl
-    if loss_type == "grpo":
-        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    elif loss_type == "bnpo":
-        loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
-    elif loss_type == "dr_grpo":
-        loss = (per_token * mask).sum() / (per_token.size(0) * max_completion_length)
-    elif loss_type == "dapo":
-        if num_items_in_batch is None:
-            raise ValueError("loss_type=dapo needs num_items_in_batch (completion tokens of the optimizer step)")
-        loss = (per_token * mask).sum() / (torch.as_tensor(num_items_in_batch, dtype=mask.dtype).clamp(min=1.0)
-                                           / num_processes)
-    else:
-        raise ValueError(f"loss_type={loss_type!r}: expected grpo, bnpo, dr_grpo or dapo.")
-    with torch.no_grad():
-        n = mask.sum().clamp(min=1.0)
-        is_clipped = ((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + epsilon_high) & (adv > 0))  # (B, C)
-        metrics = {"kl": None if kl is None else (kl * mask).sum() / n,
-                   "clip_fraction": (is_clipped.float() * mask).sum() / n,
-                   "ratio_max_dev": ((ratio - 1).abs() * mask).max()}
-    return loss, metrics
-
-
-# ------------------------------------------------------------------------------ 4-7: model
-
-def old_log_probs(model, completions: list[dict], indices: list[int], batch_size: int, pad_id: int, device,
-                  temperature: float, batches: int | None = None) -> dict[int, list[float]]:
-    """Log-probs of ``completions[i]`` for ``i`` in ``indices`` under ``model`` (no gradient, eval
-    mode), in batches of ``batch_size``: ``{i: [one float per completion token]}``. ``batches``:
-    run exactly this many forward passes (the extra ones on completion 0, discarded), so that every
-    rank of a wrapped model (DDP broadcasts buffers, ZeRO-3 gathers weights) runs the same number."""
-    import torch
-
-    out = {}
-    n = batches if batches is not None else math.ceil(len(indices) / batch_size)
-    model.eval()
-    with torch.no_grad():
-        for b in range(n):
-            chunk = indices[b * batch_size:(b + 1) * batch_size]
-            if not chunk:  # a pass for the other ranks' sake
-                completion_log_probs(model, collate([completions[0]], pad_id, device), temperature)
-                continue
-            batch = collate([completions[i] for i in chunk], pad_id, device)
-            lp = completion_log_probs(model, batch, temperature).float().cpu()  # (b, C)
-            for row, i in enumerate(chunk):
-                out[i] = lp[row, :len(completions[i]["completion_ids"])].tolist()
-    model.train()
-    return out
-
-
-def _all_log_probs(accelerator, model, completions, batch_size, pad_id, temperature) -> list[list[float]]:
-    """Every completion's log-probs under ``model``: each rank computes its share (i % ranks), then all
-    ranks exchange them."""
-    from accelerate.utils import gather_object
-
-    world = accelerator.num_processes
-    batches = math.ceil(math.ceil(len(completions) / world) / batch_size)  # the same on every rank
-    mine = old_log_probs(model, completions, list(range(accelerator.process_index, len(completions), world)),
-                         batch_size, pad_id, accelerator.device, temperature, batches)
-    merged = {}
-    for part in (gather_object([mine]) if accelerator.num_processes > 1 else [mine]):
-        merged.update(part)
-    return [merged[i] for i in range(len(completions))]
-
-
-def _pad_rows(rows: list[list[float]], C: int, device):
-    import torch
-
-    return torch.tensor([r + [0.0] * (C - len(r)) for r in rows], device=device)  # (B, C)
-
-
 def train(cfg: GRPOStageConfig, accelerator, model, optimizer, completions: list[dict], old: list[list[float]],
           ref: list[list[float]] | None, pad_id: int) -> list[dict]:
     """``num_iterations`` passes over ``completions``; returns one history row per optimizer step:
@@ -460,8 +121,8 @@ def train(cfg: GRPOStageConfig, accelerator, model, optimizer, completions: list
                     batch = collate([completions[i] for i in idx], pad_id, accelerator.device)
                     C = batch["completion_mask"].size(1)
                     logps = completion_log_probs(model, batch, cfg.temperature)  # (b, C)
-                    old_lp = _pad_rows([old[i] for i in idx], C, accelerator.device)  # (b, C)
-                    ref_lp = _pad_rows([ref[i] for i in idx], C, accelerator.device) if ref is not None else None
+                    old_lp = pad_rows([old[i] for i in idx], C, accelerator.device)  # (b, C)
+                    ref_lp = pad_rows([ref[i] for i in idx], C, accelerator.device) if ref is not None else None
                     loss, m = grpo_loss(logps, old_lp.to(logps.dtype), None if ref_lp is None else ref_lp.to(logps.dtype),
                                         batch["advantages"].to(logps.dtype), batch["completion_mask"].to(logps.dtype),
                                         beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=eps_hi,
@@ -536,7 +197,7 @@ def _accelerator(cfg: GRPOStageConfig):
 
         os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(cfg.gradient_accumulation_steps)
         os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(cfg.max_grad_norm)
-        if not torch.cuda.is_available() and _world_size() > 1:
+        if not torch.cuda.is_available() and launch_world_size() > 1:
             PartialState(backend="gloo")  # DeepSpeed on CPU: without it every rank sees a world of 1
     kwargs = {}
     if _cpu_bf16_autocast(cfg):
@@ -598,13 +259,13 @@ def old_and_reference_log_probs(cfg: GRPOStageConfig, accelerator, model, ref_mo
     """Every completion's per-token log-probs under the policy before any update (``old``) and, when
     ``beta != 0``, under the reference (the policy's own when ``ref_model`` is None: the reference is
     the policy); ``ref`` is None at ``beta == 0``."""
-    old = _all_log_probs(accelerator, model, completions, cfg.per_device_train_batch_size, pad_id, cfg.temperature)
+    old = all_log_probs(accelerator, model, completions, cfg.per_device_train_batch_size, pad_id, cfg.temperature)
     if cfg.beta == 0.0:
         return old, None
     if ref_model is None:
         return old, old
     with prepared_forward(accelerator, ref_model):  # the reference as the prepared policy runs: same precision
-        ref = _all_log_probs(accelerator, ref_model, completions, cfg.per_device_train_batch_size, pad_id,
+        ref = all_log_probs(accelerator, ref_model, completions, cfg.per_device_train_batch_size, pad_id,
                              cfg.temperature)
     return old, ref
 
@@ -625,7 +286,7 @@ def construct(cfg: GRPOStageConfig) -> bool:
     check_process_count(cfg.num_processes, "grpo")
     on_gpu = torch.cuda.is_available()
     if not on_gpu:  # a stage alone on the machine: every usable core, split between the ranks
-        torch.set_num_threads(stage_threads(processes_here(_world_size())))
+        torch.set_num_threads(stage_threads(processes_here(launch_world_size())))
     torch.manual_seed(cfg.seed)
     return on_gpu
 
@@ -798,6 +459,36 @@ def main(cfg: GRPOStageConfig) -> GRPOStats:
 
 # ------------------------------------------------------------------------------ the dry run
 
+def dry_run_lengths(cfg: GRPOStageConfig) -> tuple[int, int, int]:
+    """``(L, C, P)`` of the dry run's dummy completions: ``max_length`` tokens in all, ``C`` of them
+    completion (``max_completion_length``, leaving at least one prompt token) and ``P`` prompt.
+
+    Raises:
+        ConfigError: ``max_length`` is null (no largest shape to try).
+    """
+    if cfg.max_length is None:
+        raise ConfigError("dry_run needs max_length (prompt + completion tokens to try); it is null. Set it, e.g. "
+                          "max_length=1024 (in the loop: grpo.max_length).")
+    L = int(cfg.max_length)
+    C = min(int(cfg.max_completion_length), L - 1)  # at least one prompt token
+    return L, C, L - C
+
+
+def dry_run_record(cfg: GRPOStageConfig, L: int, C: int, P: int, world: int, dtype: str) -> tuple[str, dict, dict]:
+    """``(step, shapes, settings)`` of the dry run's :class:`~online_rlhf.stats.DryRunStats`: the step
+    it tried in words, the shapes of its batch and the settings that decide its memory."""
+    B, ga = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
+    settings = {"per_device_train_batch_size": B, "gradient_accumulation_steps": ga, "max_length": L,
+                "gradient_checkpointing": cfg.gradient_checkpointing, "beta": cfg.beta, "torch_dtype": dtype,
+                "launch_profile": cfg.launch_profile, "num_processes": world}
+    step = (f"1 optimizer step: {ga} micro-batch(es) x {B} completions x {L} tokens ({P} prompt + {C} completion) "
+            "per process, forward + backward + AdamW step, old log-probs" + (" and reference log-probs"
+                                                                           if cfg.beta != 0.0 else "") + " first")
+    shapes = {"completions_per_process": B * ga, "micro_batch_completions": B, "sequence_tokens": L,
+              "prompt_tokens": P, "completion_tokens": C}
+    return step, shapes, settings
+
+
 def dry_run(cfg: GRPOStageConfig) -> Optional[DryRunStats]:
     """The GRPO stage's dry run (``dry_run=true``): :func:`construct`, then the stage's own path:
     its model loading (:func:`prepare_models`: dtype, gradient checkpointing, the reference when
@@ -817,14 +508,9 @@ def dry_run(cfg: GRPOStageConfig) -> Optional[DryRunStats]:
     on_gpu = construct(cfg)
     import torch
 
-    if cfg.max_length is None:
-        raise ConfigError("dry_run needs max_length (prompt + completion tokens to try); it is null. Set it, e.g. "
-                          "max_length=1024 (in the loop: grpo.max_length).")
-    L = int(cfg.max_length)
-    C = min(int(cfg.max_completion_length), L - 1)  # at least one prompt token
-    P = L - C
+    L, C, P = dry_run_lengths(cfg)
     B, ga = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
-    status, error, step_s, world, dtype = "ok", None, None, _world_size(), cfg.torch_dtype
+    status, error, step_s, world, dtype = "ok", None, None, launch_world_size(), cfg.torch_dtype
     with PeakMemory("cuda" if on_gpu else "cpu") as mem:
         try:
             policy_path = resolve_model(cfg.policy)
@@ -847,14 +533,7 @@ def dry_run(cfg: GRPOStageConfig) -> Optional[DryRunStats]:
             step_s = time.perf_counter() - t0
         except out_of_memory_errors() as e:
             status, error = "out_of_memory", str(e)[:1000]
-    settings = {"per_device_train_batch_size": B, "gradient_accumulation_steps": ga, "max_length": L,
-                "gradient_checkpointing": cfg.gradient_checkpointing, "beta": cfg.beta, "torch_dtype": dtype,
-                "launch_profile": cfg.launch_profile, "num_processes": world}
-    step = (f"1 optimizer step: {ga} micro-batch(es) x {B} completions x {L} tokens ({P} prompt + {C} completion) "
-            "per process, forward + backward + AdamW step, old log-probs" + (" and reference log-probs"
-                                                                           if cfg.beta != 0.0 else "") + " first")
-    shapes = {"completions_per_process": B * ga, "micro_batch_completions": B, "sequence_tokens": L,
-              "prompt_tokens": P, "completion_tokens": C}
+    step, shapes, settings = dry_run_record(cfg, L, C, P, world, dtype)
     result = finish("grpo", mem, cfg.output_dir, status=status, error=error, step_s=step_s, step=step, shapes=shapes,
                     settings=settings, t_start=t_start)
     exit_if_out_of_memory("grpo", status, error)

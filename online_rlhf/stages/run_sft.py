@@ -61,26 +61,20 @@ import yaml
 # by-hand run never tries to reach the telemetry host, whichever module imports Axolotl first.
 os.environ.setdefault("AXOLOTL_DO_NOT_TRACK", "1")
 
-from online_rlhf.chat_tokens import has_special_text, turn_terminator  # noqa: E402
+from online_rlhf.chat_tokens import has_special_text  # noqa: E402
 from online_rlhf.config import ConfigError, run_main  # noqa: E402
 from online_rlhf.dry_run import dummy_ids, exit_if_out_of_memory, finish, out_of_memory_errors  # noqa: E402
-from online_rlhf.hardware import compute_dtype, describe, stage_threads  # noqa: E402
+from online_rlhf.hardware import describe, stage_threads  # noqa: E402
 from online_rlhf.jsonl import DataError, iter_jsonl, read_json  # noqa: E402
 from online_rlhf.memory import PeakMemory  # noqa: E402
 from online_rlhf.paths import PROJECT_ROOT, resolve_model, setup_cache_env  # noqa: E402
 from online_rlhf.records import ROLES, check_messages  # noqa: E402
 from online_rlhf.stage_configs import SFTStageConfig  # noqa: E402
 from online_rlhf.stats import DryRunStats, SFTStats, stats_path  # noqa: E402
-from online_rlhf.trl_args import check_axolotl_keys as _check_axolotl_keys  # noqa: E402
+from online_rlhf.stages.sft_axolotl_config import (PLUGIN, AXOLOTL_TRAIN, TRAIN_LOG, cuda_available,  # noqa: E402
+                                                    dataset_entry, check_axolotl_keys, turn_end_tokens,
+                                                    axolotl_config)  # noqa: F401 (re-exported)
 
-PLUGIN = "online_rlhf.stages.axolotl_plugin.TrainLogPlugin"
-AXOLOTL_TRAIN = "online_rlhf.stages.axolotl_train"  # axolotl.cli.train, after online_rlhf's logging filter
-TRAIN_LOG = "sft_train_log.json"  # written by the plugin into Axolotl's output_dir
-# Axolotl keys the stage sets itself.
-_STAGE_OWNED = {
-    "dataset_prepared_path": "the stage tokenizes into <output_dir>.prepared and removes it after training",
-    "hub_model_id": "the stage saves a local checkpoint only",
-}
 # Files of an HF checkpoint; everything else Axolotl leaves in its output_dir is removed.
 _CHECKPOINT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                      "special_tokens_map.json", "chat_template.jinja", "chat_template.json", "added_tokens.json",
@@ -147,146 +141,11 @@ def special_text_rows(path: str | os.PathLike, tokenizer, field: str = "messages
     return {"rows": rows, "messages": by_role}
 
 
-def dataset_entry(datasets, dataset: str) -> dict:
-    """The Axolotl ``datasets`` entry for ``dataset``, from the config's one-entry template.
-
-    The template (``datasets: [{type: chat_template, field_messages: messages, ...}]``) gives the
-    format options; its ``path`` is set here. Raises ConfigError on more than one entry, a ``path``
-    in the template, or a type other than ``chat_template``.
-    """
-    if datasets is None:
-        datasets = [{"type": "chat_template", "field_messages": "messages"}]
-    if not isinstance(datasets, list) or len(datasets) != 1 or not isinstance(datasets[0], dict):
-        raise ConfigError("datasets: give exactly one entry with the format options (type: chat_template, "
-                          "field_messages, roles_to_train, ...); the stage trains on one file, `dataset`. "
-                          "Concatenate several SFT files into one JSONL first.")
-    entry = dict(datasets[0])
-    if entry.get("path") not in (None, dataset):
-        raise ConfigError(f"datasets[0].path={entry['path']!r}: set the stage's `dataset=` instead of the path "
-                          "inside `datasets` (the stage validates that file before Axolotl runs).")
-    if entry.get("type", "chat_template") != "chat_template":
-        raise ConfigError(f"datasets[0].type={entry['type']!r}: this stage trains on conversational "
-                          "`messages` rows; use type: chat_template.")
-    entry.update(type="chat_template", path=str(Path(dataset).absolute()), ds_type="json")
-    entry.setdefault("field_messages", "messages")
-    return entry
-
-
-def check_axolotl_keys(keys: dict) -> None:
-    """Raise ConfigError for keys Axolotl does not know (``online_rlhf.trl_args.check_axolotl_keys``;
-    the stage's own keys are allowed)."""
-    _check_axolotl_keys(keys, also_known=set(SFTStageConfig.model_fields))
-
-
-def _abs_path(value: str) -> str:
-    """A config file path (e.g. ``deepspeed: configs/deepspeed/zero2.json``) made absolute: from the
-    working directory if it exists there, else from the project root."""
-    p = Path(value)
-    if p.is_absolute() or p.exists():
-        return str(p.absolute())
-    if (PROJECT_ROOT / p).exists():
-        return str(PROJECT_ROOT / p)
-    raise ConfigError(f"{value}: no such file (looked in {Path.cwd()} and {PROJECT_ROOT}).")
-
-
-def _training_template(ax: dict, entry: dict, tokenizer) -> str | None:
-    """The chat template Axolotl will train with (its own choice from ``chat_template`` /
-    ``chat_template_jinja`` of the config or the dataset entry); None when it cannot be found."""
-    try:
-        from axolotl.utils.chat_templates import get_chat_template_from_config
-    except ImportError:
-        return tokenizer.chat_template if ax.get("chat_template", "tokenizer_default") == "tokenizer_default" else None
-    try:
-        return get_chat_template_from_config(ax, ds_cfg=entry, tokenizer=tokenizer)
-    except ValueError:
-        return None
-
-
-def turn_end_tokens(ax: dict, entry: dict, tokenizer, eos: str) -> list[str] | None:
-    """Axolotl's ``eot_tokens`` for this run: the chat template's turn terminator when it is not the
-    eos (after axolotl issue #3754).
-
-    Axolotl 0.19 trains the end of an assistant turn only for the tokens in ``eot_tokens``, which
-    default to the tokenizer's eos. Where the eos is not what the template ends a turn with (Qwen
-    base: eos ``<|endoftext|>``, ChatML ``<|im_end|>``; Llama-3 base and ``<|eot_id|>``; Gemma and
-    ``<end_of_turn>``) every terminator gets label -100 and the model never learns to end a turn.
-    The terminator is read from the template Axolotl trains with
-    (``online_rlhf.chat_tokens.turn_terminator``).
-
-    Returns:
-        ``[terminator]`` to set; None to leave Axolotl's default (the config sets ``eot_tokens``
-        itself, or the terminator is the eos).
-    Raises:
-        ConfigError: the template writes no special token after an assistant message and no eos
-            either (no turn end to train), naming the fix.
-    """
-    if ax.get("eot_tokens") is not None:
-        return None
-    template = _training_template(ax, entry, tokenizer)
-    if template is None:
-        return None
-    terminator = turn_terminator(tokenizer, chat_template=template)
-    if terminator is not None:
-        return None if terminator == eos else [terminator]
-    if eos in template or "eos_token" in template:
-        return None  # the template writes the eos somewhere: Axolotl's default trains it
-    raise ConfigError(f"the chat template SFT trains with writes no special token after an assistant message, and "
-                      f"not the eos {eos!r} either: the model would never learn to end a turn. Set eot_tokens: "
-                      "[<the template's turn-ending token>] in the SFT config, or use a chat template that ends each "
-                      "turn with a special token (chat_template / chat_template_jinja).")
-
-
-def axolotl_config(cfg: SFTStageConfig, base: str, eos: str, tmp: Path, prepared: Path, tokenizer=None) -> dict:
-    """The Axolotl config to run: the file's Axolotl keys plus the keys the stage sets.
-
-    With ``tokenizer`` (the base model's), ``eot_tokens`` is set to the chat template's turn
-    terminator when that is not the eos (:func:`turn_end_tokens`).
-
-    Raises:
-        ConfigError: a key the stage owns, a LoRA adapter, ``rl``, a dataset entry it cannot use,
-            or a template with no turn end (:func:`turn_end_tokens`).
-    """
-    ax = dict(cfg.model_extra or {})
-    for key, why in _STAGE_OWNED.items():
-        if key in ax:
-            raise ConfigError(f"{key}: set by the stage ({why}); remove it from the config.")
-    if ax.get("adapter"):
-        raise ConfigError(f"adapter={ax['adapter']!r}: the loop needs a full checkpoint; this stage trains all "
-                          "weights. Remove `adapter` (or merge the adapter yourself with `axolotl merge-lora`).")
-    if ax.get("rl"):
-        raise ConfigError(f"rl={ax['rl']!r}: this is the SFT stage; preference training is dpo_iteration/.")
-    entry = dataset_entry(ax.pop("datasets", None), cfg.dataset)
-    special = dict(ax.get("special_tokens") or {})
-    special.setdefault("eos_token", eos)
-    special.setdefault("pad_token", special["eos_token"])
-    if ax.get("deepspeed"):
-        ax["deepspeed"] = _abs_path(ax["deepspeed"])
-    if ax.get("bf16", "auto") == "auto" and not _on_gpu():
-        # Axolotl's own "auto" looks at GPUs only; on CPU bf16 autocast pays only with native bf16.
-        ax["bf16"] = compute_dtype("cpu") == "bfloat16"
-    ax.setdefault("chat_template", "tokenizer_default")
-    ax.setdefault("val_set_size", 0)
-    ax.setdefault("save_strategy", "no")  # intermediate checkpoints would be deleted anyway
-    if tokenizer is not None:
-        eot = turn_end_tokens(ax, entry, tokenizer, special["eos_token"])
-        if eot is not None:
-            ax["eot_tokens"] = eot
-    return {"base_model": base, **ax, "datasets": [entry], "special_tokens": special,
-            "plugins": [*(ax.get("plugins") or []), PLUGIN],
-            "output_dir": str(tmp), "dataset_prepared_path": str(prepared)}
-
-
 def _precision(ax: dict) -> str:
     """What the stats say of the run's precision, e.g. ``float32 + bf16 autocast``."""
     mixed = "bf16" if ax.get("bf16") is True else "fp16" if ax.get("fp16") is True else \
         "bf16 if the GPU has it" if ax.get("bf16") == "auto" else None
     return "float32" + (f" + {mixed} autocast" if mixed else "")
-
-
-def _on_gpu() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def launch_command(cfg: SFTStageConfig, yaml_path: Path) -> list[str]:
@@ -538,8 +397,8 @@ def write_stats(run: SFTRun, ax: dict, special: dict, dropped: dict, train_log: 
                      **loss_summary(train_log), wall_seconds=round(time.monotonic() - run.t0, 1),
                      launcher=cfg.launcher, sequence_len=ax.get("sequence_len"), special_token_text=special,
                      eot_tokens=ax.get("eot_tokens"),
-                     hardware=describe("cuda" if _on_gpu() else "cpu", _precision(ax),
-                                       threads=None if _on_gpu() else stage_threads()),
+                     hardware=describe("cuda" if cuda_available() else "cpu", _precision(ax),
+                                       threads=None if cuda_available() else stage_threads()),
                      **summary)
     stats.write(run.stats_file)
     print(f"[sft] saved {run.out}: {stats.steps} steps, loss {stats.train_loss_first} -> {stats.train_loss_last}, "

@@ -1,0 +1,187 @@
+"""The loop config (``configs/loop.yaml``): its run-level keys and one section per stage section,
+each typed by its stage's config class minus the keys the loop's plan sets itself.
+
+The loop-owned keys of a section (:data:`LOOP_OWNED`) are derived from the stage table's rows whose
+section it is (:func:`owned_keys`), so this module imports the table; the table imports only the
+stage config classes (``online_rlhf.stage_configs``), never this module, and names ``LoopConfig``
+in type hints only. A row whose section has no field below gets one here
+(:func:`_with_row_sections`): a new stage's section needs no line in this file.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Literal, Optional, Union
+
+from pydantic import Field, create_model, field_validator, model_validator
+
+from .config import StageConfig, deep_merge
+from .stage_configs import (DPOStageConfig, GenerateConfig, GRPOStageConfig, IFEvalSection, LaunchProfile,
+                            PairsConfig, RewardConfig, check_machines)
+from .stage_table import STAGES
+
+# The keys of a stage config that describe how the loop launches it (shards, processes, machines,
+# the dry run): the plan sets each of them that the stage's class has.
+LAUNCH_KEYS = ("shards_dir", "shard_index", "num_shards", "num_processes", "launch_profile", "num_machines",
+               "main_process_ip", "main_process_port", "machine_rank", "dry_run")
+
+
+def owned_keys(section: str) -> tuple[str, ...]:
+    """The keys of the stage config behind the loop's ``section`` that the plan sets itself, so the
+    section refuses them (``online_rlhf.loop_keys`` says what to set instead), from the stage
+    table's rows whose own section it is (:attr:`Stage.section`): each row's inputs (but its
+    ``section_inputs``) and outputs, its ``loop_owned`` keys, the :data:`LAUNCH_KEYS` its config
+    class has, and the ``set_by_plan`` keys every such row sets.
+
+    Raises:
+        KeyError: no row of the stage table has ``section`` as its own section.
+    """
+    rows = [s for s in STAGES.values() if s.section == section]
+    if not rows:
+        raise KeyError(f"no stage of the stage table has the loop section {section!r}")
+    keys: list[str] = []
+    for s in rows:
+        keys += [k for k in s.inputs if k not in s.section_inputs] + list(s.outputs) + list(s.loop_owned)
+    fields = rows[0].config.model_fields
+    keys += [k for k in LAUNCH_KEYS if k in fields]
+    keys += [k for k in rows[0].set_by_plan if all(k in s.set_by_plan for s in rows)]
+    return tuple(dict.fromkeys(keys))
+
+
+# section -> the stage config class it is typed by, for every section built by section_model
+SECTION_CLASSES: dict[str, type[StageConfig]] = {}
+# section -> the keys of that class the loop sets itself (owned_keys)
+LOOP_OWNED: dict[str, tuple[str, ...]] = {}
+
+
+def section_model(cls: type[StageConfig], section: str) -> type[StageConfig]:
+    """The loop config's ``section`` typed by the stage class ``cls``: the stage's fields (type,
+    default, description, constraints) minus the keys the loop sets (:func:`owned_keys`, recorded in
+    :data:`LOOP_OWNED`), each optional. The loop merges only the keys a user set
+    (``model_dump(exclude_unset=True)``), so a default here never overrides a stage file (e.g.
+    ``configs/dpo.yaml`` under the ``dpo`` section). Cross-field checks stay with the stage class,
+    run by the plan on the merged stage config.
+
+    Raises:
+        KeyError: no row of the stage table has ``section`` as its own section.
+    """
+    owned = LOOP_OWNED[section] = owned_keys(section)
+    SECTION_CLASSES[section] = cls
+    fields = {}
+    for name, f in cls.model_fields.items():
+        if name in owned:
+            continue
+        info = copy.deepcopy(f)
+        ann = f.annotation
+        if f.is_required():
+            info.default, ann = None, Optional[ann]
+        fields[name] = (ann, info)
+    doc = f"The loop's `{section}` section: {cls.__name__} fields ({(cls.__doc__ or '').strip().splitlines()[0]})"
+    return create_model(f"{section.capitalize()}Section", __base__=StageConfig, __doc__=doc, **fields)
+
+
+GenerationSection = section_model(GenerateConfig, "generation")
+EvaluationSection = section_model(GenerateConfig, "evaluation")
+RewardSection = section_model(RewardConfig, "reward")
+PairsSection = section_model(PairsConfig, "pairs")
+DPOSection = section_model(DPOStageConfig, "dpo")
+GRPOSection = section_model(GRPOStageConfig, "grpo")
+
+
+class LoopConfig(StageConfig):
+    """run_loop.sh: the whole online iterative loop."""
+
+    run_name: str = Field("default", description="runs/<run_name>/ holds everything the run writes")
+    output_root: str = Field("runs", description="parent folder of run directories")
+    seed: int = Field(42, description="seed of sampling, pair selection and training: iteration i's rollouts use seed + 1000 x i, its pairs seed + i, held-out generation and DPO seed (a generation.seed / pairs.seed you set is used as is in every iteration)")
+    iterations: int = Field(2, ge=1, description="number of generate -> reward -> pairs -> DPO rounds")
+    policy: str = Field("default", description="starting policy: dir, Hub id or 'default'")
+    sft: dict[str, Any] = Field(default_factory=lambda: {"enabled": False}, description="sft.enabled: run sft/ once before iteration 1; sft.config: its YAML (default configs/sft.yaml); sft.dataset: SFT JSONL of {messages: [...]} (required when enabled); any other key of that YAML (SFTStageConfig or Axolotl) overrides it")
+    train_prompts: str = Field("default", description="train prompt set ('default' = the IF prompts .cache/data/if_train.jsonl: IFEval constraint types on the project's own templates)")
+    eval_prompts: str = Field("default", description="held-out prompt set ('default' = IFBench held-out split)")
+    prompt_field: Optional[str] = Field(None, description="prompt column (text or message list) of the train set, if not messages/prompt; also of the held-out set unless eval_prompt_field is set")
+    eval_prompt_field: Optional[str] = Field(None, description="prompt column of the held-out set (default: prompt_field)")
+    train_limit: Optional[int] = Field(None, ge=1, description="first N train prompts per iteration")
+    eval_limit: Optional[int] = Field(None, ge=1, description="first N held-out prompts")
+    prompts_per_iteration: Optional[int] = Field(None, ge=1, description="iteration i takes the i-th slice of this many train prompts (wrapping); None = all (or train_limit)")
+    launch_profile: LaunchProfile = Field("cpu", description="configs/accelerate/<profile>.yaml for DPO (and a reward model)")
+    num_processes: Union[int, Literal["auto"]] = Field("auto", description="processes of accelerate launch (DPO, reward model) over all machines together (accelerate's meaning; a multiple of num_machines). auto: one per GPU of a machine x num_machines; on CPU one per usable core (each with one thread; 2 ranks over gloo trained faster than 2 threads in one process) x num_machines, the most that divides dpo.train_batch_size")
+    num_machines: int = Field(1, ge=1, description="machines the distributed stages span (DPO, a reward model, generation shards); they must share a filesystem holding the project and the run directory. run_loop.sh runs on machine 0 (docs/multi-node.md)")
+    machine_rank: int = Field(0, ge=0, description="this machine's rank (0-based). run_loop.sh and the plan run on machine 0 only; machine k > 0 runs each distributed stage with `python -m online_rlhf.loop exec RUN_DIR I STAGE machine_rank=k`")
+    main_process_ip: Optional[str] = Field(None, description="num_machines > 1 (required): address of machine 0 that every machine can reach (accelerate's --main_process_ip)")
+    main_process_port: int = Field(29500, ge=1, le=65535, description="num_machines > 1: port on machine 0 for the processes' rendezvous (accelerate's --main_process_port)")
+    launcher: Literal["local", "slurm"] = Field("local", description="local: each machine starts its own part (machine 0: run_loop.sh; others: loop exec ... machine_rank=k); slurm: run_loop.sh runs on the first node of an allocation and wraps each distributed stage in `srun --nodes=num_machines --ntasks-per-node=1` (scripts/slurm_loop.sbatch)")
+    generation_shards: int = Field(1, ge=1, description="vLLM shards W (one per GPU; 1 on CPU)")
+    generation: GenerationSection = Field(default_factory=GenerationSection, description="GenerateConfig fields for training rollouts")
+    evaluation: EvaluationSection = Field(default_factory=lambda: EvaluationSection(k=1, temperature=0.0), description="GenerateConfig fields for held-out generation (over `generation`, without its k/temperature/top_p)")
+    reward: RewardSection = Field(default_factory=RewardSection, description="RewardConfig fields")
+    pairs: PairsSection = Field(default_factory=PairsSection, description="PairsConfig fields")
+    dpo_config: Optional[str] = Field("configs/dpo.yaml", description="DPO stage YAML that the `dpo` section is layered on (a relative path is taken from the project root; one given on run_loop.sh's command line is first looked for where you run it); null = none")
+    dpo: DPOSection = Field(default_factory=DPOSection, description="DPOStageConfig fields (over dpo_config)")
+    algorithm: Literal["dpo", "grpo"] = Field("dpo", description="the update of each iteration: dpo (pairs -> DPO) or grpo (group-relative policy gradient on the K scored responses per prompt)")
+    grpo_config: Optional[str] = Field("configs/grpo.yaml", description="GRPO stage YAML that the `grpo` section is layered on (a relative path is taken from the project root; one given on run_loop.sh's command line is first looked for where you run it); null = none")
+    grpo: GRPOSection = Field(default_factory=GRPOSection, description="GRPOStageConfig fields (over grpo_config; algorithm=grpo)")
+    ref_model: Literal["initial", "previous"] = Field("initial", description="reference of DPO and of the GRPO KL term: the starting (SFT) policy, or last iteration's policy")
+    per_iteration: dict[int, dict[str, Any]] = Field(default_factory=dict, description="{i: {section: {key: value}}} overrides for iteration i")
+    ifeval: IFEvalSection = Field(default_factory=IFEvalSection, description="IFEval benchmark stages (ifeval_generate, ifeval_score): when, prompts, limit, max_tokens; decoding as `evaluation` (greedy)")
+    kl_samples: int = Field(1, ge=0, description="responses SAMPLED (temperature 1, as `evaluation` otherwise) per held-out prompt for the KL(policy || starting policy) estimate of iterations >= 1 (stages kl_generate, kl); 0: no KL estimate")
+    kl_warn: Optional[float] = Field(5.0, ge=0, description="warn (loop metrics line, report.md) when an iteration's estimated KL(policy || starting policy) exceeds this many nats; null: never")
+    eval_cache: bool = Field(True, description="reuse iteration 0's held-out and IFEval generations from an earlier run (any seed) with the same starting policy, prompts, decoding settings and hardware dtype (online_rlhf/eval_cache.py; cache under .cache/eval); false: always decode")
+    wandb: bool = Field(False, description="log the loop's metrics to wandb (offline unless WANDB_MODE is set)")
+    dry_run: bool = Field(False, description="memory check instead of the run: plan as usual, then run SFT (when enabled) and iteration 1's generate, rewards (source=reward_model) and dpo (or grpo) stages once each in dry mode (one step at the largest shapes), print peak memory vs available per stage and what to lower; writes no checkpoint and marks no stage done. Exit 1 when a stage would not fit")
+
+    @field_validator("num_processes")
+    @classmethod
+    def _positive_processes(cls, v):
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"num_processes must be >= 1 or auto, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_machines(self):
+        if self.machine_rank >= self.num_machines:
+            raise ValueError(f"machine_rank={self.machine_rank} must be < num_machines={self.num_machines} "
+                             "(machines are 0-based)")
+        check_machines(self.num_machines, None if self.num_processes == "auto" else self.num_processes,
+                       self.main_process_ip)
+        return self
+
+    @field_validator("run_name")
+    @classmethod
+    def _one_folder_name(cls, v: str) -> str:
+        # run_loop.sh --fresh clears <output_root>/<run_name>: it must be a folder inside output_root.
+        if not v or v in (".", "..") or any(c in v for c in "/\\\0"):
+            raise ValueError(f"run_name must be one folder name inside output_root (no '/', not '.' or '..'), "
+                             f"got {v!r}; put the parent folder in output_root")
+        return v
+
+
+def _with_row_sections(base: type[StageConfig]) -> type[StageConfig]:
+    """``base`` plus one field per loop section that a row of the stage table names as its own
+    (:attr:`Stage.section`) and ``base`` lacks, typed by :func:`section_model` of the row's config
+    class (default: no keys set). ``base`` itself when every row's section has its field."""
+    extra = {}
+    for s in STAGES.values():
+        if s.section and s.section not in base.model_fields and s.section not in extra:
+            sec = section_model(s.config, s.section)
+            extra[s.section] = (sec, Field(default_factory=sec, description=f"{s.config.__name__} fields (stage {s.name})"))
+    if not extra:
+        return base
+    return create_model("LoopConfig", __base__=base, __doc__=base.__doc__, __module__=__name__, **extra)
+
+
+LoopConfig = _with_row_sections(LoopConfig)
+
+
+def iteration_config(cfg: LoopConfig, i: int) -> LoopConfig:
+    """The loop config as seen by iteration ``i`` (``per_iteration[i]`` merged in).
+
+    Raises:
+        ConfigError: a ``per_iteration.<i>`` value of the wrong type (names ``per_iteration.<i>``).
+    """
+    if i not in cfg.per_iteration:
+        return cfg
+    merged = deep_merge(cfg.model_dump(exclude_unset=True), cfg.per_iteration[i])
+    return LoopConfig.from_dict(merged, f"per_iteration.{i}")
+
+
