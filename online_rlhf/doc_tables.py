@@ -437,8 +437,12 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--check", action="store_true", help="exit 1 when one disagrees with its source")
     args = ap.parse_args(argv)
     if args.write:
-        for p in write():
-            print(f"rewrote {p}")
+        try:
+            for p in write():
+                print(f"rewrote {p}")
+        except (ValueError, FileNotFoundError) as e:  # a page without its markers, a missing page
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         return 0
     problems = check()
     for p in problems:

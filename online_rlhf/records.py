@@ -244,8 +244,9 @@ def _load_hub_prompts(datasets, source: str, split: str):
         offline = os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1"
         hint = ("HF_HUB_OFFLINE=1 is set and it is not in the local cache" if offline else
                 "is the Hub reachable from here, and is the id right?")
-        raise DataError(f"prompt set {source!r} could not be loaded from the Hugging Face Hub ({type(e).__name__}: "
-                        f"{str(e)[:200]}); {hint} Download it where there is network (or give a local .jsonl "
+        raise DataError(f"prompt set {source!r}: there is no local file {Path(source).resolve()}, and as a Hugging "
+                        f"Face Hub dataset id it could not be loaded ({type(e).__name__}: {str(e)[:200]}); {hint} "
+                        "A local file needs its suffix (.jsonl, .json, .parquet, .csv). Download it where there is network (or give a local .jsonl "
                         "of {id, prompt} rows) and point train_prompts/eval_prompts at it.") from None
 
 

@@ -3,7 +3,7 @@ of the stage table and its docs page: five files (docs/adding-a-stage.md). This 
 to a copy of the project, touching only those five files, runs ``doc_tables --write`` (which also
 rewrites the generated lists of stages in docs/README.md and docs/architecture.md and the loop-key
 table of docs/custom.md: no hand edit) and then, in subprocesses, ``doc_tables --check`` and the
-docs tests (``tests/test_docs.py`` in the copy) and the loop's real commands on it: ``plan`` (its
+docs and stage-table tests (``tests/test_docs.py``, ``tests/test_stage_table.py`` in the copy) and the loop's real commands on it: ``plan`` (its
 section typed, its loop-owned keys refused, its YAML written), ``stages``, ``exec`` (the stage reads
 its YAML, writes its output and stats), ``mark`` and ``check`` (done and fresh)."""
 
@@ -166,8 +166,10 @@ def test_a_toy_stage_in_five_files_is_planned_run_and_marked(tmp_path):
     arch = (proj / "docs" / "architecture.md").read_text(encoding="utf-8")
     assert "| `toy` | train | 1..N | - | [toy.md](toy.md) |" in arch and "| `ToyStats` |" in arch
 
-    # the docs tests pass in the copy as they are (index links, stage list, stats classes, tables)
-    docs = _run(proj, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_docs.py", check=False)
+    # the docs and stage-table tests pass in the copy as they are (index links, stage list, stats
+    # classes, tables; every row against every consumer, the module entry included)
+    docs = _run(proj, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_docs.py", "tests/test_stage_table.py",
+                check=False)
     assert docs.returncode == 0 and " passed" in docs.stdout, docs.stdout[-4000:]
 
     # its loop section is typed by its config class: a misspelt key and a loop-owned key are refused

@@ -381,11 +381,25 @@ def test_exec_runs_a_stage_from_its_config_file(small_cfg, tmp_path):
 def test_check_names_a_mistyped_stage_and_the_real_ones(small_cfg, capsys):
     run_dir = loop.plan(None, small_cfg)
     capsys.readouterr()
-    assert loop.main(["check", str(run_dir), "0", "dpo"]) == 3  # a real stage this iteration leaves out: quiet
-    assert capsys.readouterr().err == ""
-    assert loop.main(["check", str(run_dir), "1", "dpoo"]) == 3
+    assert loop.main(["check", str(run_dir), "0", "dpo"]) == 3  # a real stage this iteration leaves out: says so
     err = capsys.readouterr().err
-    assert "no stage named 'dpoo'" in err and "dpo" in err.split("the stages are")[1]
+    assert "stage dpo is not planned in iteration 0" in err and "eval_generate" in err
+    assert loop.main(["check", str(run_dir), "1", "dpoo"]) == 2  # a typo: an error naming the stages
+    err = capsys.readouterr().err
+    assert err.startswith("error: no stage named 'dpoo'") and "dpo" in err.split("the stages are")[1]
+
+
+def test_loop_commands_refuse_bad_arguments_in_one_line(small_cfg, capsys):
+    run_dir = loop.plan(None, small_cfg)
+    capsys.readouterr()
+    for argv, words in [(["check", str(run_dir), "zero", "pairs"], "ITER must be an iteration number"),
+                        (["mark", str(run_dir), "1", "pairs", "abc"], "SECONDS must be a number"),
+                        (["after", str(run_dir), "1", "pairz"], "no stage named 'pairz'"),
+                        (["exec", str(run_dir), "1", "pairz"], "no stage named 'pairz'"),
+                        (["mark", str(run_dir), "1"], "mark needs RUN_DIR ITER STAGE SECONDS")]:
+        assert loop.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and words in err and len(err.strip().splitlines()) == 1, (argv, err)
 
 
 def test_stage_refuses_another_process_count_than_planned(monkeypatch):

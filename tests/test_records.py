@@ -43,8 +43,18 @@ def test_prompt_field_may_hold_a_message_list(tmp_path):
 def test_unreachable_hub_prompt_set_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    with pytest.raises(DataError, match=r"'nobody-here/no-such-prompts' could not be loaded.*local \.jsonl"):
+    with pytest.raises(DataError, match=r"'nobody-here/no-such-prompts': there is no local file .*could not be "
+                                         r"loaded.*local \.jsonl"):
         load_prompts("nobody-here/no-such-prompts")
+
+
+def test_a_name_without_suffix_says_which_local_file_it_looked_for(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError) as e:
+        load_prompts("myprompts")
+    assert f"no local file {tmp_path / 'myprompts'}" in str(e.value) and "needs its suffix" in str(e.value)
 
 
 def test_missing_prompt_column_names_line(tmp_path):

@@ -14,7 +14,7 @@ from online_rlhf import loop, stats
 from online_rlhf.jsonl import read_json, write_jsonl
 from online_rlhf.loop_config import LOOP_OWNED, LoopConfig
 from online_rlhf.stage_configs import StageConfig
-from online_rlhf.stage_table import STAGES, launch_command
+from online_rlhf.stage_table import STAGES, is_module_entry, launch_command
 from online_rlhf.stats import StageStats
 from online_rlhf.testing import example_stats
 
@@ -26,7 +26,9 @@ DOCS = "\n".join(p.read_text(encoding="utf-8") for p in [ROOT / "README.md", *so
 def test_every_row_names_what_exists(name, tmp_path):
     s = STAGES[name]
     assert s.name == name
-    assert (ROOT / s.entry).is_file(), s.entry
+    # an entry script, or the stage module itself (run with python -m)
+    entry = ROOT / (s.entry.replace(".", "/") + ".py" if is_module_entry(s.entry) else s.entry)
+    assert entry.is_file(), s.entry
     assert issubclass(s.config, StageConfig)
     fields = s.config.model_fields
     for key in (*s.inputs, *s.outputs, *s.set_by_plan, *s.derived_from):

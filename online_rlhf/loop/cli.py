@@ -2,7 +2,9 @@
 
     python -m online_rlhf.loop plan CONFIG [key=value ...]   # resolve + validate, write stage configs
     python -m online_rlhf.loop plan-check CONFIG [key=value ...]  # the plan's checks only, nothing written
-    python -m online_rlhf.loop check RUN_DIR ITER STAGE       # exit 0 if STAGE is done and fresh, 1 to run (prints env, why), 3 not planned
+    python -m online_rlhf.loop run-dir CONFIG [key=value ...]  # the run directory the config names, nothing written
+    python -m online_rlhf.loop check RUN_DIR ITER STAGE       # exit 0 if STAGE is done and fresh, 1 to run (prints env, why),
+                                                              # 3 not planned in ITER (says so), 2 no such stage
     python -m online_rlhf.loop fresh-check RUN_DIR            # exit 0 if run_loop.sh --fresh may empty RUN_DIR, else 2 (says why)
     python -m online_rlhf.loop stages RUN_DIR ITER            # ITER's planned stages, one per line, in the stage table's order
                                                               # ("<name> after": its row has an `after` check)
@@ -47,6 +49,29 @@ from .resolve import resolve
 from .run import after_line, dry_run, exec_stage, mark, output_hint, stage_lines, stale_reason
 
 
+def _iteration(text: str) -> int:
+    """The ITER argument as an int, or a ConfigError naming it."""
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"ITER must be an iteration number (0, 1, ...), got {text!r}.") from None
+
+
+def _stage_name(name: str) -> str:
+    """The STAGE argument when it names a row of the stage table, else a ConfigError listing them."""
+    if name not in STAGES:
+        raise ConfigError(f"no stage named {name!r}; the stages are {', '.join(STAGES)}.")
+    return name
+
+
+def _needs(cmd: str, args: list[str], names: str) -> None:
+    """Refuse a command given fewer arguments than its usage line names."""
+    want = names.split()
+    if len(args) < len(want):
+        raise ConfigError(f"{cmd} needs {names} (got {len(args)} argument(s)); `python -m online_rlhf.loop` "
+                          "prints the usage.")
+
+
 def main(argv: list[str]) -> int:
     setup_cache_env()
     if not argv:
@@ -74,26 +99,33 @@ def main(argv: list[str]) -> int:
                 print(f"run_loop.sh: {reason}", file=sys.stderr)
                 return 2
         elif cmd == "pairs-check":  # 0: go on; 1: the iteration made 0 pairs (prints why and what to change)
-            line = no_pairs_stop(Path(args[0]), int(args[1]))
+            _needs(cmd, args, "RUN_DIR ITER")
+            line = no_pairs_stop(Path(args[0]), _iteration(args[1]))
             if line:
                 print(line)
                 return 1
         elif cmd == "stages":  # the iteration's stages in the stage table's order, "<name> after" for a row with a hook
-            for line in stage_lines(Path(args[0]), int(args[1])):
+            _needs(cmd, args, "RUN_DIR ITER")
+            for line in stage_lines(Path(args[0]), _iteration(args[1])):
                 print(line)
         elif cmd == "after":  # 0: go on; 1: the stage's row says stop (prints why), e.g. pairs made 0 pairs
-            line = after_line(Path(args[0]), int(args[1]), args[2])
+            _needs(cmd, args, "RUN_DIR ITER STAGE")
+            line = after_line(Path(args[0]), _iteration(args[1]), _stage_name(args[2]))
             if line:
                 print(line)
                 return 1
         elif cmd == "check":  # 0 done and fresh, 1 to run (prints the stage's env, then why), 3 not in the plan
-            entries = read_json(Path(args[0]) / f"iter_{int(args[1])}" / "plan.json")
+            _needs(cmd, args, "RUN_DIR ITER STAGE")
+            i = _iteration(args[1])
+            entries = read_json(Path(args[0]) / f"iter_{i}" / "plan.json")
             if args[2] not in entries:
-                if args[2] not in STAGES:  # a typo, not a stage this iteration leaves out: say so
-                    print(f"loop check: no stage named {args[2]!r}; the stages are {', '.join(STAGES)} "
-                          f"(iteration {args[1]} plans {', '.join(entries)})", file=sys.stderr)
+                if args[2] not in STAGES:  # a typo, not a stage this iteration leaves out
+                    raise ConfigError(f"no stage named {args[2]!r}; the stages are {', '.join(STAGES)} "
+                                      f"(iteration {i} plans {', '.join(entries)}).")
+                print(f"loop check: stage {args[2]} is not planned in iteration {i} (it plans {', '.join(entries)})",
+                      file=sys.stderr)
                 return 3
-            why = stale_reason(Path(args[0]), int(args[1]), args[2])
+            why = stale_reason(Path(args[0]), i, args[2])
             if why is None:
                 return 0
             print(entries[args[2]]["env"])
@@ -105,7 +137,8 @@ def main(argv: list[str]) -> int:
                 rank = int(ranks[-1]) if ranks else 0
             except ValueError:
                 raise ConfigError(f"exec: machine_rank={ranks[-1]!r} is not an integer.") from None
-            exec_stage(Path(args[0]), int(args[1]), args[2], [a for a in args[3:] if not a.startswith("machine_rank=")],
+            _needs(cmd, args, "RUN_DIR ITER STAGE")
+            exec_stage(Path(args[0]), _iteration(args[1]), _stage_name(args[2]), [a for a in args[3:] if not a.startswith("machine_rank=")],
                        machine_rank=rank)
         elif cmd == "dry-run":
             return dry_run(Path(args[0]))
@@ -114,9 +147,15 @@ def main(argv: list[str]) -> int:
             if line:
                 print(line)
         elif cmd == "mark":
-            mark(Path(args[0]), int(args[1]), args[2], float(args[3]))
+            _needs(cmd, args, "RUN_DIR ITER STAGE SECONDS")
+            try:
+                seconds = float(args[3])
+            except ValueError:
+                raise ConfigError(f"mark: SECONDS must be a number (the stage's wall seconds), got {args[3]!r}.") from None
+            mark(Path(args[0]), _iteration(args[1]), _stage_name(args[2]), seconds)
         elif cmd == "metrics":
-            row = metrics(Path(args[0]), int(args[1]))
+            _needs(cmd, args, "RUN_DIR ITER")
+            row = metrics(Path(args[0]), _iteration(args[1]))
             print(metrics_line(row))
             for w in row["warnings"]:
                 print(f"WARNING: {w}")
