@@ -100,8 +100,10 @@ def _plan(tmp_path: Path, *extra: str, policy: Path | None = None, name: str = "
             f"eval_prompts={constraint_prompts(data / 'eval.jsonl', 3, 'e')}",
             f"ifeval.prompts={constraint_prompts(data / 'ifeval.jsonl', 2, 'i')}",
             f"output_root={tmp_path / 'runs'}", f"run_name={name}",
-            f"policy={policy or _fake_model(tmp_path / 'start')}", "iterations=1", "ifeval.when=every", "kl_samples=1",
-            *extra]
+            f"policy={policy or _fake_model(tmp_path / 'start')}"]
+    given = {o.split("=", 1)[0] for o in extra}
+    args += [o for o in ("iterations=1", "ifeval.when=every", "kl_samples=1") if o.split("=", 1)[0] not in given]
+    args += extra
     return loop.plan(None, args, shell_out=open(os.devnull, "w"))
 
 
@@ -273,7 +275,7 @@ def test_iteration_0_takes_along_only_what_the_evaluation_cache_does_not_hold(ru
 
 needs_infer = pytest.mark.skipif(not (ROOT / ".venv-infer" / "bin" / "python").exists(),
                                  reason="no .venv-infer (scripts/setup_envs.sh infer)")
-SMALL = ["eval_limit=3", "evaluation.max_tokens=10", "generation.max_model_len=128", "generation.kv_cache_gb=0.25",
+SMALL = ["eval_limit=3", "evaluation.max_tokens=10", "generation.max_tokens=10", "generation.max_model_len=128", "generation.kv_cache_gb=0.25",
          "ifeval.max_tokens=12", "kl_samples=2"]
 
 
