@@ -57,6 +57,12 @@ def exec_stage(run_dir: Path, i: int, stage: str, overrides: list[str] = (), mac
     fresh (its inputs are then written), so that machine k can run every stage of the run in order
     (docs/multi-node.md) and meet machine 0 at each distributed one.
 
+    Co-decoding (machine 0, no overrides; :func:`co_decode_companions`): a generation stage whose
+    output an earlier stage's launch already wrote for its current hash runs nothing
+    (:func:`_co_decoded_before`); one that launches takes the later generation stages of the
+    iteration that can share its engine along, runs the launcher as a child instead of replacing
+    this process, and records their outputs (:func:`_co_decode`).
+
     Args:
         overrides: ``key=value`` arguments appended to the stage's command (e.g. ``dry_run=true``);
             they change this run only, not the stage's config file or its freshness hash.
@@ -113,11 +119,12 @@ def _co_decode_record(run_dir: Path, i: int, stage: str) -> Path:
     return run_dir / f"iter_{i}" / f"{stage}.co_decoded"
 
 
-def _record_valid(run_dir: Path, i: int, stage: str) -> bool:
+def _record_valid(run_dir: Path, i: int, stage: str, digest: str | None = None) -> bool:
     """Whether the stage's co-decode record holds for the stage as it is now: written for its
-    current hash, its outputs present and unchanged since, its stats readable."""
+    current hash (``digest`` when the caller has it), its outputs present and unchanged since, its
+    stats readable."""
     record = _co_decode_record(run_dir, i, stage)
-    if not is_done(record, stage_hash(run_dir, i, stage)):
+    if not record.is_file() or not is_done(record, digest or stage_hash(run_dir, i, stage)):  # no hashing without one
         return False
     e = _stage_entry(run_dir, i, stage)
     if not all(_output_present(Path(o)) for o in e["outputs"]):
@@ -407,10 +414,10 @@ def mark(run_dir: Path, i: int, stage: str, seconds: float) -> None:
     (and ``co_decoded_by`` when another stage's launch decoded its output: its co-decode record,
     removed now). A stage of the evaluation cache (``online_rlhf.eval_cache``) also stores its
     output there."""
-    record, info = _co_decode_record(run_dir, i, stage), {}
-    if _record_valid(run_dir, i, stage):  # decoded in another stage's launch (co-decoding)
+    record, info, digest = _co_decode_record(run_dir, i, stage), {}, stage_hash(run_dir, i, stage)
+    if _record_valid(run_dir, i, stage, digest):  # decoded in another stage's launch (co-decoding)
         info["co_decoded_by"] = read_json(record).get("co_decoded_by")
-    mark_done(_marker(run_dir, i, stage), stage_hash(run_dir, i, stage), outputs=_recorded_outputs(run_dir, i, stage),
+    mark_done(_marker(run_dir, i, stage), digest, outputs=_recorded_outputs(run_dir, i, stage),
               root=run_dir, seconds=round(seconds, 2), **info)
     record.unlink(missing_ok=True)
     e = _stage_entry(run_dir, i, stage)

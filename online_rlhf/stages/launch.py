@@ -34,6 +34,13 @@ Devices:
   ``VLLM_ENABLE_V1_MULTIPROCESSING`` or ``VLLM_CPU_OMP_THREADS_BIND`` set by you turns this off:
   your values are passed to every shard unchanged.
 
+Several configs (``launch.py --config A.yaml --config B.yaml ...``, co-decoding; ``loop exec``
+passes an iteration's evaluation generations so): the configs whose engine settings equal the
+first's (``online_rlhf.co_decode.refusal``) decode with one engine start per shard, each written as
+its own launch would write it; the others run afterwards with their own start, the reason printed
+(:func:`main_many`). Exit 0 when every output was written, 1 when the first config's was not, 3
+when only a later one's was not.
+
 Several machines (``num_machines`` M > 1, a filesystem shared by all of them): each machine runs
 ``launch.py ... machine_rank=k``, which starts only the shards r with r % M == k, on that
 machine's own GPUs or cores as above. Machine 0 then waits (at most ``merge_wait_s``) until every
