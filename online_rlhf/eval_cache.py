@@ -42,8 +42,10 @@ from .rundir import fingerprint
 _OUTPUT_KEYS = ("output", "shards_dir")
 
 # The package modules whose source decides a cached stage's answers (prompt loading, chat template
-# rendering and tokenization, the vLLM call, the shard launcher and merge), relative to the package.
-DECODE_CODE = ("stages/generate.py", "stages/launch.py", "stages/merge_data.py", "chat_tokens.py", "records.py")
+# rendering and tokenization, the vLLM call, the shard launcher and merge, the seed restored before a
+# co-decoded config), relative to the package.
+DECODE_CODE = ("stages/generate.py", "stages/launch.py", "stages/merge_data.py", "chat_tokens.py", "records.py",
+               "co_decode.py")
 
 
 def cache_root() -> Path:

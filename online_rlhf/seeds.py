@@ -37,8 +37,9 @@ from .jsonl import DataError, read_jsonl, write_json
 from .paths import PROJECT_ROOT
 
 
-# Overrides that say where a run lives or what it reports to, not what it trains: left out of the name.
-LOCATION_KEYS = ("output_root", "wandb", "eval_cache")
+# Overrides that say where a run lives, what it reports to or how it schedules work that gives the same
+# outputs (co_decode), not what it trains: left out of the name.
+LOCATION_KEYS = ("output_root", "wandb", "eval_cache", "co_decode")
 
 
 def recipe_name(base: str, overrides: list[str] = ()) -> str:

@@ -151,6 +151,10 @@ class _GenerationCommon(StageStats):
     # Loading the prompt set (online_rlhf.records.load_prompt_set); 0 in stats written before these keys existed.
     prompts_blank_lines: int = 0  # blank lines skipped in the prompt file
     prompts_assistant_turns_removed: int = 0  # prompts that ended with assistant turn(s), removed
+    # co-decoding (several configs, one engine start; generation/launch.py --config A --config B): the
+    # output of the config whose engine this decode reused (its engine_startup_s is then 0.0); None
+    # when this config started its own engine
+    engine_shared_with: Optional[str] = None
 
 
 class GenerateShardStats(_GenerationCommon):

@@ -3,7 +3,8 @@
 Each runs as a module in a fresh process of this environment (``python -m bench.X ...`` from the
 project root, the checkout first on PYTHONPATH) and must exit 0 and print its result lines;
 figures are not checked (timings vary with the machine). The two whole-iteration comparisons with TRL run run_loop.sh on a
-tiny random policy and are ``slow``; bench/iteration_breakdown.py and bench/roofline.py then read
+tiny random policy and are ``slow``, as is bench/bench_co_decode.py (four real generation
+launches, from this env); bench/iteration_breakdown.py and bench/roofline.py then read
 the run directory that run_loop.sh wrote. bench/bench_generation.py runs in the inference env
 (``vllm`` mark).
 """
@@ -75,6 +76,15 @@ def test_bench_generation(tmp_path):
                "max_tokens=4", "calib_tokens=2", "hf_dtypes=[float32]", "hf_threads=[1]", "kv_cache_gb=0.25",
                python=str(INFER_PY))
     assert "tok/s" in out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not INFER_PY.exists(), reason="no inference env")
+def test_bench_co_decode(tmp_path):
+    out = _run("bench_co_decode", "--smoke", "--threads", "1", "--output", str(tmp_path / "f.json"))
+    assert "co-decoded / separate" in out
+    figures = json.loads((tmp_path / "f.json").read_text())
+    assert figures["outputs_equal"] and figures["runs"][0]["startup_s"]["together"]["kl_generate"] == 0.0
 
 
 def _needs_full_envs():

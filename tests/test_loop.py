@@ -400,6 +400,9 @@ def test_loop_commands_refuse_bad_arguments_in_one_line(small_cfg, capsys):
         assert loop.main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("error: ") and words in err and len(err.strip().splitlines()) == 1, (argv, err)
+    # a stage whose output is not there is not marked done
+    assert loop.main(["mark", str(run_dir), "1", "pairs", "1.0"]) == 2
+    assert "has no " in capsys.readouterr().err and not (run_dir / "iter_1" / "pairs.done").exists()
 
 
 def test_stage_refuses_another_process_count_than_planned(monkeypatch):

@@ -57,6 +57,12 @@ def exec_stage(run_dir: Path, i: int, stage: str, overrides: list[str] = (), mac
     fresh (its inputs are then written), so that machine k can run every stage of the run in order
     (docs/multi-node.md) and meet machine 0 at each distributed one.
 
+    Co-decoding (machine 0, no overrides; :func:`co_decode_companions`): a generation stage whose
+    output an earlier stage's launch already wrote for its current hash runs nothing
+    (:func:`_co_decoded_before`); one that launches takes the later generation stages of the
+    iteration that can share its engine along, runs the launcher as a child instead of replacing
+    this process, and records their outputs (:func:`_co_decode`).
+
     Args:
         overrides: ``key=value`` arguments appended to the stage's command (e.g. ``dry_run=true``);
             they change this run only, not the stage's config file or its freshness hash.
@@ -83,11 +89,145 @@ def exec_stage(run_dir: Path, i: int, stage: str, overrides: list[str] = (), mac
             return
     if machine_rank == 0 and not overrides and _reuse_cached(run_dir, i, stage, e, d):
         return
+    if machine_rank == 0 and not overrides and _co_decoded_before(run_dir, i, stage):
+        return
+    companions = co_decode_companions(run_dir, i, stage) if machine_rank == 0 and not overrides else []
     argv, env = launch_command(STAGES[stage], e["config"], d, machine_rank=machine_rank, launcher=launcher,
                                extra=list(overrides))
+    if companions:
+        argv = [*argv, *(a for c in companions for a in ("--config", _stage_entry(run_dir, i, c)["config"]))]
     print("+ " + " ".join([*(f"{k}={v}" for k, v in env.items()), *map(shlex.quote, argv)]), flush=True)
     os.chdir(PROJECT_ROOT)
+    if companions:
+        _co_decode(run_dir, i, stage, companions, argv, env)
+        return
     os.execve(argv[0] if os.sep in argv[0] else _which(argv[0]), argv, {**os.environ, **env})
+
+
+# ------------------------------------------------------------------ co-decoding (online_rlhf/co_decode.py)
+
+def co_decode_enabled(run_config: dict) -> bool:
+    """Whether a run co-decodes: its ``co_decode`` key (default true) and ``ONLINE_RLHF_CO_DECODE``
+    not ``0``."""
+    return os.environ.get("ONLINE_RLHF_CO_DECODE", "1") != "0" and bool(run_config.get("co_decode", True))
+
+
+def _co_decode_record(run_dir: Path, i: int, stage: str) -> Path:
+    """``iter_<i>/<stage>.co_decoded``: written when another stage's launch decoded this stage's
+    output; the hash of this stage's config and inputs it was decoded for, and its outputs' sizes
+    and hashes (the format of a ``.done`` marker)."""
+    return run_dir / f"iter_{i}" / f"{stage}.co_decoded"
+
+
+def _record_valid(run_dir: Path, i: int, stage: str, digest: str | None = None) -> bool:
+    """Whether the stage's co-decode record holds for the stage as it is now: written for its
+    current hash (``digest`` when the caller has it), its outputs present and unchanged since, its
+    stats readable."""
+    record = _co_decode_record(run_dir, i, stage)
+    if not record.is_file() or not is_done(record, digest or stage_hash(run_dir, i, stage)):  # no hashing without one
+        return False
+    e = _stage_entry(run_dir, i, stage)
+    if not all(_output_present(Path(o)) for o in e["outputs"]):
+        return False
+    try:
+        STAGES[stage].stats.read(stats_path(e["outputs"][0]))
+        return not changed_outputs(record, _recorded_outputs(run_dir, i, stage), root=run_dir)
+    except (FileNotFoundError, DataError):
+        return False
+
+
+def _co_decoded_before(run_dir: Path, i: int, stage: str) -> bool:
+    """True (and says so) when an earlier stage's launch already decoded this stage's output for its
+    current config and inputs (:func:`_record_valid`): nothing to run; ``loop mark`` then marks it."""
+    if not _record_valid(run_dir, i, stage):
+        return False
+    by = read_json(_co_decode_record(run_dir, i, stage)).get("co_decoded_by")
+    print(f"stage {stage} of iteration {i}: decoded in the engine start of stage {by} of this iteration for its "
+          f"current config and inputs (log {run_dir / f'iter_{i}' / 'logs' / f'{by}.log'}); nothing to run "
+          "(co_decode=false runs each generation stage with its own engine start)", flush=True)
+    return True
+
+
+def co_decode_companions(run_dir: Path, i: int, stage: str) -> list[str]:
+    """The stages whose outputs ``stage``'s launch also decodes, with one engine start
+    (``online_rlhf.co_decode``): the later stages of iteration ``i`` that run the same entry script
+    (the generation launcher), are stale, hold no valid co-decode record, are not served by the
+    evaluation cache, whose inputs exist already, and whose engine settings equal ``stage``'s
+    (:func:`online_rlhf.co_decode.refusal`). Empty when the row is not the generation launcher's,
+    when the run turned co-decoding off (:func:`co_decode_enabled`), or when ``stage`` itself is
+    served by the cache. Prints why each candidate that cannot join runs with its own engine start.
+    """
+    from .. import eval_cache
+    from ..co_decode import engine_in_process, refusal
+
+    row = STAGES[stage]
+    if row.entry != "generation/launch.py" or not co_decode_enabled(_run_config(run_dir)):
+        return []
+    names = list(read_json(run_dir / f"iter_{i}" / "plan.json"))
+    later = [n for n in names[names.index(stage) + 1:] if STAGES[n].entry == row.entry]
+    if not later:
+        return []
+    d = yaml.safe_load(Path(_stage_entry(run_dir, i, stage)["config"]).read_text(encoding="utf-8"))
+    from ..stages.launch import gpu_ids
+
+    in_process = engine_in_process(int(d.get("num_shards") or 1), int(d.get("tensor_parallel_size") or 1), gpu_ids())
+    out = []
+    for name in later:
+        e = _stage_entry(run_dir, i, name)
+        dn = yaml.safe_load(Path(e["config"]).read_text(encoding="utf-8"))
+        if stale_reason(run_dir, i, name) is None or _record_valid(run_dir, i, name):
+            continue  # done, or decoded by an earlier launch
+        key = _eval_cache_key(run_dir, i, name, e, dn)
+        if key and eval_cache.lookup(key) is not None:
+            continue  # its turn copies it from the evaluation cache
+        missing = [p for p in e["inputs"] if not _output_present(Path(p))]
+        why = (f"its input {missing[0]} does not exist yet" if missing
+               else refusal(d, dn, in_process))
+        if why:
+            print(f"co-decoding: stage {name} runs with its own engine start: {why}.", flush=True)
+            continue
+        out.append(name)
+    if out:
+        print(f"co-decoding: stage {stage} also decodes {', '.join(out)} of iteration {i} with the same engine "
+              "start (each keeps its own output, stats and .done)", flush=True)
+    return out
+
+
+def _co_decode(run_dir: Path, i: int, stage: str, companions: list[str], argv: list[str], env: dict) -> None:
+    """Run the launcher for ``stage`` and its ``companions`` as a child (killed with this process),
+    then record each companion whose output it wrote (:func:`_co_decode_record`, with the hash of
+    the companion's config and inputs taken before the launch). Each companion's record, output and
+    stats are removed first (the companion is stale: they are rewritten or it runs alone), so a
+    record only ever names an output this launch wrote; an interrupted launch leaves none.
+
+    Raises:
+        SystemExit: the launcher's exit status when ``stage``'s own output was not written.
+    """
+    from ..procs import start_guarded
+    from ..stages.launch import LATER_CONFIG_FAILED
+
+    hashes = {}
+    for c in companions:
+        _co_decode_record(run_dir, i, c).unlink(missing_ok=True)
+        for o in _recorded_outputs(run_dir, i, c):
+            Path(o).unlink(missing_ok=True)
+        hashes[c] = stage_hash(run_dir, i, c)
+    t0 = time.monotonic()
+    exe = argv[0] if os.sep in argv[0] else _which(argv[0])
+    rc = start_guarded([exe, *argv[1:]], env={**os.environ, **env}).wait()
+    seconds = round(time.monotonic() - t0, 2)
+    for c in companions:
+        outs = _stage_entry(run_dir, i, c)["outputs"]
+        try:
+            STAGES[c].stats.read(stats_path(outs[0]))
+        except (FileNotFoundError, DataError):
+            print(f"co-decoding: stage {c} was not written by this launch; it runs alone at its turn.", flush=True)
+            continue
+        if all(_output_present(Path(o)) for o in outs):
+            mark_done(_co_decode_record(run_dir, i, c), hashes[c], outputs=_recorded_outputs(run_dir, i, c),
+                      root=run_dir, co_decoded_by=stage, launch_seconds=seconds)
+    if rc not in (0, LATER_CONFIG_FAILED):
+        raise SystemExit(rc)
 
 
 def _eval_cache_key(run_dir: Path, i: int, stage: str, e: dict, d: dict) -> str | None:
@@ -270,10 +410,25 @@ def _output_present(path: Path) -> bool:
 
 def mark(run_dir: Path, i: int, stage: str, seconds: float) -> None:
     """Write the stage's ``.done``: its config-and-inputs hash, the size and hash of its outputs and
-    stats file as they are now (:func:`stale_reason` compares them on the next run), the seconds. A
-    stage of the evaluation cache (``online_rlhf.eval_cache``) also stores its output there."""
-    mark_done(_marker(run_dir, i, stage), stage_hash(run_dir, i, stage), outputs=_recorded_outputs(run_dir, i, stage),
-              root=run_dir, seconds=round(seconds, 2))
+    stats file as they are now (:func:`stale_reason` compares them on the next run), the seconds
+    (and ``co_decoded_by`` when another stage's launch decoded its output: its co-decode record,
+    removed now). A stage of the evaluation cache (``online_rlhf.eval_cache``) also stores its
+    output there.
+
+    Raises:
+        ConfigError: an output or the stats file is missing (the stage has not run, or failed):
+            nothing is marked.
+    """
+    missing = [p for p in _recorded_outputs(run_dir, i, stage) if not _output_present(Path(p))]
+    if missing:
+        raise ConfigError(f"mark: {stage} of iteration {i} has no {missing[0]}; run it first (`python -m "
+                          f"online_rlhf.loop exec {run_dir} {i} {stage}`). Nothing was marked.")
+    record, info, digest = _co_decode_record(run_dir, i, stage), {}, stage_hash(run_dir, i, stage)
+    if _record_valid(run_dir, i, stage, digest):  # decoded in another stage's launch (co-decoding)
+        info["co_decoded_by"] = read_json(record).get("co_decoded_by")
+    mark_done(_marker(run_dir, i, stage), digest, outputs=_recorded_outputs(run_dir, i, stage),
+              root=run_dir, seconds=round(seconds, 2), **info)
+    record.unlink(missing_ok=True)
     e = _stage_entry(run_dir, i, stage)
     key = _eval_cache_key(run_dir, i, stage, e, yaml.safe_load(Path(e["config"]).read_text(encoding="utf-8")))
     if key:

