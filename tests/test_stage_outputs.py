@@ -94,6 +94,29 @@ def test_reasons_for_a_stage_never_run_or_with_changed_inputs(done_pairs):
     run_dir, _ = done_pairs
     assert loop.stale_reason(run_dir, 1, "dpo") == "not run yet"
     write_jsonl(run_dir / "iter_1" / "rewards.jsonl", [{"id": "p1"}])
-    assert loop.stale_reason(run_dir, 1, "pairs") == "its config or inputs changed since it finished"
+    rewards = run_dir / "iter_1" / "rewards.jsonl"
+    assert loop.stale_reason(run_dir, 1, "pairs") == ("its config or inputs changed since it finished "
+                                                      f"(input {rewards} changed)")
     assert loop.output_hint(run_dir, "some error naming no run file") is None
     assert loop.output_hint(run_dir, f"{run_dir}/iter_1/pairs.jsonl: 0 pairs") is None  # no line: not its content
+
+
+def test_a_changed_key_is_named_and_an_old_marker_keeps_the_plain_reason(done_pairs):
+    """``.done`` keeps the config values and one digest per input, so the reason names the key with
+    its old and new value; a marker written before that record gives the reason without the list."""
+    run_dir, _ = done_pairs
+    config = Path(loop.run._stage_entry(run_dir, 1, "pairs")["config"])
+    text = config.read_text()
+    assert "\nmin_margin: " in text  # a top-level key of the pairs stage YAML
+    changed = "\n".join("min_margin: 0.25" if line.startswith("min_margin: ") else line for line in text.splitlines())
+    config.write_text(changed + "\nextra_key: 1\n")
+    why = loop.stale_reason(run_dir, 1, "pairs")
+    assert why.startswith("its config or inputs changed since it finished (")
+    assert "min_margin: 0.0 -> 0.25" in why and "extra_key: (unset) -> 1" in why
+    marker = run_dir / "iter_1" / "pairs.done"
+    old = read_json(marker)
+    del old["config"], old["input_digests"]
+    marker.write_text(json.dumps(old))
+    assert loop.stale_reason(run_dir, 1, "pairs") == "its config or inputs changed since it finished"
+    config.write_text(text)
+    assert loop.check(run_dir, 1, "pairs")

@@ -34,14 +34,67 @@ def _stage_entry(run_dir: Path, i: int, stage: str) -> dict:
     return entries[stage]
 
 
+def _masked_config(run_dir: Path, e: dict) -> str:
+    """The stage YAML's values (not its comments) as sorted JSON, the run dir's own path masked."""
+    values = yaml.safe_load(Path(e["config"]).read_text(encoding="utf-8"))
+    return json.dumps(values, sort_keys=True, ensure_ascii=False).replace(str(run_dir), "<run_dir>")
+
+
 def stage_hash(run_dir: Path, i: int, stage: str) -> str:
     """Hash of a stage's config values (with the run dir's own path masked; launch settings
     included, comments not) and its inputs' content: a run directory moved or copied elsewhere
     resumes where it stopped, and a changed setting of any kind reruns the stage."""
     e = _stage_entry(run_dir, i, stage)
-    values = yaml.safe_load(Path(e["config"]).read_text(encoding="utf-8"))  # values, not the comments
-    config_text = json.dumps(values, sort_keys=True, ensure_ascii=False).replace(str(run_dir), "<run_dir>")
-    return fingerprint({"stage": stage, "config": config_text}, e["inputs"], root=run_dir)
+    return fingerprint({"stage": stage, "config": _masked_config(run_dir, e)}, e["inputs"], root=run_dir)
+
+
+def _hash_parts(run_dir: Path, e: dict) -> dict:
+    """What ``.done`` keeps besides the hash, so that a later check can say what changed: the
+    config values (masked as in :func:`stage_hash`) and one digest per input."""
+    return {"config": json.loads(_masked_config(run_dir, e)),
+            "input_digests": {inp: fingerprint({}, [inp], root=run_dir) for inp in e["inputs"]}}
+
+
+def _flat(d, prefix: str = "") -> dict:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists stay values)."""
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
+    return out
+
+
+def _short(v) -> str:
+    text = json.dumps(v, ensure_ascii=False)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def changed_parts(run_dir: Path, i: int, stage: str) -> list[str]:
+    """What differs between the stage's config and inputs now and when its ``.done`` was written:
+    one phrase per changed config key (``key: old -> new``, dotted for nested keys) and per changed,
+    added or removed input file. Empty when the marker predates this record (then only the hash
+    says that something changed) or nothing differs."""
+    try:
+        done = read_json(_marker(run_dir, i, stage))
+    except (FileNotFoundError, DataError):
+        return []
+    if not isinstance(done, dict) or "config" not in done or "input_digests" not in done:
+        return []
+    now = _hash_parts(run_dir, _stage_entry(run_dir, i, stage))
+    before_c, now_c = _flat(done["config"]), _flat(now["config"])
+    out = [f"{k}: {_short(before_c[k]) if k in before_c else '(unset)'} -> "
+           f"{_short(now_c[k]) if k in now_c else '(unset)'}"
+           for k in sorted(set(before_c) | set(now_c)) if before_c.get(k, ...) != now_c.get(k, ...)]
+    before_i, now_i = done["input_digests"], now["input_digests"]
+    for inp in sorted(set(before_i) | set(now_i)):
+        if inp not in before_i:
+            out.append(f"new input {inp}")
+        elif inp not in now_i:
+            out.append(f"input {inp} no longer used")
+        elif before_i[inp] != now_i[inp]:
+            out.append(f"input {inp} changed")
+    return out
 
 
 def exec_stage(run_dir: Path, i: int, stage: str, overrides: list[str] = (), machine_rank: int = 0,
@@ -358,7 +411,9 @@ def stale_reason(run_dir: Path, i: int, stage: str) -> str | None:
     if not marker.is_file():
         return "not run yet"
     if not is_done(marker, stage_hash(run_dir, i, stage)):
-        return "its config or inputs changed since it finished"
+        parts = changed_parts(run_dir, i, stage)
+        shown = "; ".join(parts[:4]) + (f"; and {len(parts) - 4} more" if len(parts) > 4 else "")
+        return "its config or inputs changed since it finished" + (f" ({shown})" if parts else "")
     missing = [o for o in e["outputs"] if not _output_present(Path(o))]
     if missing:
         return f"its output {missing[0]} is missing"
@@ -409,8 +464,9 @@ def _output_present(path: Path) -> bool:
 
 
 def mark(run_dir: Path, i: int, stage: str, seconds: float) -> None:
-    """Write the stage's ``.done``: its config-and-inputs hash, the size and hash of its outputs and
-    stats file as they are now (:func:`stale_reason` compares them on the next run), the seconds
+    """Write the stage's ``.done``: its config-and-inputs hash (with the config values and one digest
+    per input, so that :func:`changed_parts` can name what changed), the size and hash of its outputs
+    and stats file as they are now (:func:`stale_reason` compares them on the next run), the seconds
     (and ``co_decoded_by`` when another stage's launch decoded its output: its co-decode record,
     removed now). A stage of the evaluation cache (``online_rlhf.eval_cache``) also stores its
     output there.
@@ -426,10 +482,10 @@ def mark(run_dir: Path, i: int, stage: str, seconds: float) -> None:
     record, info, digest = _co_decode_record(run_dir, i, stage), {}, stage_hash(run_dir, i, stage)
     if _record_valid(run_dir, i, stage, digest):  # decoded in another stage's launch (co-decoding)
         info["co_decoded_by"] = read_json(record).get("co_decoded_by")
-    mark_done(_marker(run_dir, i, stage), digest, outputs=_recorded_outputs(run_dir, i, stage),
-              root=run_dir, seconds=round(seconds, 2), **info)
-    record.unlink(missing_ok=True)
     e = _stage_entry(run_dir, i, stage)
+    mark_done(_marker(run_dir, i, stage), digest, outputs=_recorded_outputs(run_dir, i, stage),
+              root=run_dir, seconds=round(seconds, 2), **info, **_hash_parts(run_dir, e))
+    record.unlink(missing_ok=True)
     key = _eval_cache_key(run_dir, i, stage, e, yaml.safe_load(Path(e["config"]).read_text(encoding="utf-8")))
     if key:
         from .. import eval_cache
