@@ -155,6 +155,13 @@ class _GenerationCommon(StageStats):
     # output of the config whose engine this decode reused (its engine_startup_s is then 0.0); None
     # when this config started its own engine
     engine_shared_with: Optional[str] = None
+    # where the shard's wall seconds went (online_rlhf.stages.generate.PHASES, in that order): process
+    # (interpreter start and imports until the stage's code runs; 0.0 for a later config of a
+    # co-decoded shard), prompts (prompt set, tokenizer, chat template, resume check), engine_import
+    # (importing vLLM's engine; ~0 once imported), engine_start (vLLM's LLM(): config, model load,
+    # KV cache; 0.0 on a shared engine), decode, write (records, stats, output file). The merged
+    # stats hold each phase's largest shard value. None in stats written before the key existed.
+    phase_s: Optional[dict[str, float]] = None
 
 
 class GenerateShardStats(_GenerationCommon):

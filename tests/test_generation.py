@@ -206,6 +206,11 @@ def test_records_have_k_responses_finish_reasons_and_task_fields(policy, tmp_pat
     assert stats.finish_reasons == {"length": 3, "stop": 6} and stats.records_out == 3
     assert stats.prompts_all_distinct == 3 and stats.mean_response_tokens == 4.0
     assert stats.prompt_tokens == sum(len(ids) for ids in calls[0]["prompt_ids"])  # each prompt once, not K times
+    # where the seconds went: the fake engine's 1 s start (no vLLM import: it builds no engine), its 2 s
+    # decode, and this test process's age as the process phase
+    assert list(stats.phase_s) == list(generate.PHASES)
+    assert (stats.phase_s["engine_import"], stats.phase_s["engine_start"], stats.phase_s["decode"]) == (0.0, 1.0, 2.0)
+    assert stats.phase_s["process"] > 0 and stats.phase_s["prompts"] >= 0 and stats.phase_s["write"] >= 0
 
 
 def test_save_token_ids_writes_the_ids_the_engine_got_and_sampled(policy, tmp_path, monkeypatch):
@@ -316,6 +321,7 @@ def fake_shards(tmp_path: Path, prompts: Path, w: int, skipped: dict[str, str] =
         write_jsonl(path, recs)
         example_stats(GenerateShardStats,
             shard_index=r, num_shards=w, generation_s=1.0 + r, engine_startup_s=20.0,
+            phase_s={ph: float(r) if ph == "decode" else 5.0 - r for ph in generate.PHASES},
             special_token_text={"prompts": r, "responses": 2 * r}, response_ids_differ_from_text=1, prompt_tokens=10 + r,
             skipped_ids={i: why for i, why in skipped.items() if i in {p["id"] for p in rows[r::w]}}).write(stats_path(path))
     return GenerateConfig.from_dict({"prompts": str(prompts), "output": str(tmp_path / "generated.jsonl"),
@@ -336,6 +342,7 @@ def test_merge_keeps_prompt_order_and_counts_skipped(tmp_path, w):
     assert stats.special_token_text == {"prompts": n, "responses": 2 * n}
     assert stats.response_ids_differ_from_text == w
     assert stats.prompt_tokens == sum(10 + r for r in range(w))  # prefilled tokens add up over shards
+    assert stats.phase_s == {ph: float(w - 1) if ph == "decode" else 5.0 for ph in generate.PHASES}  # each phase's max
 
 
 def test_merge_stats_count_blank_lines_and_removed_assistant_turns_of_the_prompt_file(tmp_path, capsys):
@@ -668,3 +675,44 @@ def test_vllm_dry_run_generates_max_tokens_and_writes_no_output(tmp_path):
     assert not out.exists() and not stats_path(out).exists()
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["generated", "generated.jsonl.dry_run.json"]
     assert not list((tmp_path / "run" / "generated").glob("shard_*.jsonl*"))  # only its config and log
+
+
+# ---------------------------------------------------------------- start-up cuts (issue 27, item 4)
+
+def test_a_cpu_build_of_torch_is_told_from_its_files_without_importing_it(tmp_path, monkeypatch):
+    """The launcher reads torch's lib folder: no CUDA/ROCm library -> no GPUs, and torch stays unimported."""
+    import importlib.util
+
+    pkg = tmp_path / "torch"
+    (pkg / "lib").mkdir(parents=True)
+    (pkg / "lib" / "libtorch_cpu.so").write_bytes(b"")
+    spec = SimpleNamespace(submodule_search_locations=[str(pkg)])
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec if name == "torch" else None)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert launch.torch_gpu_build() is False and launch.gpu_ids() == []
+    assert "torch" not in sys.modules
+    for name in ("libtorch_cuda.so", "libtorch_hip.so"):
+        (pkg / "lib" / name).write_bytes(b"")
+        assert launch.torch_gpu_build() is True
+        (pkg / "lib" / name).unlink()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert launch.torch_gpu_build() is False  # not installed
+
+
+@pytest.mark.parametrize("engine_started", [True, False])
+def test_a_shard_with_an_in_process_engine_exits_without_the_interpreter_teardown(tmp_path, engine_started):
+    """exit_without_teardown ends the process with status 0 and flushed output, skipping exit
+    handlers, only when an engine ran in the process; otherwise the process exits as usual."""
+    marker = tmp_path / "atexit_ran"
+    code = (f"import atexit, pathlib\n"
+            f"from online_rlhf.stages import generate\n"
+            f"atexit.register(lambda: pathlib.Path({str(marker)!r}).write_text('ran'))\n"
+            f"generate._IN_PROCESS_ENGINE_STARTED = {engine_started}\n"
+            f"print('written', end='')\n"
+            f"generate.exit_without_teardown()\n"
+            f"print(' and returned', end='')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == ("written" if engine_started else "written and returned")
+    assert marker.exists() is (not engine_started)

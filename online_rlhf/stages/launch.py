@@ -74,9 +74,34 @@ GENERATE = "online_rlhf.stages.generate"  # run as a module: python -m
 LOG_TAIL_LINES = 40
 
 
+def torch_gpu_build() -> bool:
+    """Whether the installed torch can drive a GPU, read off its files without importing it (an
+    import costs 2-3 s per launch on a CPU): a CUDA or ROCm build ships ``libtorch_cuda``/``libc10_cuda``
+    or ``libtorch_hip`` in ``torch/lib``, a CPU build none of them. True when torch is already
+    imported or its folder cannot be read (then :func:`gpu_ids` asks torch itself); False when
+    torch is not installed."""
+    import importlib.util
+
+    if "torch" in sys.modules:
+        return True
+    spec = importlib.util.find_spec("torch")
+    if spec is None:
+        return False
+    if not spec.submodule_search_locations:
+        return True
+    lib = Path(next(iter(spec.submodule_search_locations))) / "lib"
+    if not lib.is_dir():
+        return True
+    return any(lib.glob("libtorch_cuda*")) or any(lib.glob("libc10_cuda*")) or any(lib.glob("libtorch_hip*"))
+
+
+POLL_S = 0.1  # how often the launcher looks whether a shard has exited
+
+
 def gpu_ids() -> list[str]:
-    """Visible GPU ids as ``CUDA_VISIBLE_DEVICES`` entries; ``[]`` on a CPU-only machine."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+    """Visible GPU ids as ``CUDA_VISIBLE_DEVICES`` entries; ``[]`` on a CPU-only machine (a CPU
+    build of torch: :func:`torch_gpu_build`; torch is then not imported)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "" or not torch_gpu_build():
         return []
     try:
         import torch
@@ -239,7 +264,7 @@ def _run_shard_processes(cfg: GenerateConfig, companions: list[GenerateConfig]) 
         failed, running = [], list(procs)
         next_progress = PROGRESS_EVERY_S
         while running:
-            time.sleep(1)
+            time.sleep(POLL_S)
             for item in list(running):
                 r, p, log_path = item
                 if p.poll() is not None:

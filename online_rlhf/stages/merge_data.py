@@ -148,6 +148,8 @@ def merge_shards(cfg: GenerateConfig) -> GenerateStats:
         shards=[ShardSummary(**{k: getattr(s, k) for k in ShardSummary.model_fields}) for s in shard_stats],
         prompts_blank_lines=prompt_counts.blank_lines,
         prompts_assistant_turns_removed=prompt_counts.assistant_turns_removed,
+        phase_s=({k: max(s.phase_s[k] for s in shard_stats) for k in shard_stats[0].phase_s}
+                 if shard_stats and all(s.phase_s for s in shard_stats) else None),
     )
     write_jsonl(cfg.output, records)
     stats.write(stats_path(cfg.output))
