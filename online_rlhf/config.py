@@ -205,9 +205,12 @@ def did_you_mean(key: str, known) -> str:
 
 
 def format_validation_error(err: ValidationError, cls: type[BaseModel], source: str) -> str:
-    """Turn pydantic's error into lines that name the key, what is wrong and the fix."""
-    lines = [f"invalid config for {cls.__name__} (from {source}):"]
-    for e in err.errors():
+    """Turn pydantic's error into lines that name the key, what is wrong and the fix, in the form the
+    loop's section check uses (``online_rlhf.loop_keys.check_loop_keys``): ``SOURCE: N problem(s) in
+    the config (CLASS):`` and then ``  - key: what is wrong.`` per problem."""
+    errors = err.errors()
+    lines = [f"{source}: {len(errors)} problem(s) in the config ({cls.__name__}):"]
+    for e in errors:
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
         if e["type"] == "extra_forbidden":
             model = cls
@@ -217,7 +220,7 @@ def format_validation_error(err: ValidationError, cls: type[BaseModel], source: 
                 ann = getattr(f, "annotation", None) if f else None
                 model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else model
             known = sorted(model.model_fields)
-            lines.append(f"  - unknown key {key!r}.{did_you_mean(e['loc'][-1], known)} Known keys: {', '.join(known)}.")
+            lines.append(f"  - {key}: unknown key.{did_you_mean(e['loc'][-1], known)} Known keys: {', '.join(known)}.")
         elif e["type"] == "value_error" and isinstance(e.get("input"), dict):
             # a check across keys (a model validator): its message names the keys and values itself;
             # the input is the whole mapping, not one offending value
