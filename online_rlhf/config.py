@@ -221,6 +221,8 @@ def format_validation_error(err: ValidationError, cls: type[BaseModel], source: 
                 model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else model
             known = sorted(model.model_fields)
             lines.append(f"  - {key}: unknown key.{did_you_mean(e['loc'][-1], known)} Known keys: {', '.join(known)}.")
+        elif e["type"] == "missing":
+            lines.append(f"  - {key}: required, not set. Set it in the config file or as {key}=VALUE.")
         elif e["type"] == "value_error" and isinstance(e.get("input"), dict):
             # a check across keys (a model validator): its message names the keys and values itself;
             # the input is the whole mapping, not one offending value

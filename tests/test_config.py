@@ -41,6 +41,16 @@ def test_unknown_key_names_the_key_and_suggests(tmp_path):
     assert "temprature" in msg and "temperature" in msg and str(p) in msg
 
 
+def test_a_missing_required_key_says_how_to_set_it_and_a_typo_of_it_is_named():
+    with pytest.raises(ConfigError) as e:
+        GenerateConfig.from_cli(["prompts=p.jsonl", "outptu=o.jsonl"])
+    msg = str(e.value)
+    assert "2 problem(s) in the config (GenerateConfig):" in msg
+    assert "  - output: required, not set. Set it in the config file or as output=VALUE." in msg
+    assert "  - outptu: unknown key. Did you mean 'output'?" in msg
+    assert "got {" not in msg  # not the whole mapping as the offending value
+
+
 def test_wrong_type_names_the_key():
     with pytest.raises(ConfigError, match=r"k:.*integer"):
         GenerateConfig.from_cli(["prompts=p", "output=o", "k=many"])

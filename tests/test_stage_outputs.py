@@ -75,6 +75,9 @@ def test_same_size_edit_and_stats_edit_are_seen_too(done_pairs):
     st = stats_path(pairs)
     st.write_text(st.read_text().replace('"pairs_out": 4', '"pairs_out": 5'))
     assert "pairs.jsonl.stats.json" in loop.stale_reason(run_dir, 1, "pairs")
+    st.write_text(st.read_text().replace('"pairs_out": 5', '"pairs_out": "many"'))
+    why = loop.stale_reason(run_dir, 1, "pairs")  # a stats file its class refuses: the reason says why
+    assert why.startswith(f"its stats file {st} is not valid (") and "'pairs_out'" in why
 
 
 def test_done_records_size_and_hash_and_a_marker_without_them_is_still_read(done_pairs):
@@ -113,6 +116,20 @@ def test_a_changed_key_is_named_and_an_old_marker_keeps_the_plain_reason(done_pa
     why = loop.stale_reason(run_dir, 1, "pairs")
     assert why.startswith("its config or inputs changed since it finished (")
     assert "min_margin: 0.0 -> 0.25" in why and "extra_key: (unset) -> 1" in why
+    # the same number written otherwise hashes apart, so it is named too
+    config.write_text(text.replace("\nmin_margin: 0.0", "\nmin_margin: 0"))
+    assert loop.stale_reason(run_dir, 1, "pairs").endswith("(min_margin: 0.0 -> 0)")
+    # many changes: four in full, the rest by name
+    many = "".join(f"extra_{j}: {j}\n" for j in range(6))
+    config.write_text(text + many)
+    assert loop.stale_reason(run_dir, 1, "pairs").endswith("; and 2 more: extra_4, extra_5)")
+    rewards = run_dir / "iter_1" / "rewards.jsonl"
+    saved = rewards.read_bytes()
+    rewards.unlink()
+    config.write_text(text)
+    assert loop.stale_reason(run_dir, 1, "pairs").endswith(f"(input {rewards} is missing)")
+    rewards.write_bytes(saved)
+    config.write_text(changed + "\nextra_key: 1\n")
     marker = run_dir / "iter_1" / "pairs.done"
     old = read_json(marker)
     del old["config"], old["input_digests"]

@@ -55,26 +55,34 @@ def _hash_parts(run_dir: Path, e: dict) -> dict:
             "input_digests": {inp: fingerprint({}, [inp], root=run_dir) for inp in e["inputs"]}}
 
 
-def _flat(d, prefix: str = "") -> dict:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists stay values)."""
-    if not isinstance(d, dict):
-        return {prefix: d}
-    out = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
-    return out
+def _diff(before, now, prefix: str = "") -> list[str]:
+    """``key: old -> new`` per differing value of two config mappings, nested mappings walked with
+    dotted keys; a value compares by its JSON text, so ``0.0`` and ``0`` differ (they hash apart)."""
+    if isinstance(before, dict) and isinstance(now, dict) and (before or now):
+        out = []
+        for k in sorted(set(before) | set(now), key=str):
+            out += _diff(before.get(k, _UNSET), now.get(k, _UNSET), f"{prefix}{k}.")
+        return out
+    if _short(before) == _short(now) and json.dumps(before) == json.dumps(now):
+        return []
+    return [f"{prefix.rstrip('.')}: {_short(before)} -> {_short(now)}"]
+
+
+_UNSET = object()
 
 
 def _short(v) -> str:
+    if v is _UNSET:
+        return "(unset)"
     text = json.dumps(v, ensure_ascii=False)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
 def changed_parts(run_dir: Path, i: int, stage: str) -> list[str]:
     """What differs between the stage's config and inputs now and when its ``.done`` was written:
-    one phrase per changed config key (``key: old -> new``, dotted for nested keys) and per changed,
-    added or removed input file. Empty when the marker predates this record (then only the hash
-    says that something changed) or nothing differs."""
+    one phrase per changed config key (``key: old -> new``, dotted for nested keys, ``(unset)`` for
+    an added or removed key) and per changed, missing, added or removed input. Empty when the marker
+    predates this record (then only the hash says that something changed) or nothing differs."""
     try:
         done = read_json(_marker(run_dir, i, stage))
     except (FileNotFoundError, DataError):
@@ -82,16 +90,15 @@ def changed_parts(run_dir: Path, i: int, stage: str) -> list[str]:
     if not isinstance(done, dict) or "config" not in done or "input_digests" not in done:
         return []
     now = _hash_parts(run_dir, _stage_entry(run_dir, i, stage))
-    before_c, now_c = _flat(done["config"]), _flat(now["config"])
-    out = [f"{k}: {_short(before_c[k]) if k in before_c else '(unset)'} -> "
-           f"{_short(now_c[k]) if k in now_c else '(unset)'}"
-           for k in sorted(set(before_c) | set(now_c)) if before_c.get(k, ...) != now_c.get(k, ...)]
+    out = _diff(done["config"], now["config"])
     before_i, now_i = done["input_digests"], now["input_digests"]
     for inp in sorted(set(before_i) | set(now_i)):
         if inp not in before_i:
             out.append(f"new input {inp}")
         elif inp not in now_i:
             out.append(f"input {inp} no longer used")
+        elif not Path(inp).exists():
+            out.append(f"input {inp} is missing")
         elif before_i[inp] != now_i[inp]:
             out.append(f"input {inp} changed")
     return out
@@ -412,15 +419,21 @@ def stale_reason(run_dir: Path, i: int, stage: str) -> str | None:
         return "not run yet"
     if not is_done(marker, stage_hash(run_dir, i, stage)):
         parts = changed_parts(run_dir, i, stage)
-        shown = "; ".join(parts[:4]) + (f"; and {len(parts) - 4} more" if len(parts) > 4 else "")
+        shown = "; ".join(parts[:4])
+        if len(parts) > 4:  # the rest by name only
+            shown += f"; and {len(parts) - 4} more: " + ", ".join(q.split(":")[0] for q in parts[4:])
         return "its config or inputs changed since it finished" + (f" ({shown})" if parts else "")
     missing = [o for o in e["outputs"] if not _output_present(Path(o))]
     if missing:
         return f"its output {missing[0]} is missing"
     try:
         STAGES[stage].stats.read(stats_path(e["outputs"][0]))
-    except (FileNotFoundError, DataError):
-        return f"its stats file {stats_path(e['outputs'][0])} is missing or not valid"
+    except FileNotFoundError:
+        return f"its stats file {stats_path(e['outputs'][0])} is missing"
+    except DataError as err:
+        path = stats_path(e["outputs"][0])
+        first = str(err).splitlines()[0].removeprefix(f"{path}: ")[:300]
+        return f"its stats file {path} is not valid ({first})"
     try:
         changed = changed_outputs(marker, _recorded_outputs(run_dir, i, stage), root=run_dir)
     except (FileNotFoundError, DataError):
