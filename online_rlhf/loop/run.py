@@ -63,7 +63,7 @@ def _diff(before, now, prefix: str = "") -> list[str]:
         for k in sorted(set(before) | set(now), key=str):
             out += _diff(before.get(k, _UNSET), now.get(k, _UNSET), f"{prefix}{k}.")
         return out
-    if _short(before) == _short(now) and json.dumps(before) == json.dumps(now):
+    if _text(before) == _text(now):
         return []
     return [f"{prefix.rstrip('.')}: {_short(before)} -> {_short(now)}"]
 
@@ -71,10 +71,13 @@ def _diff(before, now, prefix: str = "") -> list[str]:
 _UNSET = object()
 
 
+def _text(v) -> str:
+    """A config value as written in JSON, ``(unset)`` for a key one side lacks."""
+    return "(unset)" if v is _UNSET else json.dumps(v, ensure_ascii=False)
+
+
 def _short(v) -> str:
-    if v is _UNSET:
-        return "(unset)"
-    text = json.dumps(v, ensure_ascii=False)
+    text = _text(v)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
