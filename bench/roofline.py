@@ -25,6 +25,8 @@ Python overhead. The limit is the sustained GFLOP/s of 1024x1024 matmuls on ever
 the stage's dtype (bf16 for ``bfloat16`` and ``+ bf16 autocast``, else fp32), measured now with
 ``bench/bench_matmul.py``'s timer unless given; measure on the machine that made the run.
 
+A line then gives the generation stages' summed wall over their summed decode seconds (what
+process start, imports, engine start and tokenization add), with the shards' ``phase_s`` summed.
 The last lines give the run's compute floor: the sum of every stage's limit time, i.e. the shortest
 wall the run could take on this machine if every model-running stage ran at the matmul limit and
 nothing else took time; the very last line is ``share of the limit: P% (...)``, the floor over the
@@ -127,6 +129,30 @@ def stage_rows(it: Path, iteration: int) -> list[dict]:
     return rows
 
 
+def generation_overhead(iters: list[Path]) -> dict:
+    """The generation stages' wall seconds against their decode seconds, summed over ``iters``.
+
+    Returns ``{"wall_s", "decode_s", "wall_over_decode", "phase_s"}``: the ``<stage>.done`` seconds
+    of every generation stage that has stats (a co-decoded stage's own marker is ~1 s, its decode is
+    in the engine's first stage, so only the sums mean something), the stats' ``generation_s``, their
+    ratio (None without decode seconds), and each ``phase_s`` key summed (stats older than the key add
+    nothing there).
+    """
+    wall = decode = 0.0
+    phases: dict[str, float] = {}
+    for it in iters:
+        for stage, output in GENERATION_STAGES.items():
+            if not stats_path(it / output).exists():
+                continue
+            st = GenerateStats.read(stats_path(it / output))
+            wall += _wall(it, stage) or 0.0
+            decode += st.generation_s or 0.0
+            for k, v in (st.phase_s or {}).items():
+                phases[k] = phases.get(k, 0.0) + v
+    return {"wall_s": wall, "decode_s": decode, "wall_over_decode": wall / decode if decode else None,
+            "phase_s": phases}
+
+
 def measure_limits(given: dict[str, float | None]) -> dict[str, float]:
     """GFLOP/s per dtype on every usable core: ``given`` values, else measured now."""
     out = {}
@@ -188,6 +214,11 @@ def main(argv: list[str] | None = None) -> dict:
     if any(r["share"] is not None and r["share"] > 1.0 for r in rows):
         print("warning: a share above 100%: the limit is lower than the machine reached during the run (measured "
               "under load, or on another machine); give the limit measured where the run ran, idle.", file=sys.stderr)
+    gen = generation_overhead(iters)
+    if gen["decode_s"]:
+        parts = ", ".join(f"{k} {v:.0f} s" for k, v in gen["phase_s"].items() if k != "decode")
+        print(f"generation stages: wall {gen['wall_s']:.0f} s over decode {gen['decode_s']:.0f} s = "
+              f"{gen['wall_over_decode']:.2f}x" + (f" (the shards' other phases, summed: {parts})" if parts else ""))
     walls = [_wall(it, p.name[:-5]) for it in iters for p in it.glob("*.done")]
     run_wall = sum(w for w in walls if w is not None)
     share = floor / run_wall if run_wall else None
@@ -200,7 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
           "share of the limit: unknown (no stage wall seconds)")
     out = {"cpu_model": cpu_model(), "cpu_capability": cpu_capability(), "cores": usable_cores(),
            "limits_gflops": limits, "rows": rows, "compute_floor_s": floor, "stages_wall_s": run_wall,
-           "share_of_limit": share}
+           "share_of_limit": share, "generation": gen}
     if args.json:
         write_json(args.json, out)
     return out

@@ -110,3 +110,21 @@ def test_a_limit_not_above_0_and_a_run_without_stats_are_refused(tmp_path):
 def test_a_share_above_100_percent_is_warned(tmp_path, capsys):
     rl.main([str(make_run(tmp_path)), "--gflops-fp32", "1", "--gflops-bf16", "1"])  # far below what the run reached
     assert "share above 100%" in capsys.readouterr().err
+
+
+def test_generation_wall_over_decode_is_summed_over_stages_and_iterations(tmp_path, capsys):
+    run = make_run(tmp_path)  # iteration 1: generate, wall 30 s, decode 10 s
+    it2 = run / "iter_2"
+    _marker(it2, "generate", 14)
+    example_stats(GenerateStats, generated_tokens=100, generation_s=6.0, prompt_tokens=50,
+                  phase_s={"process": 1.0, "prompts": 2.0, "engine_import": 2.0, "engine_start": 3.0,
+                           "decode": 6.0, "write": 0.0}).write(it2 / "generated.jsonl.stats.json")
+    out = rl.main([str(run), "--gflops-fp32", "100", "--gflops-bf16", "200"])
+    gen = out["generation"]
+    assert (gen["wall_s"], gen["decode_s"]) == (44, 16)
+    assert gen["wall_over_decode"] == pytest.approx(44 / 16)
+    assert gen["phase_s"]["engine_start"] == 3.0  # iteration 1's stats have no phase_s: nothing added
+    printed = capsys.readouterr().out.strip().splitlines()
+    line = next(s for s in printed if s.startswith("generation stages:"))
+    assert "wall 44 s over decode 16 s = 2.75x" in line and "engine_start 3 s" in line
+    assert printed[-1].startswith("share of the limit:")  # still the last line
