@@ -63,6 +63,11 @@ def test_bench_rm_scoring():
     assert "speed-up batched / pipeline" in out
 
 
+def test_bench_reward_server():
+    out = _run("bench_reward_server", "--smoke", "--workers", "2")
+    assert "2 / 1 clients:" in out and "load test passed" in out
+
+
 @pytest.mark.vllm
 @pytest.mark.skipif(not INFER_PY.exists(), reason="no inference env")
 def test_bench_generation(tmp_path):

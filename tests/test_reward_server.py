@@ -50,6 +50,17 @@ def test_split_rewards_keeps_each_request_its_own_items():
         split_rewards([1, 2, 3, 4, 5], [3, 3])
 
 
+def test_max_batch_requests_auto_merges_on_gpu_only_and_0_is_refused():
+    from online_rlhf.stages.reward_server import ServeConfig, batch_requests_for
+
+    cfg = ServeConfig(reward_model="rm")
+    assert cfg.max_batch_requests == "auto"
+    assert (batch_requests_for("auto", on_gpu=True), batch_requests_for("auto", on_gpu=False)) == (16, 1)
+    assert batch_requests_for(ServeConfig(reward_model="rm", max_batch_requests=4).max_batch_requests, False) == 4
+    with pytest.raises(Exception, match="max_batch_requests"):
+        ServeConfig(reward_model="rm", max_batch_requests=0)
+
+
 def test_worker_scores_a_merged_batch_and_a_lone_request(rm_dir, local_rm, monkeypatch):
     from online_rlhf import reward_engine
     from online_rlhf.reward_engine import ENV_SPEC, engine_spec
