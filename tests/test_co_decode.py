@@ -161,11 +161,11 @@ def run1(tmp_path, cache, monkeypatch):
 
 def test_held_out_generation_takes_kl_and_ifeval_along(run1, capsys):
     run = run1.run
-    assert loop_run.co_decode_companions(run, 1, "eval_generate") == ["kl_generate", "ifeval_generate"]
+    assert loop_run.co_decode_companions(run, 1, "eval_generate") == [(1, "kl_generate"), (1, "ifeval_generate")]
     _run_stage(run, 1, "eval_generate")
     assert [Path(c).name for c in run1.fake.calls[0]] == ["eval_generate.yaml", "kl_generate.yaml",
                                                            "ifeval_generate.yaml"]
-    assert "also decodes kl_generate, ifeval_generate" in capsys.readouterr().out
+    assert "also decodes kl_generate, ifeval_generate of iteration 1 with" in capsys.readouterr().out
     for stage in ("kl_generate", "ifeval_generate"):  # recorded, not yet done
         assert (run / "iter_1" / f"{stage}.co_decoded").is_file() and not loop.check(run, 1, stage)
     for stage in ("kl_generate", "ifeval_generate"):  # their turn: nothing runs, then marked as usual
@@ -212,7 +212,7 @@ def test_an_interrupted_co_decode_marks_and_records_nothing_it_did_not_write(run
     for stage in STAGES3:  # the loop stops there: nothing marked, nothing recorded
         assert not loop.check(run, 1, stage)
         assert not (run / "iter_1" / f"{stage}.co_decoded").exists()
-    assert "kl_generate was not written by this launch" in capsys.readouterr().out
+    assert "kl_generate of iteration 1 was not written by this launch" in capsys.readouterr().out
     # the rerun launches the three again
     run1.fake.write, run1.fake.rc = None, 0
     for stage in STAGES3:
@@ -253,22 +253,54 @@ def test_co_decode_false_or_a_missing_input_or_other_engine_settings_launch_alon
     assert "its input" in capsys.readouterr().out
     _fake_model(run / "iter_1" / "model", b"w1")
     _plan(tmp, "generation.max_model_len=1024", "ifeval.max_tokens=99")  # all three change alike: still together
-    assert loop_run.co_decode_companions(run, 1, "eval_generate") == ["kl_generate", "ifeval_generate"]
+    assert loop_run.co_decode_companions(run, 1, "eval_generate") == [(1, "kl_generate"), (1, "ifeval_generate")]
     _plan(tmp, "generation_shards=2")  # a sampled stage cannot join an engine in processes of its own
-    assert loop_run.co_decode_companions(run, 1, "eval_generate") == ["ifeval_generate"]
-    assert "kl_generate runs with its own engine start: it samples" in capsys.readouterr().out
+    assert loop_run.co_decode_companions(run, 1, "eval_generate") == [(1, "ifeval_generate")]
+    assert "kl_generate of iteration 1 runs with its own engine start: it samples" in capsys.readouterr().out
 
 
 def test_iteration_0_takes_along_only_what_the_evaluation_cache_does_not_hold(run1, capsys):
     run = run1.run
-    assert loop_run.co_decode_companions(run, 0, "eval_generate") == ["ifeval_generate"]  # no KL at iteration 0
+    # no KL at iteration 0; iteration 1's rollouts sample from the same starting policy
+    assert loop_run.co_decode_companions(run, 0, "eval_generate") == [(0, "ifeval_generate"), (1, "generate")]
     for stage in ("eval_generate", "ifeval_generate"):
         _run_stage(run, 0, stage)
+    _run_stage(run, 1, "generate")
     assert len(run1.fake.calls) == 1
     other = _plan(run1.tmp, "seed=5", name="r2")  # another seed of the same starting policy
     assert loop_run.co_decode_companions(other, 0, "eval_generate") == []  # both from the cache
     loop.exec_stage(other, 0, "eval_generate")
     assert "reused" in capsys.readouterr().out and len(run1.fake.calls) == 1
+
+
+def test_the_next_iterations_rollouts_join_the_evaluation_of_the_policy_they_sample(tmp_path, cache, monkeypatch,
+                                                                                     capsys):
+    monkeypatch.chdir(tmp_path)
+    run = _plan(tmp_path, "iterations=2")
+    _fake_model(run / "iter_1" / "model", b"w1")
+    fake = FakeLauncher()
+    monkeypatch.setattr("online_rlhf.procs.start_guarded", fake)
+    monkeypatch.setattr(os, "execve", lambda path, argv, env: fake(argv))
+    # iteration 2 samples from iteration 1's model, the one iteration 1 evaluates
+    assert loop_run.co_decode_companions(run, 1, "eval_generate") == [(1, "kl_generate"), (1, "ifeval_generate"),
+                                                                       (2, "generate")]
+    _run_stage(run, 1, "eval_generate")
+    assert "also decodes kl_generate, ifeval_generate of iteration 1 and generate of iteration 2" in \
+        capsys.readouterr().out
+    assert [Path(c).parent.parent.name + "/" + Path(c).name for c in fake.calls[0]][-1] == "iter_2/generate.yaml"
+    for stage in ("kl_generate", "ifeval_generate"):
+        _run_stage(run, 1, stage)
+    _run_stage(run, 2, "generate")  # its turn: nothing runs
+    out = capsys.readouterr().out
+    assert "stage generate of iteration 2: decoded in the engine start of stage eval_generate of iteration 1" in out
+    done = read_json(run / "iter_2" / "generate.done")
+    assert (done["co_decoded_by"], done["co_decoded_iteration"]) == ("eval_generate", 1)
+    assert len(fake.calls) == 1 and loop.check(run, 2, "generate")
+    # a rollout setting changed after the launch: the record no longer holds, the rollouts rerun alone
+    _plan(tmp_path, "iterations=2", "generation.max_tokens=33")
+    assert not loop.check(run, 2, "generate")
+    _run_stage(run, 2, "generate")
+    assert [Path(c).name for c in fake.calls[1]] == ["generate.yaml"]
 
 
 # ---------------------------------------------------------------- real engines (tiny random policy)
@@ -287,14 +319,15 @@ def _loop(*args: str, env: dict) -> subprocess.CompletedProcess:
 
 
 def _run_iteration_1(run: Path, env: dict) -> str:
-    """eval_generate, kl_generate, ifeval_generate of iteration 1 as run_loop.sh runs them; their logs."""
+    """eval_generate, kl_generate, ifeval_generate of iteration 1, then iteration 2's generate, as
+    run_loop.sh runs them; their logs."""
     logs = []
-    for stage in STAGES3:
-        if subprocess.run([sys.executable, "-m", "online_rlhf.loop", "check", str(run), "1", stage], cwd=ROOT,
+    for i, stage in [*((1, s) for s in STAGES3), (2, "generate")]:
+        if subprocess.run([sys.executable, "-m", "online_rlhf.loop", "check", str(run), str(i), stage], cwd=ROOT,
                           env=env, capture_output=True).returncode == 0:
             continue
-        logs.append(_loop("exec", str(run), "1", stage, env=env).stdout)
-        _loop("mark", str(run), "1", stage, "1", env=env)
+        logs.append(_loop("exec", str(run), str(i), stage, env=env).stdout)
+        _loop("mark", str(run), str(i), stage, "1", env=env)
     return "\n".join(logs)
 
 
@@ -307,7 +340,7 @@ def real(tmp_path_factory):
         env.pop(var, None)
     runs = {}
     for name, extra in (("together", []), ("apart", ["co_decode=false"])):
-        run = _plan(tmp, *SMALL, *extra, policy=policy, name=name)
+        run = _plan(tmp, *SMALL, "iterations=2", *extra, policy=policy, name=name)
         shutil.copytree(policy, run / "iter_1" / "model")  # as if DPO had saved the policy unchanged
         runs[name] = (run, _run_iteration_1(run, env))
     return SimpleNamespace(tmp=tmp, policy=policy, env=env, runs=runs)
@@ -317,11 +350,15 @@ def real(tmp_path_factory):
 @needs_infer
 def test_co_decoded_outputs_equal_separate_launches(real):
     (together, log_t), (apart, log_a) = real.runs["together"], real.runs["apart"]
-    assert "also decodes kl_generate, ifeval_generate" in log_t and "nothing to run" in log_t
+    assert "also decodes kl_generate, ifeval_generate of iteration 1 and generate of iteration 2" in log_t
+    assert "stage generate of iteration 2: decoded in the engine start of stage eval_generate of iteration 1" in log_t
     assert "co-decoding" not in log_a
-    for out in ("eval_generated.jsonl", "kl_generated.jsonl", "ifeval_generated.jsonl"):
-        a, b = read_jsonl(together / "iter_1" / out), read_jsonl(apart / "iter_1" / out)
-        assert a == b, out  # the sampled KL answers too: each config's seed is restored before it decodes
+    for out in ("iter_1/eval_generated.jsonl", "iter_1/kl_generated.jsonl", "iter_1/ifeval_generated.jsonl",
+                "iter_2/generated.jsonl"):
+        a, b = read_jsonl(together / out), read_jsonl(apart / out)
+        assert a == b, out  # the sampled KL answers and rollouts too: each config's seed is restored first
+    rollouts = read_jsonl(together / "iter_2" / "generated.jsonl")
+    assert all(len(r["responses"]) > 1 for r in rollouts) and len({s for r in rollouts for s in r["responses"]}) > 1
     kl = read_jsonl(together / "iter_1" / "kl_generated.jsonl")
     assert len({s for r in kl for s in r["responses"]}) > 1  # sampled, not one repeated string
     eval_st = GenerateStats.read(stats_path(together / "iter_1" / "eval_generated.jsonl"))
@@ -334,11 +371,11 @@ def test_co_decoded_outputs_equal_separate_launches(real):
 @needs_infer
 def test_real_rerun_decodes_nothing_and_a_new_ifeval_setting_decodes_only_ifeval(real):
     run, _ = real.runs["together"]
-    _plan(real.tmp, *SMALL, policy=real.policy, name="together")
+    _plan(real.tmp, *SMALL, "iterations=2", policy=real.policy, name="together")
     assert _run_iteration_1(run, real.env) == ""  # every stage fresh: no exec at all
     before = {s: read_json(run / "iter_1" / f"{s}.done") for s in STAGES3}
     over = [o for o in SMALL if not o.startswith("ifeval.max_tokens")] + ["ifeval.max_tokens=14"]
-    _plan(real.tmp, *over, policy=real.policy, name="together")
+    _plan(real.tmp, *over, "iterations=2", policy=real.policy, name="together")
     log = _run_iteration_1(run, real.env)
     assert "co-decoding" not in log and "/ifeval_generate.yaml" in log and "/eval_generate.yaml" not in log
     for s in ("eval_generate", "kl_generate"):

@@ -123,8 +123,8 @@ def exec_stage(run_dir: Path, i: int, stage: str, overrides: list[str] = (), mac
     Co-decoding (machine 0, no overrides; :func:`co_decode_companions`): a generation stage whose
     output an earlier stage's launch already wrote for its current hash runs nothing
     (:func:`_co_decoded_before`); one that launches takes the later generation stages of the
-    iteration that can share its engine along, runs the launcher as a child instead of replacing
-    this process, and records their outputs (:func:`_co_decode`).
+    iteration (and the next iteration's rollouts) that can share its engine along, runs the launcher
+    as a child instead of replacing this process, and records their outputs (:func:`_co_decode`).
 
     Args:
         overrides: ``key=value`` arguments appended to the stage's command (e.g. ``dry_run=true``);
@@ -158,7 +158,7 @@ def exec_stage(run_dir: Path, i: int, stage: str, overrides: list[str] = (), mac
     argv, env = launch_command(STAGES[stage], e["config"], d, machine_rank=machine_rank, launcher=launcher,
                                extra=list(overrides))
     if companions:
-        argv = [*argv, *(a for c in companions for a in ("--config", _stage_entry(run_dir, i, c)["config"]))]
+        argv = [*argv, *(a for ci, c in companions for a in ("--config", _stage_entry(run_dir, ci, c)["config"]))]
     print("+ " + " ".join([*(f"{k}={v}" for k, v in env.items()), *map(shlex.quote, argv)]), flush=True)
     os.chdir(PROJECT_ROOT)
     if companions:
@@ -204,21 +204,27 @@ def _co_decoded_before(run_dir: Path, i: int, stage: str) -> bool:
     current config and inputs (:func:`_record_valid`): nothing to run; ``loop mark`` then marks it."""
     if not _record_valid(run_dir, i, stage):
         return False
-    by = read_json(_co_decode_record(run_dir, i, stage)).get("co_decoded_by")
-    print(f"stage {stage} of iteration {i}: decoded in the engine start of stage {by} of this iteration for its "
-          f"current config and inputs (log {run_dir / f'iter_{i}' / 'logs' / f'{by}.log'}); nothing to run "
+    record = read_json(_co_decode_record(run_dir, i, stage))
+    by, at = record.get("co_decoded_by"), int(record.get("co_decoded_iteration", i))
+    where = "this iteration" if at == i else f"iteration {at}"
+    print(f"stage {stage} of iteration {i}: decoded in the engine start of stage {by} of {where} for its "
+          f"current config and inputs (log {run_dir / f'iter_{at}' / 'logs' / f'{by}.log'}); nothing to run "
           "(co_decode=false runs each generation stage with its own engine start)", flush=True)
     return True
 
 
-def co_decode_companions(run_dir: Path, i: int, stage: str) -> list[str]:
+def co_decode_companions(run_dir: Path, i: int, stage: str) -> list[tuple[int, str]]:
     """The stages whose outputs ``stage``'s launch also decodes, with one engine start
-    (``online_rlhf.co_decode``): the later stages of iteration ``i`` that run the same entry script
-    (the generation launcher), are stale, hold no valid co-decode record, are not served by the
-    evaluation cache, whose inputs exist already, and whose engine settings equal ``stage``'s
-    (:func:`online_rlhf.co_decode.refusal`). Empty when the row is not the generation launcher's,
-    when the run turned co-decoding off (:func:`co_decode_enabled`), or when ``stage`` itself is
-    served by the cache. Prints why each candidate that cannot join runs with its own engine start.
+    (``online_rlhf.co_decode``), as ``(iteration, stage)`` in run order. Candidates: the later stages
+    of iteration ``i`` that run the same entry script (the generation launcher), then the generation
+    stages that open iteration ``i + 1`` (its rollouts, ``generate``: they sample from the policy
+    iteration ``i`` evaluates, so they join when the model is the same). A candidate joins when it is
+    stale, holds no valid co-decode record, is not served by the evaluation cache, its inputs exist
+    already, and its engine settings equal ``stage``'s (:func:`online_rlhf.co_decode.refusal`). Empty
+    when the row is not the generation launcher's, when the run turned co-decoding off
+    (:func:`co_decode_enabled`), or when ``stage`` itself is served by the cache. Prints why each
+    candidate of iteration ``i`` that cannot join runs with its own engine start (a next-iteration
+    one with another model is left out without a word: it samples from the policy trained next).
     """
     from .. import eval_cache
     from ..co_decode import engine_in_process, refusal
@@ -227,38 +233,51 @@ def co_decode_companions(run_dir: Path, i: int, stage: str) -> list[str]:
     if row.entry != "generation/launch.py" or not co_decode_enabled(_run_config(run_dir)):
         return []
     names = list(read_json(run_dir / f"iter_{i}" / "plan.json"))
-    later = [n for n in names[names.index(stage) + 1:] if STAGES[n].entry == row.entry]
+    later = [(i, n) for n in names[names.index(stage) + 1:] if STAGES[n].entry == row.entry]
+    nxt = run_dir / f"iter_{i + 1}" / "plan.json"
+    for n in (list(read_json(nxt)) if nxt.is_file() else []):
+        if STAGES[n].entry != row.entry:
+            break  # only the stages that open the next iteration: the rest need its trained model
+        later.append((i + 1, n))
     if not later:
         return []
-    d = yaml.safe_load(Path(_stage_entry(run_dir, i, stage)["config"]).read_text(encoding="utf-8"))
+    own = _stage_entry(run_dir, i, stage)
+    d = yaml.safe_load(Path(own["config"]).read_text(encoding="utf-8"))
+    key = _eval_cache_key(run_dir, i, stage, own, d)
+    if key and eval_cache.lookup(key) is not None:
+        return []  # its turn copies it from the evaluation cache: no engine starts
     from ..stages.launch import gpu_ids
 
     in_process = engine_in_process(int(d.get("num_shards") or 1), int(d.get("tensor_parallel_size") or 1), gpu_ids())
     out = []
-    for name in later:
-        e = _stage_entry(run_dir, i, name)
+    for ci, name in later:
+        e = _stage_entry(run_dir, ci, name)
         dn = yaml.safe_load(Path(e["config"]).read_text(encoding="utf-8"))
-        if stale_reason(run_dir, i, name) is None or _record_valid(run_dir, i, name):
+        if ci != i and dn.get("model") != d.get("model"):
+            continue  # the next iteration samples from another policy
+        if stale_reason(run_dir, ci, name) is None or _record_valid(run_dir, ci, name):
             continue  # done, or decoded by an earlier launch
-        key = _eval_cache_key(run_dir, i, name, e, dn)
+        key = _eval_cache_key(run_dir, ci, name, e, dn)
         if key and eval_cache.lookup(key) is not None:
             continue  # its turn copies it from the evaluation cache
         missing = [p for p in e["inputs"] if not _output_present(Path(p))]
         why = (f"its input {missing[0]} does not exist yet" if missing
                else refusal(d, dn, in_process))
         if why:
-            print(f"co-decoding: stage {name} runs with its own engine start: {why}.", flush=True)
+            print(f"co-decoding: stage {name} of iteration {ci} runs with its own engine start: {why}.", flush=True)
             continue
-        out.append(name)
+        out.append((ci, name))
     if out:
-        print(f"co-decoding: stage {stage} also decodes {', '.join(out)} of iteration {i} with the same engine "
-              "start (each keeps its own output, stats and .done)", flush=True)
+        said = [", ".join(n for ci, n in out if ci == it) + f" of iteration {it}" for it in sorted({ci for ci, _ in out})]
+        print(f"co-decoding: stage {stage} also decodes {' and '.join(said)} with the same engine start (each keeps "
+              "its own output, stats and .done)", flush=True)
     return out
 
 
-def _co_decode(run_dir: Path, i: int, stage: str, companions: list[str], argv: list[str], env: dict) -> None:
-    """Run the launcher for ``stage`` and its ``companions`` as a child (killed with this process),
-    then record each companion whose output it wrote (:func:`_co_decode_record`, with the hash of
+def _co_decode(run_dir: Path, i: int, stage: str, companions: list[tuple[int, str]], argv: list[str],
+               env: dict) -> None:
+    """Run the launcher for ``stage`` and its ``companions`` (``(iteration, stage)`` pairs) as a child
+    (killed with this process), then record each companion whose output it wrote (:func:`_co_decode_record`, with the hash of
     the companion's config and inputs taken before the launch). Each companion's record, output and
     stats are removed first (the companion is stale: they are rewritten or it runs alone), so a
     record only ever names an output this launch wrote; an interrupted launch leaves none.
@@ -270,25 +289,26 @@ def _co_decode(run_dir: Path, i: int, stage: str, companions: list[str], argv: l
     from ..stages.launch import LATER_CONFIG_FAILED
 
     hashes = {}
-    for c in companions:
-        _co_decode_record(run_dir, i, c).unlink(missing_ok=True)
-        for o in _recorded_outputs(run_dir, i, c):
+    for ci, c in companions:
+        _co_decode_record(run_dir, ci, c).unlink(missing_ok=True)
+        for o in _recorded_outputs(run_dir, ci, c):
             Path(o).unlink(missing_ok=True)
-        hashes[c] = stage_hash(run_dir, i, c)
+        hashes[ci, c] = stage_hash(run_dir, ci, c)
     t0 = time.monotonic()
     exe = argv[0] if os.sep in argv[0] else _which(argv[0])
     rc = start_guarded([exe, *argv[1:]], env={**os.environ, **env}).wait()
     seconds = round(time.monotonic() - t0, 2)
-    for c in companions:
-        outs = _stage_entry(run_dir, i, c)["outputs"]
+    for ci, c in companions:
+        outs = _stage_entry(run_dir, ci, c)["outputs"]
         try:
             STAGES[c].stats.read(stats_path(outs[0]))
         except (FileNotFoundError, DataError):
-            print(f"co-decoding: stage {c} was not written by this launch; it runs alone at its turn.", flush=True)
+            print(f"co-decoding: stage {c} of iteration {ci} was not written by this launch; it runs alone at its "
+                  "turn.", flush=True)
             continue
         if all(_output_present(Path(o)) for o in outs):
-            mark_done(_co_decode_record(run_dir, i, c), hashes[c], outputs=_recorded_outputs(run_dir, i, c),
-                      root=run_dir, co_decoded_by=stage, launch_seconds=seconds)
+            mark_done(_co_decode_record(run_dir, ci, c), hashes[ci, c], outputs=_recorded_outputs(run_dir, ci, c),
+                      root=run_dir, co_decoded_by=stage, co_decoded_iteration=i, launch_seconds=seconds)
     if rc not in (0, LATER_CONFIG_FAILED):
         raise SystemExit(rc)
 
@@ -498,6 +518,7 @@ def mark(run_dir: Path, i: int, stage: str, seconds: float) -> None:
     record, info, digest = _co_decode_record(run_dir, i, stage), {}, stage_hash(run_dir, i, stage)
     if _record_valid(run_dir, i, stage, digest):  # decoded in another stage's launch (co-decoding)
         info["co_decoded_by"] = read_json(record).get("co_decoded_by")
+        info["co_decoded_iteration"] = read_json(record).get("co_decoded_iteration", i)
     e = _stage_entry(run_dir, i, stage)
     mark_done(_marker(run_dir, i, stage), digest, outputs=_recorded_outputs(run_dir, i, stage),
               root=run_dir, seconds=round(seconds, 2), **info, **_hash_parts(run_dir, e))
