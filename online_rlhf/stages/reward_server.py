@@ -130,9 +130,10 @@ def batch_requests_for(setting: Union[int, str], on_gpu: bool) -> int:
     On a GPU, merging requests is where the throughput comes from. On CPU one request's K items are
     already a forward pass of several hundred tokens per row, so merging gains no matrix-product
     efficiency, and it costs throughput when a worker takes most of the queue while the others wait
-    (measured 2026-12-03, AMD EPYC AVX2, 2 workers x 1 thread, float32, 16 clients of 4-item requests:
-    1.22 items/s with 1 request per call, 0.95-0.98 with up to 2 or 16; docs/reward-server.md). One
-    request per call also makes every reward equal to the same request scored alone, bit for bit.
+    (measured 2026-12-03, AMD EPYC AVX2, 2 workers x 1 thread, float32, 4-item requests: at 4 clients
+    1.29 items/s with 1 request per call, 0.90 with up to 16; at 16 clients p99 54 s against 82 s;
+    docs/reward-server.md). One request per call also makes every reward equal to the same request
+    scored alone, bit for bit.
     """
     if setting == "auto":
         return 16 if on_gpu else 1
