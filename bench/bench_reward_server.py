@@ -187,7 +187,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--workers", default="auto")
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--max-batch-requests", default="auto", help="the server's max_batch_requests (auto: 16 on GPU, 1 on CPU)")
+    ap.add_argument("--max-batch-requests", default="auto",
+                    help="the server's max_batch_requests (auto: 16 on GPU, 1 on CPU)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--tol", type=float, default=1e-2, help="largest difference from the 1-client run, relative to the rewards' spread")
     ap.add_argument("--unbatched", action="store_true")

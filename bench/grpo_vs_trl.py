@@ -118,6 +118,7 @@ def run_ours(args: argparse.Namespace, work: Path) -> dict:
            "generation.temperature=1.0", "generation.top_p=1.0", "eval_limit=2", "evaluation.max_tokens=16",
            "reward.source=verifier", "reward.ifeval_mode=loose", "reward.ifeval_score=partial", "ref_model=initial",
            "ifeval.when=never", "kl_samples=0",
+           "co_decode=false",  # the rollouts' own launch stays inside the timed window (not in iteration 0's eval)
            "num_processes=1", "grpo.truncated_penalty=0.0", "grpo.max_length=null",
            *[f"grpo.{k}={_yaml(v)}" for k, v in GRPO.items()], "--fresh"]
     log_path, stamps = work / "ours.log", {}

@@ -181,7 +181,13 @@ def breakdown(run_dir: str | Path, iteration: int | None = None) -> dict:
     g = _stage_stats(GenerateStats, it, "generated.jsonl")
     sec["vllm_startup"] += _s(g.engine_startup_s)
     sec["generation"] += _s(g.generation_s)
-    sec["startup_loading"] += rest("generate", _s(g.engine_startup_s) + _s(g.generation_s))
+    by = _read_json(it / "generate.done").get("co_decoded_by")
+    if by:  # decoded in an earlier stage's launch: its marker holds only the turn that found the record
+        at = _read_json(it / "generate.done").get("co_decoded_iteration", iteration)
+        notes.append(f"generate: decoded in the engine start of {by} of iteration {at} (co-decoding); its decode "
+                     "seconds are its stats', its process and engine start are counted in that stage.")
+    else:
+        sec["startup_loading"] += rest("generate", _s(g.engine_startup_s) + _s(g.generation_s))
 
     r = _stage_stats(RewardStats, it, "rewards.jsonl").seconds
     sec["scoring"] += r

@@ -18,7 +18,8 @@ the starting policy).
     model load, vLLM start-up and the loop's bookkeeping between stages included). The held-out
     evaluation of iteration 0 and 1 still runs (run_loop.sh has no switch to skip it) but is not
     counted; it is kept tiny (``--eval-prompts``, 16 tokens); IFEval and the KL stages are off
-    (``ifeval.when=never kl_samples=0``). The sum of the four stages' ``.done`` marker seconds is
+    (``ifeval.when=never kl_samples=0``), and so is co-decoding (``co_decode=false``: else the
+    rollouts would decode in iteration 0's evaluation launch, outside the timed window). The sum of the four stages' ``.done`` marker seconds is
     printed too. The DPO batch is the stage's ``train_batch_size`` (:func:`ours_dpo_overrides`).
 (b) **TRL**: ``trl.experimental.online_dpo.OnlineDPOTrainer`` over the same prompts for one epoch,
     in a fresh process of the training env (``use_vllm=False``: transformers ``generate``;
@@ -207,7 +208,10 @@ def run_ours(args: argparse.Namespace, work: Path) -> dict:
            f"eval_limit={args.eval_prompts}", "evaluation.max_tokens=16",
            "reward.source=verifier", "reward.verifier=auto", "reward.ifeval_mode=loose", "reward.ifeval_score=partial",
            "pairs.strategy=max_min", "pairs.truncated=penalize", f"pairs.truncated_penalty={TRUNCATION_PENALTY}",
-           "ref_model=initial", "ifeval.when=never", "kl_samples=0", *ours_dpo_overrides(), "--fresh"]
+           "ref_model=initial", "ifeval.when=never", "kl_samples=0", *ours_dpo_overrides(),
+           # the timed generate..dpo window must hold the rollouts' own launch (TRL's side pays its
+           # generation): with co-decoding they would decode in iteration 0's evaluation launch
+           "co_decode=false", "--fresh"]
     log_path = work / "ours.log"
     stamps: dict[str, tuple[str, float]] = {}
     load0 = _load1()

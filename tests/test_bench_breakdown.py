@@ -58,6 +58,19 @@ def test_categories_take_the_stage_timers_and_the_rest_is_startup(tmp_path):
     assert s["startup_loading"] == pytest.approx(20 + 4 + 1.5 + 20)
 
 
+def test_co_decoded_rollouts_count_their_decode_and_say_where_they_ran(tmp_path):
+    run = make_run(tmp_path)
+    it = run / "iter_1"
+    _w(it / "generate.done", {"hash": "x", "finished_at": "2026-01-01T10:01:42", "seconds": 1,
+                              "co_decoded_by": "eval_generate", "co_decoded_iteration": 0})
+    example_stats(GenerateStats, engine_startup_s=0.0, generation_s=50.0).write(it / "generated.jsonl.stats.json")
+    b = ib.breakdown(run, 1)
+    assert b["seconds"]["generation"] == 50 and b["seconds"]["vllm_startup"] == 0
+    assert b["seconds"]["startup_loading"] == pytest.approx(4 + 1.5 + 20)  # nothing of generate's 1 s turn
+    assert any("decoded in the engine start of eval_generate of iteration 0" in n for n in b["notes"])
+    assert not any("exceed its marker" in n for n in b["notes"])
+
+
 def test_shares_add_up_to_the_iteration(tmp_path):
     b = ib.breakdown(make_run(tmp_path), 1)
     assert b["total_s"] == pytest.approx(200 + 12)

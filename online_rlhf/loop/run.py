@@ -268,7 +268,8 @@ def co_decode_companions(run_dir: Path, i: int, stage: str) -> list[tuple[int, s
             continue
         out.append((ci, name))
     if out:
-        said = [", ".join(n for ci, n in out if ci == it) + f" of iteration {it}" for it in sorted({ci for ci, _ in out})]
+        said = [", ".join(n for ci, n in out if ci == it) + f" of iteration {it}"
+                for it in sorted({ci for ci, _ in out})]
         print(f"co-decoding: stage {stage} also decodes {' and '.join(said)} with the same engine start (each keeps "
               "its own output, stats and .done)", flush=True)
     return out
@@ -277,8 +278,9 @@ def co_decode_companions(run_dir: Path, i: int, stage: str) -> list[tuple[int, s
 def _co_decode(run_dir: Path, i: int, stage: str, companions: list[tuple[int, str]], argv: list[str],
                env: dict) -> None:
     """Run the launcher for ``stage`` and its ``companions`` (``(iteration, stage)`` pairs) as a child
-    (killed with this process), then record each companion whose output it wrote (:func:`_co_decode_record`, with the hash of
-    the companion's config and inputs taken before the launch). Each companion's record, output and
+    (killed with this process), then record each companion whose output it wrote
+    (:func:`_co_decode_record`, with the hash of the companion's config and inputs taken before the
+    launch). Each companion's record, output and
     stats are removed first (the companion is stale: they are rewritten or it runs alone), so a
     record only ever names an output this launch wrote; an interrupted launch leaves none.
 

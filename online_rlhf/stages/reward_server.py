@@ -473,8 +473,9 @@ def main(cfg: ServeConfig) -> None:
     path = resolve_model(cfg.reward_model)  # a missing local dir: FileNotFoundError, exit 2 before anything starts
     n, threads, devices = worker_layout(cfg.workers)
     device = "cuda" if devices else "cpu"
-    spec = engine_spec(path, cfg.dtype, cfg.max_length, cfg.batch_size, n, threads, devices,
-                       batch_requests_for(cfg.max_batch_requests, bool(devices)), cfg.max_wait_ms, cfg.request_timeout_s)
+    merge = batch_requests_for(cfg.max_batch_requests, on_gpu=bool(devices))
+    spec = engine_spec(path, cfg.dtype, cfg.max_length, cfg.batch_size, n, threads, devices, merge, cfg.max_wait_ms,
+                       cfg.request_timeout_s)
     engine = MosecEngine(spec, port=cfg.engine_port, capacity=cfg.max_queue + 16, timeout_s=cfg.request_timeout_s,
                          startup_timeout_s=cfg.startup_timeout_s)
     token = os.environ.get(TOKEN_ENV, "").strip() or None
