@@ -57,8 +57,11 @@ def test_max_batch_requests_auto_merges_on_gpu_only_and_0_is_refused():
     assert cfg.max_batch_requests == "auto"
     assert (batch_requests_for("auto", on_gpu=True), batch_requests_for("auto", on_gpu=False)) == (16, 1)
     assert batch_requests_for(ServeConfig(reward_model="rm", max_batch_requests=4).max_batch_requests, False) == 4
-    with pytest.raises(Exception, match="max_batch_requests"):
-        ServeConfig(reward_model="rm", max_batch_requests=0)
+    assert ServeConfig(reward_model="rm", max_batch_requests="3", workers="2").max_batch_requests == 3
+    for key, bad in (("max_batch_requests", 0), ("max_batch_requests", "abc"), ("max_batch_requests", 2.5),
+                     ("workers", 0), ("workers", -1)):
+        with pytest.raises(Exception, match=f"(?s){key}.*give auto or a whole number >= 1, e.g. {key}=2"):
+            ServeConfig(reward_model="rm", **{key: bad})
 
 
 def test_worker_scores_a_merged_batch_and_a_lone_request(rm_dir, local_rm, monkeypatch):

@@ -47,7 +47,7 @@ import sys
 import time
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, Field, PositiveInt
+from pydantic import BaseModel, Field, field_validator
 
 from online_rlhf.config import ConfigError, StageConfig, run_main
 from online_rlhf.paths import setup_cache_env
@@ -66,13 +66,23 @@ class ServeConfig(StageConfig):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto: the hardware's choice (online_rlhf.hardware.compute_dtype): bf16 on GPU (fp16 where bf16 is missing), on CPU bf16 only with native bf16, else fp32")
     max_items: int = Field(4096, ge=1, description="most (prompt, response) items accepted in one request")
     workers: Union[int, Literal["auto"]] = Field("auto", description="scoring worker processes; auto: one per GPU, else one per usable CPU core (each with cores/workers threads)")
-    max_batch_requests: Union[PositiveInt, Literal["auto"]] = Field("auto", description="most requests the engine merges into one worker call (dynamic batching); auto: 16 on GPU, 1 on CPU (see batch_requests_for)")
+    max_batch_requests: Union[int, Literal["auto"]] = Field("auto", description="most requests the engine merges into one worker call (dynamic batching); auto: 16 on GPU, 1 on CPU (see batch_requests_for)")
     max_wait_ms: int = Field(10, ge=1, description="how long the engine waits for more requests before it hands a batch to a worker (ms)")
     max_queue: int = Field(128, ge=1, description="most /score requests in the service at once (waiting or being scored); beyond: 503 with Retry-After")
     retry_after_s: int = Field(1, ge=1, description="the Retry-After (s) of a 503")
     request_timeout_s: float = Field(600.0, gt=0, description="a request the engine has not answered by then gets 503 (s)")
     startup_timeout_s: float = Field(600.0, gt=0, description="longest wait for the engine to load the model and score the warm-up item (s)")
     engine_port: int = Field(0, ge=0, le=65535, description="the engine's internal port on 127.0.0.1 (0: a free one)")
+
+    @field_validator("workers", "max_batch_requests", mode="before")
+    @classmethod
+    def _count_or_auto(cls, v: Any, info) -> Any:
+        """One clear line for a count key: ``auto`` or a whole number >= 1."""
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            return v
+        if isinstance(v, str) and v.strip().isdigit() and int(v) >= 1:
+            return int(v)
+        raise ValueError(f"give auto or a whole number >= 1, e.g. {info.field_name}=2")
 
 
 class Message(BaseModel):
