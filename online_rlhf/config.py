@@ -256,6 +256,12 @@ def _short_repr(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def bool_as_number_error(value: bool) -> ValueError:
+    """The error for a YAML boolean given to a number key (one wording for every validator that checks it)."""
+    return ValueError(f"expected a number, got the YAML boolean {str(value).lower()} (true/false, yes/no, "
+                      "on/off are booleans in YAML); give a number")
+
+
 class StageConfig(BaseModel):
     """Base class of every stage config: unknown keys are errors, values are validated on assignment."""
 
@@ -268,8 +274,7 @@ class StageConfig(BaseModel):
         (pydantic's lax mode would turn ``iterations=true`` into 1 iteration)."""
         field = cls.model_fields.get(info.field_name or "")
         if isinstance(value, bool) and field is not None and _number_not_bool(field.annotation):
-            raise ValueError(f"expected a number, got the YAML boolean {str(value).lower()} (true/false, yes/no, "
-                             "on/off are booleans in YAML); give a number")
+            raise bool_as_number_error(value)
         return value
 
     @classmethod

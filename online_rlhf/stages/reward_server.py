@@ -49,7 +49,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field, field_validator
 
-from online_rlhf.config import ConfigError, StageConfig, run_main
+from online_rlhf.config import ConfigError, StageConfig, bool_as_number_error, run_main
 from online_rlhf.paths import setup_cache_env
 
 TOKEN_ENV = "REWARD_SERVER_TOKEN"
@@ -66,7 +66,7 @@ class ServeConfig(StageConfig):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto: the hardware's choice (online_rlhf.hardware.compute_dtype): bf16 on GPU (fp16 where bf16 is missing), on CPU bf16 only with native bf16, else fp32")
     max_items: int = Field(4096, ge=1, description="most (prompt, response) items accepted in one request")
     workers: Union[int, Literal["auto"]] = Field("auto", description="scoring worker processes; auto: one per GPU, else one per usable CPU core (each with cores/workers threads)")
-    max_batch_requests: Union[int, Literal["auto"]] = Field("auto", description="most requests the engine merges into one worker call (dynamic batching); auto: 16 on GPU, 1 on CPU (see batch_requests_for)")
+    max_batch_requests: Union[int, Literal["auto"]] = Field("auto", description="most requests the engine merges into one worker call (dynamic batching); auto: 16 on GPU, 1 on CPU, where merging requests measured slower (docs/reward-server.md)")
     max_wait_ms: int = Field(10, ge=1, description="how long the engine waits for more requests before it hands a batch to a worker (ms)")
     max_queue: int = Field(128, ge=1, description="most /score requests in the service at once (waiting or being scored); beyond: 503 with Retry-After")
     retry_after_s: int = Field(1, ge=1, description="the Retry-After (s) of a 503")
@@ -78,6 +78,8 @@ class ServeConfig(StageConfig):
     @classmethod
     def _count_or_auto(cls, v: Any, info) -> Any:
         """One clear line for a count key: ``auto`` or a whole number >= 1."""
+        if isinstance(v, bool):  # this runs before StageConfig's own bool check, so say the same
+            raise bool_as_number_error(v)
         if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
             return v
         if isinstance(v, str) and v.strip().isdigit() and int(v) >= 1:
