@@ -170,7 +170,8 @@ def breakdown(run_dir: str | Path, iteration: int | None = None) -> dict:
     it = run_dir / f"iter_{iteration}"
     notes: list[str] = []
     sec = {k: 0.0 for k in CATEGORIES}
-    stage_s = {s: _num(_read_json(it / f"{s}.done"), "seconds", it / f"{s}.done") for s in TRAIN_STAGES}
+    markers = {s: _read_json(it / f"{s}.done") for s in TRAIN_STAGES}
+    stage_s = {s: _num(markers[s], "seconds", it / f"{s}.done") for s in TRAIN_STAGES}
 
     def rest(stage: str, accounted: float) -> float:
         r = stage_s[stage] - accounted
@@ -181,9 +182,9 @@ def breakdown(run_dir: str | Path, iteration: int | None = None) -> dict:
     g = _stage_stats(GenerateStats, it, "generated.jsonl")
     sec["vllm_startup"] += _s(g.engine_startup_s)
     sec["generation"] += _s(g.generation_s)
-    by = _read_json(it / "generate.done").get("co_decoded_by")
+    by = markers["generate"].get("co_decoded_by")
     if by:  # decoded in an earlier stage's launch: its marker holds only the turn that found the record
-        at = _read_json(it / "generate.done").get("co_decoded_iteration", iteration)
+        at = markers["generate"].get("co_decoded_iteration", iteration)
         notes.append(f"generate: decoded in the engine start of {by} of iteration {at} (co-decoding); its decode "
                      "seconds are its stats', its process and engine start are counted in that stage.")
     else:

@@ -99,6 +99,7 @@ def stage_rows(it: Path, iteration: int) -> list[dict]:
         dtype, wall = limit_dtype(st.hardware), _wall(it, stage)
         rows.append(_row(iteration, stage, "decode", 2 * n * st.generated_tokens / 1e12, st.generation_s, dtype,
                          wall, st.generated_tokens))
+        rows[-1]["phase_s"] = st.phase_s  # where the shards' seconds went (None in stats older than the key)
         if st.prompt_tokens is None:
             rows.append(_row(iteration, stage, "prefill", None, None, dtype, None, None,
                              "prompt_tokens missing (stats older than the key)"))
@@ -129,8 +130,9 @@ def stage_rows(it: Path, iteration: int) -> list[dict]:
     return rows
 
 
-def generation_overhead(iters: list[Path]) -> dict:
-    """The generation stages' wall seconds against their decode seconds, summed over ``iters``.
+def generation_overhead(rows: list[dict]) -> dict:
+    """The generation stages' wall seconds against their decode seconds, summed over the ``decode``
+    rows of :func:`stage_rows`.
 
     Returns ``{"wall_s", "decode_s", "wall_over_decode", "phase_s"}``: the ``<stage>.done`` seconds
     of every generation stage that has stats (a co-decoded stage's own marker is ~1 s, its decode is
@@ -140,15 +142,13 @@ def generation_overhead(iters: list[Path]) -> dict:
     """
     wall = decode = 0.0
     phases: dict[str, float] = {}
-    for it in iters:
-        for stage, output in GENERATION_STAGES.items():
-            if not stats_path(it / output).exists():
-                continue
-            st = GenerateStats.read(stats_path(it / output))
-            wall += _wall(it, stage) or 0.0
-            decode += st.generation_s or 0.0
-            for k, v in (st.phase_s or {}).items():
-                phases[k] = phases.get(k, 0.0) + v
+    for r in rows:
+        if r["part"] != "decode":
+            continue
+        wall += r["wall_s"] or 0.0
+        decode += r["seconds"] or 0.0
+        for k, v in (r.get("phase_s") or {}).items():
+            phases[k] = phases.get(k, 0.0) + v
     return {"wall_s": wall, "decode_s": decode, "wall_over_decode": wall / decode if decode else None,
             "phase_s": phases}
 
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
     if any(r["share"] is not None and r["share"] > 1.0 for r in rows):
         print("warning: a share above 100%: the limit is lower than the machine reached during the run (measured "
               "under load, or on another machine); give the limit measured where the run ran, idle.", file=sys.stderr)
-    gen = generation_overhead(iters)
+    gen = generation_overhead(rows)
     if gen["decode_s"]:
         parts = ", ".join(f"{k} {v:.0f} s" for k, v in gen["phase_s"].items() if k != "decode")
         print(f"generation stages: wall {gen['wall_s']:.0f} s over decode {gen['decode_s']:.0f} s = "

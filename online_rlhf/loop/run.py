@@ -519,8 +519,9 @@ def mark(run_dir: Path, i: int, stage: str, seconds: float) -> None:
                           f"online_rlhf.loop exec {run_dir} {i} {stage}`). Nothing was marked.")
     record, info, digest = _co_decode_record(run_dir, i, stage), {}, stage_hash(run_dir, i, stage)
     if _record_valid(run_dir, i, stage, digest):  # decoded in another stage's launch (co-decoding)
-        info["co_decoded_by"] = read_json(record).get("co_decoded_by")
-        info["co_decoded_iteration"] = read_json(record).get("co_decoded_iteration", i)
+        rec = read_json(record)
+        info["co_decoded_by"] = rec.get("co_decoded_by")
+        info["co_decoded_iteration"] = rec.get("co_decoded_iteration", i)
     e = _stage_entry(run_dir, i, stage)
     mark_done(_marker(run_dir, i, stage), digest, outputs=_recorded_outputs(run_dir, i, stage),
               root=run_dir, seconds=round(seconds, 2), **info, **_hash_parts(run_dir, e))
