@@ -180,19 +180,19 @@ def start_reward_server(rm_dir: str, args, extra: list[str]) -> tuple[subprocess
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=32, help="requests per client level at most (each of --items items)")
     ap.add_argument("--items", type=int, default=4, help="items (responses of one prompt) per request")
-    ap.add_argument("--clients", default="1,4,16")
+    ap.add_argument("--clients", default="1,4,16", help="the levels: concurrent clients, comma-separated; the first is the reference run")
     ap.add_argument("--time-limit", type=float, default=240.0, help="seconds per level at most")
-    ap.add_argument("--startup-timeout", type=float, default=600.0)
-    ap.add_argument("--workers", default="auto")
-    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--startup-timeout", type=float, default=600.0, help="longest wait for the server to be ready (s)")
+    ap.add_argument("--workers", default="auto", help="the server's workers (auto: one per GPU, else one per core)")
+    ap.add_argument("--batch-size", type=int, default=8, help="the server's batch_size: items per forward pass")
     ap.add_argument("--max-batch-requests", default="auto",
                     help="the server's max_batch_requests (auto: 16 on GPU, 1 on CPU)")
-    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--dtype", default="auto", help="the server's dtype (auto / float32 / bfloat16 / float16)")
     ap.add_argument("--tol", type=float, default=1e-2, help="largest difference from the 1-client run, relative to the rewards' spread")
-    ap.add_argument("--unbatched", action="store_true")
-    ap.add_argument("--vllm", action="store_true")
+    ap.add_argument("--unbatched", action="store_true", help="also measure one worker scoring one request at a time")
+    ap.add_argument("--vllm", action="store_true", help="also measure vLLM's pooling server (.venv-infer)")
     ap.add_argument("--smoke", action="store_true", help="a tiny random reward model, 4 requests x 2 items, 1 and 2 "
                     "clients: seconds, for the tests")
     args = ap.parse_args(argv)

@@ -176,7 +176,8 @@ def load_yaml(path: str | os.PathLike) -> dict:
     """
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} not found. Pass an existing file with --config PATH.")
+        raise ConfigError(f"config file {path} not found. Give the path of an existing YAML file (a stage script "
+                          "takes it as --config PATH, the loop as its first argument, e.g. configs/loop.yaml).")
     try:
         data = yaml_load(path.read_text(encoding="utf-8"))
     except DuplicateKeyError as e:

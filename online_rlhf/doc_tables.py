@@ -45,6 +45,7 @@ from .paths import PROJECT_ROOT
 from .loop_config import LOOP_OWNED, LoopConfig
 from .stage_configs import IFEvalSection, SFTDataConfig
 from .stage_table import STAGES, Stage
+from .stages.reward_server import ServeConfig
 from .stats import GenerateShardStats, SFTDataStats
 
 
@@ -119,6 +120,7 @@ _EXTRA_TABLES: dict[str, tuple[Table, ...]] = {
 _OTHER_PAGES: tuple[Page, ...] = (
     Page("docs/custom.md", (), (Table("loop", "keys", LoopConfig),)),
     Page("docs/evaluation.md", (), (Table("ifeval_section", "keys", IFEvalSection, ("ifeval",)),)),
+    Page("docs/reward-server.md", (), (Table("reward_server", "keys", ServeConfig),)),
 )
 # Every page with generated tables: one per stage page of the stage table (in its order), then the others.
 PAGES: tuple[Page, ...] = (*(stage_page(path, _EXTRA_TABLES.get(path, ()))

@@ -168,6 +168,11 @@ def test_held_out_generation_takes_kl_and_ifeval_along(run1, capsys):
     assert "also decodes kl_generate, ifeval_generate of iteration 1 with" in capsys.readouterr().out
     for stage in ("kl_generate", "ifeval_generate"):  # recorded, not yet done
         assert (run / "iter_1" / f"{stage}.co_decoded").is_file() and not loop.check(run, 1, stage)
+    capsys.readouterr()
+    assert loop.main(["check", str(run), "1", "kl_generate"]) == 1  # `loop check` says it only gets marked
+    assert ("already decoded (co-decoded in the engine start of stage eval_generate of iteration 1)"
+            in capsys.readouterr().out)
+    assert loop_run.co_decoded_note(run, 1, "eval_generate") is None
     for stage in ("kl_generate", "ifeval_generate"):  # their turn: nothing runs, then marked as usual
         _run_stage(run, 1, stage)
         assert "nothing to run" in capsys.readouterr().out

@@ -361,6 +361,15 @@ def test_loop_help_lists_the_section_keys(capsys):
     assert "generation.k (default 4)" in out and "sft.dataset" in out
 
 
+def test_a_subcommand_with_help_prints_the_usage_not_a_missing_file(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # nothing may be planned or written
+    for argv in (["plan", "--help"], ["plan-check", "-h"], ["check", "--help"]):
+        assert loop.main(argv) == 0, argv
+        out = capsys.readouterr().out
+        assert "python -m online_rlhf.loop plan CONFIG" in out and "not found" not in out
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_exec_runs_a_stage_from_its_config_file(small_cfg, tmp_path):
     """`loop exec` starts the stage with the command on top of its YAML (here: pairs)."""
     import subprocess

@@ -46,7 +46,7 @@ from .metrics import metrics
 from .plan import fresh_refusal, plan, _stdout_to_stderr
 from .report import metrics_line, report
 from .resolve import resolve
-from .run import after_line, dry_run, exec_stage, mark, output_hint, stage_lines, stale_reason
+from .run import after_line, co_decoded_note, dry_run, exec_stage, mark, output_hint, stage_lines, stale_reason
 
 
 def _iteration(text: str) -> int:
@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__)
         return 2
-    if argv[0] in ("-h", "--help"):
+    if argv[0] in ("-h", "--help") or any(a in ("-h", "--help") for a in argv[1:]):  # `plan --help` too
         print(__doc__)
         print("Loop config keys (configs/loop.yaml, or key=value after `bash run_loop.sh [CONFIG]`):")
         print("\n".join(LoopConfig._field_lines("  ")))
@@ -129,7 +129,8 @@ def main(argv: list[str]) -> int:
             if why is None:
                 return 0
             print(entries[args[2]]["env"])
-            print(why)
+            note = co_decoded_note(Path(args[0]), i, args[2])
+            print(why + (f"; {note}" if note else ""))
             return 1
         elif cmd == "exec":  # exec RUN_DIR ITER STAGE [machine_rank=R] [key=value ...]
             ranks = [a.split("=", 1)[1] for a in args[3:] if a.startswith("machine_rank=")]

@@ -199,6 +199,16 @@ def _record_valid(run_dir: Path, i: int, stage: str, digest: str | None = None) 
         return False
 
 
+def co_decoded_note(run_dir: Path, i: int, stage: str) -> str | None:
+    """For ``loop check``: a line saying that another stage's launch already decoded this stage's
+    output for its current config and inputs (``loop exec`` will only mark it done), or None."""
+    if not _record_valid(run_dir, i, stage):
+        return None
+    record = read_json(_co_decode_record(run_dir, i, stage))
+    return (f"its output is already decoded (co-decoded in the engine start of stage {record.get('co_decoded_by')} "
+            f"of iteration {record.get('co_decoded_iteration', i)}): `loop exec` only marks it done")
+
+
 def _co_decoded_before(run_dir: Path, i: int, stage: str) -> bool:
     """True (and says so) when an earlier stage's launch already decoded this stage's output for its
     current config and inputs (:func:`_record_valid`): nothing to run; ``loop mark`` then marks it."""
