@@ -2,7 +2,7 @@
 
     .venv-train/bin/python -m bench.bench_reward_server [--requests 32] [--items 4] [--clients 1,4,16]
         [--time-limit 240] [--workers auto] [--batch-size 8] [--max-batch-requests auto] [--dtype auto]
-        [--unbatched] [--vllm] [--smoke]
+        [--unbatched] [--vllm] [--smoke] [--backbone DIR] [--output FILE]
 
 Starts ``annotate_data/reward_server.py`` (the Mosec engine) on a free 127.0.0.1 port, waits for
 ``/ready``, and sends the same ``--requests`` requests of ``--items`` (prompt, response) items
@@ -14,7 +14,8 @@ and results that differ from the 1-client run by more than ``--tol`` (relative t
 the rewards); then the 16-client / 1-client items/s ratio (target: >= 1.5x on CPU). Exits 1 when
 a result was lost, failed or differs from the 1-client run (vLLM's rewards excepted: other
 kernels). ``--smoke``: a tiny random reward model, 4 requests of 2 items, 1 and 2 clients (the
-test suite's run).
+test suite's run). ``--output FILE`` writes the figures as JSON (the GPU check reads it:
+``online_rlhf.gpu_check``'s ``reward_server`` component).
 
 - ``--unbatched`` also measures the same server as one worker that scores one request at a time
   (``workers=1 max_batch_requests=1``, all cores for its threads: the design before the Mosec
@@ -23,8 +24,8 @@ test suite's run).
   vllm.entrypoints.openai.api_server --runner pooling``, ``POST /classify`` with the same token ids and ``use_activation: false``), the
   documented alternative; its rewards are compared with the Mosec 1-client run (other kernels).
 
-Reward model: the default policy's backbone with a fresh one-label score head (see
-bench_rm_scoring.build_reward_model); data: bench_rm_scoring.build_items (IFBench prompts with
+Reward model: the default policy's backbone (or ``--backbone DIR``'s) with a fresh one-label
+score head (see bench_rm_scoring.build_reward_model); data: bench_rm_scoring.build_items (IFBench prompts with
 responses of 10-200 words). Other jobs on the machine slow every level; the figures are upper
 bounds only on an idle machine, and the ratios are measured in one run.
 """
@@ -195,6 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vllm", action="store_true", help="also measure vLLM's pooling server (.venv-infer)")
     ap.add_argument("--smoke", action="store_true", help="a tiny random reward model, 4 requests x 2 items, 1 and 2 "
                     "clients: seconds, for the tests")
+    ap.add_argument("--backbone", type=Path, default=None,
+                    help="the reward model's backbone: a saved model folder (default: the embedded default policy)")
+    ap.add_argument("--output", type=Path, default=None, help="also write the figures here as JSON")
     args = ap.parse_args(argv)
     if args.smoke:
         args.requests, args.items, args.clients, args.time_limit = 4, 2, "1,2", 120.0
@@ -202,25 +206,26 @@ def main(argv: list[str] | None = None) -> None:
     import requests
 
     from bench.bench_rm_scoring import build_items, build_reward_model
-    from online_rlhf.hardware import compute_dtype, cpu_has_native_bf16, cpu_model
+    from online_rlhf.hardware import cpu_has_native_bf16, cpu_model
+    from online_rlhf.jsonl import write_json
     from online_rlhf.remote import score_items
 
     levels = [int(c) for c in args.clients.split(",")]
     tmp = tempfile.TemporaryDirectory(prefix="bench_rm_server_")
     rm_dir = str(Path(tmp.name) / "rm")
-    what = build_reward_model(Path(rm_dir), tiny=args.smoke)
+    what = build_reward_model(Path(rm_dir), tiny=args.smoke, backbone=args.backbone)
     prompts, responses, pname = build_items(args.requests, args.items)
     reqs = [(prompts[i * args.items:(i + 1) * args.items], responses[i * args.items:(i + 1) * args.items])
             for i in range(args.requests)]
     print(f"CPU: {cpu_model()}, native bf16: {cpu_has_native_bf16()}, cores: {os.cpu_count()}, "
           f"load average: {os.getloadavg()[0]:.1f}")
-    print(f"reward model: {what}, dtype {compute_dtype('cpu', args.dtype)}; {args.requests} requests x {args.items} "
+    print(f"reward model: {what}, dtype {args.dtype}; {args.requests} requests x {args.items} "
           f"items ({pname}); levels {levels}; at most {args.time_limit:.0f} s per level", flush=True)
 
     def send_remote(url):
         return lambda req: score_items(url, req[0], req[1], batch_size=len(req[1]), timeout_s=600, retries=0)
 
-    out = {}
+    out, served = {}, {}
     configs = [("mosec", [f"workers={args.workers}", f"max_batch_requests={args.max_batch_requests}"])]
     if args.unbatched:
         configs.append(("unbatched", ["workers=1", "max_batch_requests=1"]))
@@ -228,9 +233,12 @@ def main(argv: list[str] | None = None) -> None:
         proc, url = start_reward_server(rm_dir, args, extra)
         try:
             t = wait_ready(url, proc, "/ready", args.startup_timeout)
-            eng = requests.get(url + "/health", timeout=5).json()["engine"]
-            print(f"{name}: ready in {t:.1f} s ({eng['workers']} worker(s), up to {eng['max_batch_requests']} "
-                  f"requests per worker call)", flush=True)
+            health = requests.get(url + "/health", timeout=5).json()
+            eng = health["engine"]
+            served[name] = {"device": health["device"], "dtype": health["dtype"], "workers": eng["workers"],
+                            "max_batch_requests": eng["max_batch_requests"]}
+            print(f"{name}: ready in {t:.1f} s on {health['device']} in {health['dtype']} ({eng['workers']} worker(s), "
+                  f"up to {eng['max_batch_requests']} requests per worker call)", flush=True)
             out[name] = measure(name, send_remote(url), reqs, levels, args.time_limit)
             h = requests.get(url + "/health", timeout=5).json()
             print(f"  after the load: status {h['status']}, ready {h['ready']}, requests per worker call "
@@ -245,6 +253,8 @@ def main(argv: list[str] | None = None) -> None:
         out["vllm"] = measure_vllm(rm_dir, reqs, levels, args)
 
     failed: list[str] = []
+    figures = {"cpu": cpu_model(), "reward_model": what, "requests": args.requests, "items": args.items,
+               "levels": levels, "tol": tol, "servers": {}}
     print(f"\nsummary ({cpu_model()}, load average {os.getloadavg()[0]:.1f}); a mismatch differs from the mosec "
           f"{levels[0]}-client result by more than {args.tol} x the rewards' spread ({spread:.3g}) = {tol:.3g}")
     for name, res in out.items():
@@ -252,6 +262,8 @@ def main(argv: list[str] | None = None) -> None:
         if not rows:
             continue
         cmp = {c: compare(res["results"][c], ref, tol) for c in rows}
+        figures["servers"][name] = {**served.get(name, {}), "rows": {
+            str(c): {**r, "mismatched": cmp[c][0], "max_diff": cmp[c][1]} for c, r in rows.items()}}
         print(f"{name}:")
         for c, r in rows.items():
             print(f"  {c:>3} clients: {r['items_per_s']:6.2f} items/s  p50 {r['p50']:5.2f} s  p99 {r['p99']:5.2f} s  "
@@ -259,8 +271,9 @@ def main(argv: list[str] | None = None) -> None:
             if r["errors"] or r["lost"] or (cmp[c][0] and name != "vllm"):  # vLLM's kernels differ: not a fault
                 failed.append(f"{name} at {c} clients: {r['errors']} errors, {r['lost']} lost, {cmp[c][0]} mismatched")
         if levels[0] in rows and levels[-1] in rows:
-            print(f"  {levels[-1]} / {levels[0]} clients: "
-                  f"{rows[levels[-1]]['items_per_s'] / rows[levels[0]]['items_per_s']:.2f}x items/s")
+            ratio = rows[levels[-1]]["items_per_s"] / rows[levels[0]]["items_per_s"]
+            figures["servers"][name]["ratio"] = ratio
+            print(f"  {levels[-1]} / {levels[0]} clients: {ratio:.2f}x items/s")
     m = out["mosec"]["rows"]
     for name in ("unbatched", "vllm"):
         rows = out.get(name, {}).get("rows")
@@ -268,6 +281,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"mosec / {name} items/s: " + ", ".join(
                 f"{c} clients {m[c]['items_per_s'] / rows[c]['items_per_s']:.2f}x" for c in levels if c in rows))
     tmp.cleanup()
+    figures["failed"] = failed
+    if args.output is not None:
+        write_json(args.output, figures)
     if failed:
         sys.exit("load test FAILED: " + "; ".join(failed))
     print("load test passed: no result lost, failed or different from the 1-client run")

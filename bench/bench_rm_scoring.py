@@ -35,15 +35,23 @@ import time
 from pathlib import Path
 
 
-def build_reward_model(out_dir: Path, tiny: bool = False) -> str:
-    """Save a one-label reward model to ``out_dir`` (``tiny``: the random 2-layer one); return a description of it."""
+def build_reward_model(out_dir: Path, tiny: bool = False, backbone: Path | None = None) -> str:
+    """Save a one-label reward model to ``out_dir``: ``backbone``'s (a causal-LM or classifier
+    folder; default: the embedded default policy) with a fresh score head, seeded; ``tiny``: the
+    random 2-layer one. Returns a description of it.
+
+    Raises:
+        FileNotFoundError: ``backbone`` is given and has no ``config.json``.
+    """
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from online_rlhf.paths import default_model_dir
     from online_rlhf.testing import make_tiny_reward_model
 
-    policy = default_model_dir()
+    if backbone is not None and not (Path(backbone) / "config.json").is_file():
+        raise FileNotFoundError(f"{backbone}: no config.json; give a saved model folder as the backbone")
+    policy = Path(backbone) if backbone is not None else default_model_dir()
     if not tiny and (policy / "config.json").is_file():
         torch.manual_seed(0)
         model = AutoModelForSequenceClassification.from_pretrained(policy, num_labels=1, dtype=torch.float32)
@@ -52,7 +60,8 @@ def build_reward_model(out_dir: Path, tiny: bool = False) -> str:
         model.save_pretrained(out_dir)
         tok.save_pretrained(out_dir)
         n = sum(p.numel() for p in model.parameters())
-        return f"SmolLM2-135M-Instruct backbone + random score head ({n / 1e6:.1f}M params)"
+        name = "SmolLM2-135M-Instruct" if backbone is None else str(backbone)
+        return f"{name} backbone + random score head ({n / 1e6:.1f}M params)"
     make_tiny_reward_model(out_dir)
     return "tiny random 2-layer Llama RM" + ("" if tiny else " (default policy not prepared)")
 

@@ -11,6 +11,12 @@ Components, in order, for each model (docs/gpu.md says what each one checks):
 - ``generation``: the planned generation stage (CUDA vLLM, K samples, one shard per GPU);
 - ``rm_scoring``: reward-model scoring, length-sorted batches vs batch size 1, same items; the
   figure is the ratio (expected >= ``--min-rm-speedup``, 4x);
+- ``reward_server``: the reward service's load test (``bench/bench_reward_server.py``: the model's
+  backbone with a fresh score head, float32 so that every result must equal the 1-client run, one
+  worker per GPU, requests merged as ``max_batch_requests=auto`` does on GPU); passes with no result
+  lost, failed or mismatched, on CUDA, and for the default model 16-client items/s >=
+  ``--min-server-speedup`` (4x) the 1-client figure (the tiny model's ratio is shown, not judged:
+  its forward pass is too small for batching to matter);
 - ``dpo_zero2``: the planned DPO stage for 2 optimizer steps under DeepSpeed ZeRO-2 in bf16, with
   flash-attention 2 where ``flash_attn`` imports in the training env, else sdpa (the figure says which);
 - ``tied_weights``: after a ZeRO-2 save and a reload, ``lm_head.weight`` equals
@@ -50,7 +56,7 @@ from .jsonl import read_json, write_json, write_jsonl
 from .paths import PROJECT_ROOT, default_model_dir
 from .testing import constraint_prompts
 
-COMPONENTS = ("plan", "generation", "rm_scoring", "dpo_zero2", "tied_weights", "grpo", "loop")
+COMPONENTS = ("plan", "generation", "rm_scoring", "reward_server", "dpo_zero2", "tied_weights", "grpo", "loop")
 MODELS = ("tiny", "default")
 K = 4  # responses per prompt in the generation, GRPO and loop checks
 PROMPTS_PER_GPU = 8  # the planned iteration's prompts (enough for the loop's random tiny policy to make pairs)
@@ -105,6 +111,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")
     ap.add_argument("--min-rm-speedup", type=float, default=4.0,
                     help="rm_scoring fails below this batched / batch-size-1 ratio")
+    ap.add_argument("--min-server-speedup", type=float, default=4.0,
+                    help="reward_server fails (default model) below this 16-client / 1-client items/s ratio")
     ap.add_argument("--timeout-s", type=float, default=240.0, help="limit per component (loop: twice this)")
     ap.add_argument("--plan-only", action="store_true",
                     help="plan the runs and list each component's commands; run nothing (no GPU needed)")
@@ -119,8 +127,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.only.insert(0, "plan")  # every other component runs on the planned run directories
     if args.gpus is not None and args.gpus < 1:
         ap.error(f"--gpus {args.gpus}: give at least 1 (or leave it out: every visible GPU)")
-    if args.timeout_s <= 0 or args.min_rm_speedup <= 0:
-        ap.error("--timeout-s and --min-rm-speedup must be positive")
+    if args.timeout_s <= 0 or args.min_rm_speedup <= 0 or args.min_server_speedup <= 0:
+        ap.error("--timeout-s, --min-rm-speedup and --min-server-speedup must be positive")
     return args
 
 
@@ -247,6 +255,24 @@ def verify_rm(out: Path, min_speedup: float) -> tuple[bool, str]:
                 f"max |diff| {r['max_abs_diff']:.1e}, {r['dtype']}")
 
 
+def verify_server(out: Path, min_speedup: Optional[float]) -> tuple[bool, str]:
+    """The load test's figures (``bench_reward_server --output``): served on CUDA, no result lost,
+    failed or different from the 1-client run, and (``min_speedup`` not None) the last level's
+    items/s at least ``min_speedup`` x the first's."""
+    f = read_json(out)
+    m = f["servers"]["mosec"]
+    rows = m["rows"]
+    first, last = rows[str(f["levels"][0])], rows[str(f["levels"][-1])]
+    bad = sum(r["errors"] + r["lost"] + r["mismatched"] for r in rows.values())
+    ratio = m.get("ratio", 0.0)
+    ok = m.get("device") == "cuda" and not f["failed"] and bad == 0 and (min_speedup is None or ratio >= min_speedup)
+    expect = f"expect >= {min_speedup:g}x" if min_speedup is not None else "not judged on this model"
+    return ok, (f"{f['levels'][-1]}/{f['levels'][0]} clients {ratio:.1f}x items/s ({expect}), "
+                f"{first['items_per_s']:.1f} -> {last['items_per_s']:.1f} items/s, p99 {last['p99']:.2f} s, "
+                f"{bad} lost/failed/mismatched, {m.get('device')} {m.get('dtype')}, "
+                f"up to {m.get('max_batch_requests')} requests per call")
+
+
 def verify_training(run_dir: Path, gpus: int, attn: str, stage: str) -> tuple[bool, str]:
     """The DPO or GRPO stage ran 2 steps under ZeRO-2 on ``gpus`` CUDA processes in bf16, and its
     saved checkpoint keeps the embeddings tied."""
@@ -302,6 +328,7 @@ def build_checks(args: argparse.Namespace, work: Path, gpus: int, attn: str) -> 
         checks.append(Check("plan", model, [], lambda g=gpus, a=attn, d=dpo_run, r=grpo_run: (
             True, f"{g} GPU(s), zero2, attn {a}: {d.name}, {r.name}"), t, elapsed=time.monotonic() - t0))
         rm_out = work / f"{model}_rm.json"
+        server_out = work / f"{model}_reward_server.json"
         tied_dir = work / f"{model}_tied"
         tied_launch = [str(ACCELERATE), "launch", "--config_file", str(PROJECT_ROOT / "configs" / "accelerate" / "zero2.yaml"),
                        "--num_processes", str(gpus), "--main_process_port", str(_free_port()), "-m", "online_rlhf.gpu_check",
@@ -312,18 +339,24 @@ def build_checks(args: argparse.Namespace, work: Path, gpus: int, attn: str) -> 
                                 lambda r=dpo_run: verify_generation(r, gpus), t),
             "rm_scoring": Check("rm_scoring", model,
                                 [[str(TRAIN_PY), "-m", "online_rlhf.gpu_check", "rm-worker", "--model", str(mdir),
-                                  "--out", str(rm_out)]], lambda: verify_rm(rm_out, args.min_rm_speedup), t),
+                                  "--out", str(rm_out)]], lambda o=rm_out: verify_rm(o, args.min_rm_speedup), t),
+            "reward_server": Check("reward_server", model,
+                                   [[str(TRAIN_PY), "-m", "bench.bench_reward_server", "--backbone", str(mdir),
+                                     "--requests", "64", "--clients", "1,4,16", "--dtype", "float32",
+                                     "--time-limit", str(int(t / 4)), "--output", str(server_out)]],
+                                   lambda o=server_out, m=model: verify_server(
+                                       o, args.min_server_speedup if m == "default" else None), t),
             "dpo_zero2": Check("dpo_zero2", model, [_exec(dpo_run, "dpo")],
                                lambda r=dpo_run: verify_training(r, gpus, attn, "dpo"), t,
                                prepare=lambda r=dpo_run: _write_pairs(r / "iter_1" / "pairs.jsonl", 4 * gpus)),
             "tied_weights": Check("tied_weights", model, [[*tied_launch, "--phase", "train"], [*tied_launch, "--phase", "resume"]],
-                                  lambda: verify_tied(tied_dir / "result.json"), t),
+                                  lambda d=tied_dir: verify_tied(d / "result.json"), t),
             "grpo": Check("grpo", model, [_exec(grpo_run, "grpo")],
                           lambda r=grpo_run: verify_training(r, gpus, attn, "grpo"), t,
                           prepare=lambda r=grpo_run: _write_rollouts(r / "iter_1" / "rewards.jsonl", 2 * gpus)),
             "loop": Check("loop", model, [["bash", str(PROJECT_ROOT / "run_loop.sh"), "configs/loop.yaml",
                                            f"run_name={model}_loop", *over]],
-                          lambda: verify_loop(loop_run), 2 * t),
+                          lambda r=loop_run: verify_loop(r), 2 * t),
         }
         checks += [table[c] for c in COMPONENTS if c in args.only and c != "plan"]
     return checks

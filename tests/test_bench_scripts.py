@@ -63,9 +63,18 @@ def test_bench_rm_scoring():
     assert "speed-up batched / pipeline" in out
 
 
-def test_bench_reward_server():
-    out = _run("bench_reward_server", "--smoke", "--workers", "2")
+def test_bench_reward_server(tmp_path):
+    from online_rlhf import gpu_check
+
+    out = _run("bench_reward_server", "--smoke", "--workers", "2", "--output", str(tmp_path / "f.json"))
     assert "2 / 1 clients:" in out and "load test passed" in out
+    figures = json.loads((tmp_path / "f.json").read_text())
+    mosec = figures["servers"]["mosec"]
+    assert mosec["device"] == "cpu" and mosec["workers"] == 2 and mosec["max_batch_requests"] == 1
+    assert set(mosec["rows"]) == {"1", "2"} and figures["failed"] == []
+    assert all(r["lost"] == 0 and r["mismatched"] == 0 for r in mosec["rows"].values())
+    ok, fig = gpu_check.verify_server(tmp_path / "f.json", None)
+    assert not ok and "2/1 clients" in fig and "cpu float32" in fig  # a CPU run never passes the GPU check
 
 
 @pytest.mark.vllm

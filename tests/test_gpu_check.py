@@ -95,7 +95,9 @@ def test_plan_only_lists_every_command_and_runs_none(planned):
     assert "[tiny tied_weights]" in stdout and "--phase resume" in stdout and "zero2.yaml" in stdout
     loop_line = next(ln for ln in stdout.splitlines() if ln.startswith("[tiny loop]"))
     assert "run_loop.sh" in loop_line and "launch_profile=zero2" in loop_line and "iterations=1" in loop_line
-    assert "1 passed, 0 failed, 6 not run" in stdout
+    assert "1 passed, 0 failed, 7 not run" in stdout
+    server = next(ln for ln in stdout.splitlines() if ln.startswith("[tiny reward_server]"))
+    assert "bench.bench_reward_server --backbone" in server and "--dtype float32" in server
     assert not (run / "runs" / "tiny_dpo" / "iter_1" / "generated.jsonl").exists()  # nothing ran
 
 
@@ -112,6 +114,40 @@ def test_a_failed_plan_is_a_failed_row_and_no_other(tmp_path, monkeypatch):
 
 def _py(code: str) -> list[str]:
     return [sys.executable, "-c", code]
+
+
+def test_each_models_checks_verify_that_models_own_files(tmp_path, monkeypatch):
+    """Checks are built for every model first and run later: a verifier must not read the last model's file."""
+    monkeypatch.setattr(G, "_model_dir", lambda model, work: tmp_path / model)
+    monkeypatch.setattr(G, "run_plan", lambda name, over, log: tmp_path / "runs" / name)
+    for name in ("verify_rm", "verify_server"):
+        monkeypatch.setattr(G, name, lambda out, expect: (True, str(out)))
+    monkeypatch.setattr(G, "verify_tied", lambda out: (True, str(out)))
+    monkeypatch.setattr(G, "verify_loop", lambda run: (True, str(run)))
+    args = G.parse_args(["--models", "tiny,default", "--only", "rm_scoring,reward_server,tied_weights,loop"])
+    checks = [c for c in G.build_checks(args, tmp_path, 1, "sdpa") if c.component != "plan"]
+    assert len(checks) == 8
+    for c in checks:
+        assert f"{c.model}_" in c.verify()[1], (c.model, c.component, c.verify())
+
+
+def test_verify_server_needs_cuda_no_faults_and_the_ratio_for_the_default_model(tmp_path):
+    def figures(device="cuda", ratio=5.0, mismatched=0, failed=()):
+        rows = {str(c): {"items_per_s": ips, "p50": 0.1, "p99": 0.2, "errors": 0, "lost": 0, "not_sent": 0,
+                         "mismatched": mismatched if c == 16 else 0, "max_diff": 0.0}
+                for c, ips in ((1, 10.0), (4, 30.0), (16, 10.0 * ratio))}
+        write_json(tmp_path / "f.json", {"levels": [1, 4, 16], "failed": list(failed), "servers": {"mosec": {
+            "device": device, "dtype": "float32", "workers": 1, "max_batch_requests": 16, "rows": rows, "ratio": ratio}}})
+        return tmp_path / "f.json"
+
+    ok, fig = G.verify_server(figures(), 4.0)
+    assert ok and fig.startswith("16/1 clients 5.0x items/s (expect >= 4x), 10.0 -> 50.0 items/s") and "0 lost" in fig
+    assert not G.verify_server(figures(ratio=3.0), 4.0)[0]
+    assert G.verify_server(figures(ratio=1.2), None) == (True, G.verify_server(figures(ratio=1.2), None)[1])
+    assert "not judged" in G.verify_server(figures(ratio=1.2), None)[1]
+    assert not G.verify_server(figures(device="cpu"), 4.0)[0]
+    assert not G.verify_server(figures(mismatched=1), None)[0]
+    assert not G.verify_server(figures(failed=["mosec at 16 clients: 1 errors"]), None)[0]
 
 
 def test_run_check_passes_exit_codes_timeouts_and_verifier_errors(tmp_path):
