@@ -179,11 +179,23 @@ def start_reward_server(rm_dir: str, args, extra: list[str]) -> tuple[subprocess
     return proc, f"http://127.0.0.1:{port}"
 
 
+def _levels(text: str) -> list[int]:
+    """``--clients``: comma-separated whole numbers >= 1 (argparse turns the ValueError into a usage error)."""
+    try:
+        levels = [int(c) for c in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated client counts, e.g. 1,4,16") from None
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every client count must be >= 1, e.g. 1,4,16")
+    return levels
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=32, help="requests per client level at most (each of --items items)")
     ap.add_argument("--items", type=int, default=4, help="items (responses of one prompt) per request")
-    ap.add_argument("--clients", default="1,4,16", help="the levels: concurrent clients, comma-separated; the first is the reference run")
+    ap.add_argument("--clients", type=_levels, default="1,4,16",
+                    help="the levels: concurrent clients, comma-separated; the first is the reference run")
     ap.add_argument("--time-limit", type=float, default=240.0, help="seconds per level at most")
     ap.add_argument("--startup-timeout", type=float, default=600.0, help="longest wait for the server to be ready (s)")
     ap.add_argument("--workers", default="auto", help="the server's workers (auto: one per GPU, else one per core)")
@@ -195,13 +207,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--unbatched", action="store_true", help="also measure one worker scoring one request at a time")
     ap.add_argument("--vllm", action="store_true", help="also measure vLLM's pooling server (.venv-infer)")
     ap.add_argument("--smoke", action="store_true", help="a tiny random reward model, 4 requests x 2 items, 1 and 2 "
-                    "clients: seconds, for the tests")
+                    "clients, 120 s per level: seconds, for the tests (replaces --requests, --items, --clients, "
+                    "--time-limit and --backbone)")
     ap.add_argument("--backbone", type=Path, default=None,
                     help="the reward model's backbone: a saved model folder (default: the embedded default policy)")
     ap.add_argument("--output", type=Path, default=None, help="also write the figures here as JSON")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.requests, args.items, args.clients, args.time_limit = 4, 2, "1,2", 120.0
+        args.requests, args.items, args.clients, args.time_limit, args.backbone = 4, 2, [1, 2], 120.0, None
+    if args.requests < 1 or args.items < 1:
+        ap.error("--requests and --items must be >= 1")
+    if args.backbone is not None and not (args.backbone / "config.json").is_file():
+        ap.error(f"--backbone {args.backbone}: " + ("no such folder" if not args.backbone.exists() else
+                                                    "no config.json in it; give a saved model folder"))
 
     import requests
 
@@ -210,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     from online_rlhf.jsonl import write_json
     from online_rlhf.remote import score_items
 
-    levels = [int(c) for c in args.clients.split(",")]
+    levels = args.clients
     tmp = tempfile.TemporaryDirectory(prefix="bench_rm_server_")
     rm_dir = str(Path(tmp.name) / "rm")
     what = build_reward_model(Path(rm_dir), tiny=args.smoke, backbone=args.backbone)
@@ -284,6 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     figures["failed"] = failed
     if args.output is not None:
         write_json(args.output, figures)
+        print(f"figures written to {args.output}")
     if failed:
         sys.exit("load test FAILED: " + "; ".join(failed))
     print("load test passed: no result lost, failed or different from the 1-client run")

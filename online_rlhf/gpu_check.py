@@ -436,7 +436,9 @@ def main(argv: list[str]) -> int:
     work = (args.work_dir / time.strftime("run_%Y%m%d-%H%M%S")).resolve()
     work.mkdir(parents=True, exist_ok=False)
     attn = attention()
-    print(f"gpu_check: {gpus} GPU(s) of {visible} visible, attention {attn}, work dir {work}", flush=True)
+    print(f"gpu_check: {gpus} GPU(s) of {visible} visible, attention {attn}, work dir {work}" if not args.plan_only
+          else f"gpu_check --plan-only: planned for {gpus} GPU(s) ({visible} visible here), attention {attn}, work dir "
+               f"{work}; commands run from {PROJECT_ROOT}", flush=True)
     checks = build_checks(args, work, gpus, attn)
     results: list[Result] = []
     for c in checks:

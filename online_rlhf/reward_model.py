@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from .chat_tokens import (PROMPT_RENDERED_DIFFERENTLY, ChatTokenError, chat_token_ids, count_special_texts,
@@ -53,6 +54,38 @@ def resolve_dtype(dtype: str, device_type: str):
     return getattr(torch, compute_dtype(device_type, dtype))
 
 
+def check_reward_model_config(path: str) -> None:
+    """Refuse, from its config alone (no weights loaded), a checkpoint that is not a one-label
+    sequence-classification model. ``path``: a local folder or a Hub id (as
+    :func:`online_rlhf.paths.resolve_model` returns it).
+
+    Raises:
+        ConfigError: a local folder without ``config.json``; a checkpoint saved as another
+            architecture (``*ForCausalLM``: loading it would add a random score head); a head with
+            ``num_labels`` other than 1.
+    """
+    from transformers import AutoConfig
+
+    if Path(path).is_dir() and not (Path(path) / "config.json").is_file():
+        raise ConfigError(
+            f"reward_model={path} has no config.json: it is not a saved model folder. Give the folder a reward "
+            "model was saved to (save_pretrained of a *ForSequenceClassification with num_labels=1, and its tokenizer)."
+        )
+    config = AutoConfig.from_pretrained(path)
+    archs = list(getattr(config, "architectures", None) or [])
+    if archs and not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise ConfigError(
+            f"reward_model={path} is a {', '.join(archs)} checkpoint, not a reward model: loading it as "
+            "AutoModelForSequenceClassification would add a randomly initialised score head. Give a checkpoint "
+            "saved as *ForSequenceClassification with num_labels=1 (a Bradley-Terry reward model)."
+        )
+    if config.num_labels != 1:
+        raise ConfigError(
+            f"reward_model={path} has num_labels={config.num_labels}; a Bradley-Terry reward model has exactly "
+            "one label (one scalar score per input). Multi-label/classifier heads are not supported."
+        )
+
+
 class RewardModel:
     """A loaded one-label reward model with its tokenizer, ready to score (prompt, response) pairs.
 
@@ -69,24 +102,12 @@ class RewardModel:
 
     def __init__(self, path: str, dtype: str = "auto", device: Any = None, max_length: int = 4096):
         import torch
-        from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         from .paths import resolve_model
 
         self.path = resolve_model(str(path))  # a missing local dir is a clear FileNotFoundError
-        config = AutoConfig.from_pretrained(self.path)
-        archs = list(getattr(config, "architectures", None) or [])
-        if archs and not any(a.endswith("ForSequenceClassification") for a in archs):
-            raise ConfigError(
-                f"reward_model={self.path} is a {', '.join(archs)} checkpoint, not a reward model: loading it as "
-                "AutoModelForSequenceClassification would add a randomly initialised score head. Give a checkpoint "
-                "saved as *ForSequenceClassification with num_labels=1 (a Bradley-Terry reward model)."
-            )
-        if config.num_labels != 1:
-            raise ConfigError(
-                f"reward_model={self.path} has num_labels={config.num_labels}; a Bradley-Terry reward model has exactly "
-                "one label (one scalar score per input). Multi-label/classifier heads are not supported."
-            )
+        check_reward_model_config(self.path)
         self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = resolve_dtype(dtype, self.device.type)
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)

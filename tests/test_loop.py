@@ -368,6 +368,9 @@ def test_a_subcommand_with_help_prints_the_usage_not_a_missing_file(capsys, tmp_
         out = capsys.readouterr().out
         assert "python -m online_rlhf.loop plan CONFIG" in out and "not found" not in out
     assert list(tmp_path.iterdir()) == []
+    assert loop.main(["plan"]) == 2  # nothing given: not the class defaults silently planned into runs/default
+    assert "plan needs CONFIG, e.g. `python -m online_rlhf.loop plan configs/loop.yaml`" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_exec_runs_a_stage_from_its_config_file(small_cfg, tmp_path):

@@ -121,10 +121,16 @@ def test_token_required_when_set(monkeypatch):
         r = requests.post(f"{url}/score", json={"prompts": [P], "responses": ["abc"]}, timeout=10,
                           headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401 and "wrong token" in r.json()["detail"]
+        r = requests.post(f"{url}/score", json={"prompts": [P], "responses": ["abc"]}, timeout=10,
+                          headers={"Authorization": "s3cret"})  # the token without its scheme
+        assert r.status_code == 401 and "another scheme than Bearer, or no scheme" in r.json()["detail"]
         r = requests.post(f"{url}/score", data=b"{not json", timeout=10)  # refused before the body is read
         assert r.status_code == 401
+        r = requests.post(f"{url}/score", json={"prompts": [P], "responses": ["abc"]}, timeout=10,
+                          headers={"Authorization": "bearer s3cret"})  # the scheme name is case-insensitive
+        assert r.status_code == 200 and r.json() == {"rewards": [3.0]}
         assert requests.get(f"{url}/health", timeout=10).status_code == 200  # probes need no token
-        assert eng.calls == 0
+        assert eng.calls == 1
         monkeypatch.setenv("REWARD_SERVER_TOKEN", "s3cret")  # the client sends it from the environment
         assert score_items(url, [P, P], ["abc", "hello"], batch_size=8, timeout_s=10, retries=0) == [3.0, 5.0]
 
@@ -374,3 +380,25 @@ def test_sigterm_finishes_the_request_in_flight(rm_dir, local_rm):
             requests.get(f"{url}/health", timeout=30)
     finally:
         stop_server(proc)
+
+
+@pytest.mark.parametrize("given, says", [
+    ("", "reward_model: String should have at least 1 character"),
+    ("default", "reward_model=default is the embedded policy (a causal LM), not a reward model"),
+    ("{empty}", "has no config.json: it is not a saved model folder"),
+    ("{causal}", "checkpoint, not a reward model"),
+    ("{missing}", "no such directory"),
+])
+def test_a_bad_reward_model_is_refused_before_any_worker_starts(tmp_path, given, says):
+    from online_rlhf.testing import make_tiny_policy
+
+    (tmp_path / "empty").mkdir()
+    given = given.format(empty=tmp_path / "empty", causal=make_tiny_policy(tmp_path / "causal"),
+                         missing=tmp_path / "nope")
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, str(REPO / "annotate_data" / "reward_server.py"), f"reward_model={given}",
+                        f"port={free_port()}"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert p.returncode == 2 and says in p.stderr, p.stderr[-2000:]
+    assert "'default'" not in p.stderr and "Traceback" not in p.stderr
+    assert "reward engine: mosec" not in p.stderr and time.monotonic() - t0 < 60  # no engine was started

@@ -85,6 +85,9 @@ def main(argv: list[str]) -> int:
     cmd, args = argv[0], argv[1:]
     try:
         if cmd in ("plan", "plan-check", "run-dir"):
+            if not args:  # nothing given: the class defaults are not configs/loop.yaml's (64 prompts per iteration ...)
+                raise ConfigError(f"{cmd} needs CONFIG, e.g. `python -m online_rlhf.loop {cmd} configs/loop.yaml` (what "
+                                  "`bash run_loop.sh` plans); key=value overrides alone start from the keys' defaults.")
             cfg_path = args[0] if args and "=" not in args[0] else None
             overrides = args[1:] if cfg_path else args
             if cmd in ("plan", "plan-check"):  # plan-check: every check of the plan, nothing written

@@ -45,6 +45,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field, field_validator
@@ -58,7 +59,7 @@ TOKEN_ENV = "REWARD_SERVER_TOKEN"
 class ServeConfig(StageConfig):
     """annotate_data/reward_server.py: an HTTP reward service around a local reward model."""
 
-    reward_model: str = Field(..., description="AutoModelForSequenceClassification dir or Hub id (one label)")
+    reward_model: str = Field(..., min_length=1, description="AutoModelForSequenceClassification dir or Hub id (one label)")
     host: str = Field("127.0.0.1", description="bind address (127.0.0.1: this machine only; set REWARD_SERVER_TOKEN before exposing it)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port")
     batch_size: int = Field(8, ge=1, description="items per reward model forward pass inside a worker (the items of merged requests, sorted by length)")
@@ -348,16 +349,19 @@ class MosecEngine:
 
 class BearerAuth:
     """ASGI middleware: ``POST /score`` needs ``Authorization: Bearer <token>`` (else 401), checked
-    before the body is read; other paths pass. Compared in constant time."""
+    before the body is read; other paths pass. The scheme name is case-insensitive (RFC 7235); the
+    token is compared in constant time."""
 
     def __init__(self, app, token: str):
-        self.app, self.expected = app, f"Bearer {token}".encode()
+        self.app, self.expected = app, token.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].rstrip("/") == "/score":
             got = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not secrets.compare_digest(got, self.expected):
-                why = "no Authorization header" if not got else "a wrong token"
+            scheme, _, given = got.strip().partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(given.strip(), self.expected):
+                why = ("no Authorization header" if not got else "a wrong token" if scheme.lower() == b"bearer"
+                       else "another scheme than Bearer, or no scheme")
                 body = json.dumps({"detail": f"this service needs 'Authorization: Bearer <token>' ({why} was sent); "
                                              f"set {TOKEN_ENV} on the client to the service's token"}).encode()
                 await send({"type": "http.response.start", "status": 401,
@@ -482,7 +486,18 @@ def main(cfg: ServeConfig) -> None:
     from online_rlhf.paths import resolve_model
     from online_rlhf.reward_engine import engine_spec
 
-    path = resolve_model(cfg.reward_model)  # a missing local dir: FileNotFoundError, exit 2 before anything starts
+    if cfg.reward_model == "default":
+        raise ConfigError("reward_model=default is the embedded policy (a causal LM), not a reward model. Give a "
+                          "reward model folder or Hub id; to try the service offline, docs/reward-server.md shows how "
+                          "to save a tiny random one.")
+    try:
+        path = resolve_model(cfg.reward_model)
+    except FileNotFoundError as e:  # exit 2 before anything starts
+        raise ConfigError(str(e).replace(", or 'default'.", " (a saved reward model).")) from None
+    if Path(path).is_dir():  # a folder that is not a one-label classifier fails here, not in every worker
+        from online_rlhf.reward_model import check_reward_model_config
+
+        check_reward_model_config(path)
     n, threads, devices = worker_layout(cfg.workers)
     device = "cuda" if devices else "cpu"
     merge = batch_requests_for(cfg.max_batch_requests, on_gpu=bool(devices))
