@@ -37,20 +37,15 @@ from pathlib import Path
 
 def build_reward_model(out_dir: Path, tiny: bool = False, backbone: Path | None = None) -> str:
     """Save a one-label reward model to ``out_dir``: ``backbone``'s (a causal-LM or classifier
-    folder; default: the embedded default policy) with a fresh score head, seeded; ``tiny``: the
-    random 2-layer one. Returns a description of it.
-
-    Raises:
-        FileNotFoundError: ``backbone`` is given and has no ``config.json``.
-    """
+    folder with a ``config.json``, as bench_reward_server's ``--backbone`` checks; default: the
+    embedded default policy) with a fresh score head, seeded; ``tiny``: the random 2-layer one.
+    Returns a description of it."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from online_rlhf.paths import default_model_dir
     from online_rlhf.testing import make_tiny_reward_model
 
-    if backbone is not None and not (Path(backbone) / "config.json").is_file():
-        raise FileNotFoundError(f"{backbone}: no config.json; give a saved model folder as the backbone")
     policy = Path(backbone) if backbone is not None else default_model_dir()
     if not tiny and (policy / "config.json").is_file():
         torch.manual_seed(0)

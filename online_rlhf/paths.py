@@ -45,8 +45,15 @@ def setup_cache_env() -> None:
     setdefault_thread_env()
 
 
-def resolve_model(name: str) -> str:
+POLICY_HINT = "Give an existing checkpoint directory, an HF Hub id (namespace/name), or 'default'."
+REWARD_MODEL_HINT = ("Give an existing reward model directory (a saved one-label *ForSequenceClassification) or an HF "
+                     "Hub id (namespace/name).")
+
+
+def resolve_model(name: str, hint: str = POLICY_HINT) -> str:
     """``"default"`` -> the embedded default checkpoint dir; a path (``~`` expanded) or Hub id as is.
+    ``hint``: what the error for a missing local path tells the user to give instead (a reward
+    model has no ``default``: :data:`REWARD_MODEL_HINT`).
 
     A name is taken as a local path when :func:`looks_like_path` says so, or when it has the form
     ``first/rest`` of a Hub id but ``first`` is a folder here (``models/mine`` beside a ``models/``
@@ -69,8 +76,7 @@ def resolve_model(name: str) -> str:
             why = (f" ({local_folder_prefix(name)!r} is a folder here, so it is taken as a local path, not a Hub id)"
                    if not looks_like_path(name) else "")
             raise FileNotFoundError(
-                f"model {name!r}: no such directory (looked at {p.absolute()}){why}. Give an existing checkpoint "
-                "directory, an HF Hub id (namespace/name), or 'default'."
+                f"model {name!r}: no such directory (looked at {p.absolute()}){why}. {hint}"
             )
         return str(p)
     return name

@@ -104,9 +104,9 @@ class RewardModel:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        from .paths import resolve_model
+        from .paths import REWARD_MODEL_HINT, resolve_model
 
-        self.path = resolve_model(str(path))  # a missing local dir is a clear FileNotFoundError
+        self.path = resolve_model(str(path), hint=REWARD_MODEL_HINT)  # a missing local dir: a clear FileNotFoundError
         check_reward_model_config(self.path)
         self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = resolve_dtype(dtype, self.device.type)

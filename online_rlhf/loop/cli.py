@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__)
         return 2
-    if argv[0] in ("-h", "--help") or any(a in ("-h", "--help") for a in argv[1:]):  # `plan --help` too
+    if any(a in ("-h", "--help") for a in argv):  # `-h`, and `plan --help` too
         print(__doc__)
         print("Loop config keys (configs/loop.yaml, or key=value after `bash run_loop.sh [CONFIG]`):")
         print("\n".join(LoopConfig._field_lines("  ")))
@@ -88,7 +88,7 @@ def main(argv: list[str]) -> int:
             if not args:  # nothing given: the class defaults are not configs/loop.yaml's (64 prompts per iteration ...)
                 raise ConfigError(f"{cmd} needs CONFIG, e.g. `python -m online_rlhf.loop {cmd} configs/loop.yaml` (what "
                                   "`bash run_loop.sh` plans); key=value overrides alone start from the keys' defaults.")
-            cfg_path = args[0] if args and "=" not in args[0] else None
+            cfg_path = args[0] if "=" not in args[0] else None
             overrides = args[1:] if cfg_path else args
             if cmd in ("plan", "plan-check"):  # plan-check: every check of the plan, nothing written
                 with _stdout_to_stderr() as real_stdout:

@@ -199,23 +199,30 @@ def _record_valid(run_dir: Path, i: int, stage: str, digest: str | None = None) 
         return False
 
 
-def co_decoded_note(run_dir: Path, i: int, stage: str) -> str | None:
-    """For ``loop check``: a line saying that another stage's launch already decoded this stage's
-    output for its current config and inputs (``loop exec`` will only mark it done), or None."""
+def _co_decoder(run_dir: Path, i: int, stage: str) -> tuple[str, int] | None:
+    """``(stage, iteration)`` whose launch already decoded this stage's output for its current config
+    and inputs (:func:`_record_valid`), or None."""
     if not _record_valid(run_dir, i, stage):
         return None
     record = read_json(_co_decode_record(run_dir, i, stage))
-    return (f"its output is already decoded (co-decoded in the engine start of stage {record.get('co_decoded_by')} "
-            f"of iteration {record.get('co_decoded_iteration', i)}): `loop exec` only marks it done")
+    return record.get("co_decoded_by"), int(record.get("co_decoded_iteration", i))
+
+
+def co_decoded_note(run_dir: Path, i: int, stage: str) -> str | None:
+    """For ``loop check``: a line saying that another stage's launch already decoded this stage's
+    output for its current config and inputs (``loop exec`` will only mark it done), or None."""
+    by = _co_decoder(run_dir, i, stage)
+    return None if by is None else (f"its output is already decoded (co-decoded in the engine start of stage "
+                                    f"{by[0]} of iteration {by[1]}): `loop exec` only marks it done")
 
 
 def _co_decoded_before(run_dir: Path, i: int, stage: str) -> bool:
     """True (and says so) when an earlier stage's launch already decoded this stage's output for its
     current config and inputs (:func:`_record_valid`): nothing to run; ``loop mark`` then marks it."""
-    if not _record_valid(run_dir, i, stage):
+    found = _co_decoder(run_dir, i, stage)
+    if found is None:
         return False
-    record = read_json(_co_decode_record(run_dir, i, stage))
-    by, at = record.get("co_decoded_by"), int(record.get("co_decoded_iteration", i))
+    by, at = found
     where = "this iteration" if at == i else f"iteration {at}"
     print(f"stage {stage} of iteration {i}: decoded in the engine start of stage {by} of {where} for its "
           f"current config and inputs (log {run_dir / f'iter_{at}' / 'logs' / f'{by}.log'}); nothing to run "

@@ -81,7 +81,7 @@ class ServeConfig(StageConfig):
         """One clear line for a count key: ``auto`` or a whole number >= 1."""
         if isinstance(v, bool):  # this runs before StageConfig's own bool check, so say the same
             raise bool_as_number_error(v)
-        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+        if v == "auto" or (isinstance(v, int) and v >= 1):
             return v
         if isinstance(v, str) and v.strip().isdigit() and int(v) >= 1:
             return int(v)
@@ -359,8 +359,9 @@ class BearerAuth:
         if scope["type"] == "http" and scope["path"].rstrip("/") == "/score":
             got = dict(scope.get("headers") or []).get(b"authorization", b"")
             scheme, _, given = got.strip().partition(b" ")
-            if scheme.lower() != b"bearer" or not secrets.compare_digest(given.strip(), self.expected):
-                why = ("no Authorization header" if not got else "a wrong token" if scheme.lower() == b"bearer"
+            bearer = scheme.lower() == b"bearer"
+            if not bearer or not secrets.compare_digest(given.strip(), self.expected):
+                why = ("no Authorization header" if not got else "a wrong token" if bearer
                        else "another scheme than Bearer, or no scheme")
                 body = json.dumps({"detail": f"this service needs 'Authorization: Bearer <token>' ({why} was sent); "
                                              f"set {TOKEN_ENV} on the client to the service's token"}).encode()
@@ -483,17 +484,14 @@ def main(cfg: ServeConfig) -> None:
     import uvicorn
 
     from online_rlhf.hardware import compute_dtype
-    from online_rlhf.paths import resolve_model
+    from online_rlhf.paths import REWARD_MODEL_HINT, resolve_model
     from online_rlhf.reward_engine import engine_spec
 
     if cfg.reward_model == "default":
         raise ConfigError("reward_model=default is the embedded policy (a causal LM), not a reward model. Give a "
                           "reward model folder or Hub id; to try the service offline, docs/reward-server.md shows how "
                           "to save a tiny random one.")
-    try:
-        path = resolve_model(cfg.reward_model)
-    except FileNotFoundError as e:  # exit 2 before anything starts
-        raise ConfigError(str(e).replace(", or 'default'.", " (a saved reward model).")) from None
+    path = resolve_model(cfg.reward_model, hint=REWARD_MODEL_HINT)  # a missing dir: exit 2 before anything starts
     if Path(path).is_dir():  # a folder that is not a one-label classifier fails here, not in every worker
         from online_rlhf.reward_model import check_reward_model_config
 
