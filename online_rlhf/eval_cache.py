@@ -140,9 +140,14 @@ def store(key: str, output: Path, stats_file: Path, run_dir: Path) -> Optional[P
     return root / key
 
 
-def restore(entry: Path, output: Path, stats_file: Path, stats_cls) -> str:
+def restore(entry: Path, output: Path, stats_file: Path, stats_cls, inputs: Optional[dict[str, str]] = None) -> str:
     """Copy a cache entry's output to ``output`` and its stats to ``stats_file`` (each atomically),
     the stats with ``reused_from`` set to the file the answers were decoded into.
+
+    ``inputs`` (e.g. ``{"model": ..., "prompts": ...}``, this run's values) replace the same keys of the
+    stored stats: the key holds those inputs' content, not their path, so the entry may name a path
+    that no longer exists (a deleted temporary model); a reader of this run's stats (bench.roofline
+    loads ``model``) must find this run's.
 
     Returns:
         the original output path (for the caller's message).
@@ -155,6 +160,7 @@ def restore(entry: Path, output: Path, stats_file: Path, stats_cls) -> str:
     source = read_json(entry / "source.json")["output"]
     stats = read_json(entry / "stats.json")
     stats["reused_from"] = stats.get("reused_from") or source
+    stats.update({k: v for k, v in (inputs or {}).items() if k in stats})
     try:
         stats_cls.model_validate(stats)
     except ValidationError as e:  # a stale entry (written before a stats change): drop it and say so

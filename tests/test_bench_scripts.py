@@ -106,6 +106,22 @@ def _needs_full_envs():
         pytest.skip("needs both envs and the default prompts (scripts/prepare_default.py)")
 
 
+def _separating_prompts(path: Path, n: int) -> Path:
+    """n prompts whose IFEval checks a tiny random policy's 8-token answers pass or fail by chance.
+
+    IFBench's prompts ask for things 8 random tokens never do, so every answer scored 0, both
+    samples of every prompt tied and the pairs stage made no pair for the DPO stage. Letter counts,
+    lowercase and no-comma checks pass for some random answers and not others; with partial
+    credit over seven of them the two samples of a prompt rarely tie.
+    """
+    letters = [{"letter": c, "let_frequency": 1, "let_relation": "at least"} for c in "eaots"]
+    ids = ["keywords:letter_frequency"] * len(letters) + ["change_case:english_lowercase", "punctuation:no_comma"]
+    rows = [{"id": f"sep-{i}", "prompt": f"Write anything at all, number {i}.", "instruction_id_list": ids,
+             "kwargs": [*letters, {}, {}]} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
 @pytest.mark.slow
 @pytest.mark.trl_comparison
 def test_iteration_vs_trl_then_breakdown_and_roofline_on_its_run(tmp_path):
@@ -113,8 +129,10 @@ def test_iteration_vs_trl_then_breakdown_and_roofline_on_its_run(tmp_path):
 
     _needs_full_envs()
     policy = make_tiny_policy(tmp_path / "tiny")
-    out = _run("iteration_vs_trl", "--prompts", "4", "--max-tokens", "8", "--eval-prompts", "1",
-               "--policy", str(policy), "--work-dir", str(tmp_path / "work"), "--output", str(tmp_path / "f.json"))
+    prompts = _separating_prompts(tmp_path / "prompts.jsonl", 8)
+    out = _run("iteration_vs_trl", "--prompts", "8", "--max-tokens", "8", "--eval-prompts", "1",
+               "--prompts-file", str(prompts), "--policy", str(policy), "--work-dir", str(tmp_path / "work"),
+               "--output", str(tmp_path / "f.json"))
     assert "ratio TRL / pipeline" in out
     figures = json.loads((tmp_path / "f.json").read_text())
     run_dir = Path(figures["results"]["ours"][0]["run_dir"])

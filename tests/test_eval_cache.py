@@ -69,9 +69,9 @@ def test_a_change_to_the_decoding_code_changes_the_key(tmp_path, cache, monkeypa
     assert eval_cache.cache_key("eval_generate", d, [str(m), str(p)]) != key
 
 
-def _plan(tmp_path: Path, name: str, *extra: str) -> Path:
+def _plan(tmp_path: Path, name: str, *extra: str, policy: str = "start") -> Path:
     args = [f"train_prompts={_prompts(tmp_path / 'train.jsonl', 6)}", f"eval_prompts={_prompts(tmp_path / 'eval.jsonl')}",
-            f"output_root={tmp_path / 'runs'}", f"run_name={name}", f"policy={tmp_path / 'start'}", "iterations=1",
+            f"output_root={tmp_path / 'runs'}", f"run_name={name}", f"policy={tmp_path / policy}", "iterations=1",
             "ifeval.when=never", "kl_samples=0", *extra]
     return loop.plan(None, args)
 
@@ -134,3 +134,21 @@ def test_a_stale_entry_is_removed_with_a_clear_error(tmp_path, cache):
     with pytest.raises(loop.DataError, match="cached evaluation .* removed it"):
         loop._reuse_cached(run, 0, "eval_generate", e, yaml.safe_load(Path(e["config"]).read_text()))
     assert not entry.exists()
+
+
+def test_a_reused_evaluation_names_this_runs_model_and_prompts(tmp_path, cache):
+    # the key holds the starting policy's content, not its path: a copy elsewhere (a seed run on a
+    # temporary model that was deleted since) reuses the entry, and its stats must name this run's copy
+    _model(tmp_path / "start")
+    first = _plan(tmp_path, "s1")
+    _finish_eval(first)
+    shutil.copytree(tmp_path / "start", tmp_path / "copy")
+    shutil.rmtree(tmp_path / "start")
+    second = _plan(tmp_path, "s2", policy="copy")
+    e = loop._stage_entry(second, 0, "eval_generate")
+    d = yaml.safe_load(Path(e["config"]).read_text())
+    assert d["model"] == str(tmp_path / "copy")
+    assert loop._reuse_cached(second, 0, "eval_generate", e, d)
+    st = GenerateStats.read(stats_path(second / "iter_0" / "eval_generated.jsonl"))
+    assert (st.model, st.prompts) == (d["model"], d["prompts"])
+    assert st.reused_from == str(first / "iter_0" / "eval_generated.jsonl")

@@ -351,7 +351,8 @@ def _reuse_cached(run_dir: Path, i: int, stage: str, e: dict, d: dict) -> bool:
     if entry is None:
         return False
     out = Path(e["outputs"][0])
-    source = eval_cache.restore(entry, out, stats_path(out), STAGES[stage].stats)
+    source = eval_cache.restore(entry, out, stats_path(out), STAGES[stage].stats,
+                                inputs={k: d[k] for k in ("model", "prompts") if isinstance(d.get(k), str)})
     print(f"stage {stage} of iteration {i}: the same starting policy, prompts and settings were evaluated before; "
           f"reused {source} (evaluation cache {entry}; eval_cache=false decodes afresh)", flush=True)
     return True
