@@ -257,10 +257,14 @@ def _short_repr(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def bool_as_number_error(value: bool) -> ValueError:
-    """The error for a YAML boolean given to a number key (one wording for every validator that checks it)."""
+def bool_as_number_error(value: bool, fix: str = "give a number") -> ValueError:
+    """The error for a YAML boolean given to a number key (one wording for every validator that checks it).
+
+    ``fix`` ends the message: what the key does accept (e.g. ``give auto or a number`` for a key that
+    also takes ``auto``).
+    """
     return ValueError(f"expected a number, got the YAML boolean {str(value).lower()} (true/false, yes/no, "
-                      "on/off are booleans in YAML); give a number")
+                      f"on/off are booleans in YAML); {fix}")
 
 
 class StageConfig(BaseModel):

@@ -59,7 +59,7 @@ def test_max_batch_requests_auto_merges_on_gpu_only_and_0_is_refused():
     assert batch_requests_for(ServeConfig(reward_model="rm", max_batch_requests=4).max_batch_requests, False) == 4
     assert ServeConfig(reward_model="rm", max_batch_requests="3", workers="2").max_batch_requests == 3
     for key, bad in (("max_batch_requests", 0), ("max_batch_requests", "abc"), ("max_batch_requests", 2.5),
-                     ("workers", 0), ("workers", -1)):
+                     ("workers", 0), ("workers", -1), ("workers", True), ("max_batch_requests", False)):
         with pytest.raises(Exception, match=f"(?s){key}.*give auto or a whole number >= 1, e.g. {key}=2"):
             ServeConfig(reward_model="rm", **{key: bad})
 
@@ -290,6 +290,7 @@ def test_bad_requests_get_clear_errors_and_the_server_stays_healthy(server, loca
     p, resp = items(65, "big")
     r = requests.post(f"{server}/score", json={"prompts": p, "responses": resp}, timeout=10)
     assert r.status_code == 400 and "65 items" in r.json()["detail"] and "at most 64" in r.json()["detail"]
+    assert "reward.batch_size=64 or less" in r.json()["detail"] and "max_items=65" in r.json()["detail"]
     r = requests.post(f"{server}/score", json={"prompts": [[]], "responses": ["a"]}, timeout=10)
     assert r.status_code == 400 and "at least one message" in r.json()["detail"]
     reqs, results = run_clients(server, 4, 8, 2, tag="after-bad")
@@ -375,6 +376,8 @@ def test_sigterm_finishes_the_request_in_flight(rm_dir, local_rm):
         want, _ = local_rm.score(p, resp, batch_size=1)
         assert reply.json()["rewards"] == pytest.approx(want, abs=1e-5)
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has drained
+        log = proc.stdout.read()
+        assert "shutting down (requests in flight answered; 1 scored in all)" in log and "reward_server: stopped" in log
         assert not any(psutil.pid_exists(p) for p in pids)  # the front stopped its engine before exiting
         with pytest.raises(requests.ConnectionError):
             requests.get(f"{url}/health", timeout=30)

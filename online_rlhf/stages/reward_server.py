@@ -80,7 +80,7 @@ class ServeConfig(StageConfig):
     def _count_or_auto(cls, v: Any, info) -> Any:
         """One clear line for a count key: ``auto`` or a whole number >= 1."""
         if isinstance(v, bool):  # this runs before StageConfig's own bool check, so say the same
-            raise bool_as_number_error(v)
+            raise bool_as_number_error(v, f"give auto or a whole number >= 1, e.g. {info.field_name}=2")
         if v == "auto" or (isinstance(v, int) and v >= 1):
             return v
         if isinstance(v, str) and v.strip().isdigit() and int(v) >= 1:
@@ -395,7 +395,8 @@ def build_app(engine, max_items: int, max_queue: int = 128, retry_after_s: int =
     from fastapi import FastAPI, HTTPException
     from fastapi.responses import JSONResponse
 
-    state: dict[str, Any] = {"ready": False, "started": None, "start_problem": None, "in_service": 0, "rejected_full": 0}
+    state: dict[str, Any] = {"ready": False, "started": None, "start_problem": None, "in_service": 0, "rejected_full": 0,
+                             "served": 0}
 
     async def _start():
         try:
@@ -415,10 +416,13 @@ def build_app(engine, max_items: int, max_queue: int = 128, retry_after_s: int =
         task = asyncio.get_running_loop().create_task(_start())
         try:
             yield
-        finally:
+        finally:  # uvicorn has stopped taking connections and answered the requests in flight
+            print(f"reward_server: shutting down (requests in flight answered; {state['served']} scored in all); "
+                  "stopping the scoring engine", file=sys.stderr)
             if not task.done():
                 task.cancel()
             await engine.stop()
+            print("reward_server: stopped", file=sys.stderr)
 
     app = FastAPI(title="reward model service", lifespan=lifespan)
 
@@ -451,7 +455,9 @@ def build_app(engine, max_items: int, max_queue: int = 128, retry_after_s: int =
         if len(req.prompts) != len(req.responses):
             raise HTTPException(400, f"{len(req.prompts)} prompts but {len(req.responses)} responses; send one prompt per response.")
         if len(req.responses) > max_items:
-            raise HTTPException(400, f"{len(req.responses)} items in one request; this server takes at most {max_items}.")
+            raise HTTPException(400, f"{len(req.responses)} items in one request; this server takes at most {max_items}. "
+                                     f"Send at most {max_items} per request (the loop's client: reward.batch_size="
+                                     f"{max_items} or less), or start the service with max_items={len(req.responses)}.")
         prompts = [[m.model_dump() for m in p] for p in req.prompts]
         if any(not p for p in prompts):
             raise HTTPException(400, "every prompt needs at least one message.")
@@ -474,6 +480,7 @@ def build_app(engine, max_items: int, max_queue: int = 128, retry_after_s: int =
             raise HTTPException(500, str(e)) from None
         finally:
             state["in_service"] -= 1
+        state["served"] += 1
         return ScoreReply(rewards=rewards)
 
     return BearerAuth(app, token) if token else app
