@@ -209,9 +209,16 @@ def format_validation_error(err: ValidationError, cls: type[BaseModel], source: 
     """Turn pydantic's error into lines that name the key, what is wrong and the fix, in the form the
     loop's section check uses (``online_rlhf.loop_keys.check_loop_keys``): ``SOURCE: N problem(s) in
     the config (CLASS):`` and then ``  - key: what is wrong.`` per problem."""
-    errors = err.errors()
-    lines = [f"{source}: {len(errors)} problem(s) in the config ({cls.__name__}):"]
-    for e in errors:
+    problems = validation_problems(err, cls)
+    return "\n".join([f"{source}: {len(problems)} problem(s) in the config ({cls.__name__}):",
+                      *(f"  - {p}" for p in problems)])
+
+
+def validation_problems(err: ValidationError, cls: type[BaseModel]) -> list[str]:
+    """One ``key: what is wrong, and the fix.`` line per error of ``err`` (in ``err.errors()``'s
+    order), as :func:`format_validation_error` lists them."""
+    lines: list[str] = []
+    for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
         if e["type"] == "extra_forbidden":
             model = cls
@@ -221,23 +228,23 @@ def format_validation_error(err: ValidationError, cls: type[BaseModel], source: 
                 ann = getattr(f, "annotation", None) if f else None
                 model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else model
             known = sorted(model.model_fields)
-            lines.append(f"  - {key}: unknown key.{did_you_mean(e['loc'][-1], known)} Known keys: {', '.join(known)}.")
+            lines.append(f"{key}: unknown key.{did_you_mean(e['loc'][-1], known)} Known keys: {', '.join(known)}.")
         elif e["type"] == "missing":
-            lines.append(f"  - {key}: required, not set. Set it in the config file or as {key}=VALUE.")
+            lines.append(f"{key}: required, not set. Set it in the config file or as {key}=VALUE.")
         elif e["type"] == "value_error" and isinstance(e.get("input"), dict):
             # a check across keys (a model validator): its message names the keys and values itself;
             # the input is the whole mapping, not one offending value
             msg = e["msg"].removeprefix("Value error, ")
-            lines.append(f"  - {msg}." if not e["loc"] else f"  - {key}: {msg}.")
+            lines.append(f"{msg}." if not e["loc"] else f"{key}: {msg}.")
         elif e["type"] == "string_type" and isinstance(e.get("input"), (int, float)):
             # YAML read an unquoted number (or true/false) where text is expected: say how to quote it
             raw = str(e["input"]).lower() if isinstance(e["input"], bool) else str(e["input"])
             leaf = ".".join(str(p) for p in e["loc"])
-            lines.append(f"  - {key}: expected text, but YAML reads {raw} as {'a bool' if isinstance(e['input'], bool) else 'a number'}. Quote it: "
+            lines.append(f"{key}: expected text, but YAML reads {raw} as {'a bool' if isinstance(e['input'], bool) else 'a number'}. Quote it: "
                          f"{leaf}=\"'{raw}'\" on the command line, {e['loc'][-1]}: '{raw}' in a YAML file.")
         else:
-            lines.append(f"  - {key}: {e['msg'].removeprefix('Value error, ')} (got {_short_repr(e.get('input'))}).")
-    return "\n".join(lines)
+            lines.append(f"{key}: {e['msg'].removeprefix('Value error, ')} (got {_short_repr(e.get('input'))}).")
+    return lines
 
 
 def _number_not_bool(annotation: Any) -> bool:

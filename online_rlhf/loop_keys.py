@@ -16,10 +16,10 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from .config import ConfigError, did_you_mean
+from .config import ConfigError, did_you_mean, validation_problems
 from .loop_config import LOOP_OWNED, SECTION_CLASSES, LoopConfig
 from .stage_configs import SFTStageConfig
-from .trl_args import check_axolotl_keys, check_dpo_training, check_lora
+from .trl_args import check_axolotl_keys, check_lora, dpo_training_problems
 
 _FILES = "the loop sets each stage's input and output files itself"
 _DRY = "set dry_run=true at the top level (the loop runs each stage once in dry mode)"
@@ -91,7 +91,7 @@ def section_problems(cls: type[BaseModel], owned: dict[str, str], section: Any, 
             out.append(f"{path}.{key}: cannot be set here; {owned[key]}.")
         elif key not in cls.model_fields:
             out.append(f"{path}.{key}: unknown key.{did_you_mean(key, cls.model_fields)} "
-                       f"Known keys: {', '.join(k for k in cls.model_fields if k not in owned)}.")
+                       f"Known keys: {', '.join(sorted(k for k in cls.model_fields if k not in owned))}.")
     if out:
         return out
     required = {k: _PLACEHOLDER for k, f in cls.model_fields.items() if f.is_required()}
@@ -108,13 +108,13 @@ def section_problems(cls: type[BaseModel], owned: dict[str, str], section: Any, 
 def dpo_library_problems(dpo: dict, path: str) -> list[str]:
     """``dpo.training`` against ``trl.DPOConfig`` and ``dpo.lora`` against ``peft.LoraConfig``."""
     out = []
-    for key, check in (("training", lambda v: check_dpo_training(v, f"{path}.training")),
-                       ("lora", lambda v: check_lora(v, f"{path}.lora", required=False))):
-        if isinstance(dpo.get(key), dict):
-            try:
-                check(dpo[key])
-            except ConfigError as e:
-                out.append(str(e))
+    if isinstance(dpo.get("training"), dict):
+        out += dpo_training_problems(dpo["training"], f"{path}.training")[1]
+    if isinstance(dpo.get("lora"), dict):
+        try:
+            check_lora(dpo["lora"], f"{path}.lora", required=False)
+        except ConfigError as e:
+            out.append(str(e))
     return out
 
 
@@ -141,7 +141,7 @@ def per_iteration_problems(per_iteration: dict, run_level: tuple[str, ...]) -> l
             if key in run_level:
                 out.append(f"per_iteration.{i}.{key}: cannot be set per iteration; set it at the top level.")
             elif key not in LoopConfig.model_fields:
-                known = [k for k in LoopConfig.model_fields if k not in run_level]
+                known = sorted(k for k in LoopConfig.model_fields if k not in run_level)
                 out.append(f"per_iteration.{i}.{key}: unknown key.{did_you_mean(key, known)} "
                            f"Keys that can change per iteration: {', '.join(known)}.")
         out += sections_problems(over, f"per_iteration.{i}.")
@@ -173,5 +173,13 @@ def check_loop_keys(data: dict, source: str, run_level: tuple[str, ...]) -> None
     problems = sections_problems(data)
     problems += per_iteration_problems(data.get("per_iteration") or {}, run_level)
     problems += sft_problems(data.get("sft") or {})
+    # the other keys' problems too (a top-level typo, a bad value), in one message rather than one per
+    # run: LoopConfig's own errors under a key whose section was checked above are left out (said once)
+    checked = {p.split(":", 1)[0].split(".", 1)[0] for p in problems}
+    try:
+        LoopConfig.model_validate(data)
+    except ValidationError as e:
+        problems += [line for err, line in zip(e.errors(), validation_problems(e, LoopConfig))
+                     if not (err["loc"] and str(err["loc"][0]) in checked)]
     if problems:
         raise ConfigError(f"{source}: {len(problems)} problem(s) in the config:\n  - " + "\n  - ".join(problems))

@@ -83,24 +83,43 @@ def check_dpo_training(training: dict, where: str = "training") -> dict:
             beta or num_train_epochs <= 0 (epochs may be 0 when max_steps > 0), a batch size or
             gradient_accumulation_steps < 1.
     """
+    out, problems = dpo_training_problems(training, where)
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"{where}: {len(problems)} problems:\n  - " + "\n  - ".join(problems))
+    return out
+
+
+def dpo_training_problems(training: dict, where: str = "training") -> tuple[dict, list[str]]:
+    """Every problem :func:`check_dpo_training` raises for, as a list (empty: fine), and the checked
+    copy of ``training`` (the keys that passed).
+
+    Returns:
+        ``(checked, problems)``: each problem one ``<where>.<key>: what is wrong, and the fix`` line.
+    """
     fields = _dpo_fields()
     if fields is None:
-        return dict(training)
-    out = {}
+        return dict(training), []
+    out, problems = {}, []
     for key, value in training.items():
         if key in STAGE_OWNED:
-            raise ConfigError(f"{where}.{key}: {STAGE_OWNED[key]}.")
-        if key not in fields:
-            raise ConfigError(f"{where}.{key}: unknown trl.DPOConfig key {key!r}.{did_you_mean(key, fields)} "
-                              "See the fields with: python -c 'import trl; help(trl.DPOConfig)'.")
-        out[key] = _checked_value(f"{where}.{key}", str(fields[key].type), value)
+            problems.append(f"{where}.{key}: {STAGE_OWNED[key]}.")
+        elif key not in fields:
+            problems.append(f"{where}.{key}: unknown trl.DPOConfig key {key!r}.{did_you_mean(key, fields)} "
+                            "See the fields with: python -c 'import trl; help(trl.DPOConfig)'.")
+        else:
+            try:
+                out[key] = _checked_value(f"{where}.{key}", str(fields[key].type), value)
+            except ConfigError as e:
+                problems.append(str(e))
     for key, (low, strict) in _LOWER_BOUNDS.items():
         v = out.get(key)
         if isinstance(v, (int, float)) and (v <= low if strict else v < low):
             if key == "num_train_epochs" and isinstance(out.get("max_steps"), int) and out["max_steps"] > 0:
                 continue  # max_steps decides the length then
-            raise ConfigError(f"{where}.{key}: must be {'>' if strict else '>='} {low}, got {v!r}.")
-    return out
+            problems.append(f"{where}.{key}: must be {'>' if strict else '>='} {low}, got {v!r}.")
+    return out, problems
 
 
 # Values that can only be mistakes: no training, no reference anchor, or nothing per step.

@@ -159,6 +159,22 @@ def test_all_key_problems_are_listed_at_once(small_cfg):
         loop.resolve(None, small_cfg + ["generation.kk=2", "pairs.seedd=1"])
 
 
+def test_top_level_and_section_problems_come_in_one_message(small_cfg):
+    # a top-level typo or bad value used to show only on the next run, after the section ones were fixed
+    pytest.importorskip("trl")
+    with pytest.raises(ConfigError) as e:
+        loop.resolve(None, small_cfg + ["itrations=3", "eval_limit=abc", "generation.kk=2", "dpo.training.betta=0.1",
+                                        "dpo.training.lerning_rate=1"])
+    msg = str(e.value)
+    assert "5 problem(s) in the config:" in msg
+    for line in ("- itrations: unknown key. Did you mean 'iterations'?", "- eval_limit: Input should be a valid integer",
+                 "- generation.kk: unknown key", "- dpo.training.betta: unknown trl.DPOConfig key",
+                 "- dpo.training.lerning_rate: unknown trl.DPOConfig key"):
+        assert line in msg
+    problems = msg.split("problem(s) in the config:")[1]
+    assert problems.count("generation.kk") == 1  # LoopConfig's own error for the section is not said twice
+
+
 def test_lora_typo_fails_at_plan_time(small_cfg):
     pytest.importorskip("peft")
     with pytest.raises(ConfigError, match=r"dpo\.lora\.lora_alph: unknown peft\.LoraConfig key .*'lora_alpha'"):
