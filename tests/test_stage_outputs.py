@@ -137,3 +137,18 @@ def test_a_changed_key_is_named_and_an_old_marker_keeps_the_plain_reason(done_pa
     assert loop.stale_reason(run_dir, 1, "pairs") == "its config or inputs changed since it finished"
     config.write_text(text)
     assert loop.check(run_dir, 1, "pairs")
+
+
+def test_mark_refuses_stats_its_stage_class_does_not_read(done_pairs):
+    # marking such a stage done would only make the next check rerun it: refuse, and keep the old marker
+    run_dir, pairs = done_pairs
+    marker = run_dir / "iter_1" / "pairs.done"
+    before = marker.read_bytes()
+    st = stats_path(pairs)
+    st.write_text(st.read_text().replace('"pairs_out": 4', '"pairs_out": "many"'))
+    with pytest.raises(loop.ConfigError) as e:
+        loop.mark(run_dir, 1, "pairs", 2.0)
+    msg = str(e.value)
+    assert str(st) in msg and "'pairs_out'" in msg and "Nothing was marked." in msg
+    assert f"online_rlhf.loop exec {run_dir} 1 pairs" in msg
+    assert marker.read_bytes() == before

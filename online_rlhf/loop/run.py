@@ -528,19 +528,25 @@ def mark(run_dir: Path, i: int, stage: str, seconds: float) -> None:
     output there.
 
     Raises:
-        ConfigError: an output or the stats file is missing (the stage has not run, or failed):
-            nothing is marked.
+        ConfigError: an output or the stats file is missing (the stage has not run, or failed), or
+            the stats file does not read as the stage's stats class (a file from another stage or an
+            older version, or edited by hand): nothing is marked.
     """
     missing = [p for p in _recorded_outputs(run_dir, i, stage) if not _output_present(Path(p))]
     if missing:
         raise ConfigError(f"mark: {stage} of iteration {i} has no {missing[0]}; run it first (`python -m "
                           f"online_rlhf.loop exec {run_dir} {i} {stage}`). Nothing was marked.")
+    e = _stage_entry(run_dir, i, stage)
+    try:  # a marker over stats that the next check refuses would only make that check rerun the stage
+        STAGES[stage].stats.read(stats_path(e["outputs"][0]))
+    except DataError as err:
+        raise ConfigError(f"mark: {stage} of iteration {i}: {err} Rerun the stage (`python -m online_rlhf.loop exec "
+                          f"{run_dir} {i} {stage}`), which writes it anew. Nothing was marked.") from None
     record, info, digest = _co_decode_record(run_dir, i, stage), {}, stage_hash(run_dir, i, stage)
     if _record_valid(run_dir, i, stage, digest):  # decoded in another stage's launch (co-decoding)
         rec = read_json(record)
         info["co_decoded_by"] = rec.get("co_decoded_by")
         info["co_decoded_iteration"] = rec.get("co_decoded_iteration", i)
-    e = _stage_entry(run_dir, i, stage)
     mark_done(_marker(run_dir, i, stage), digest, outputs=_recorded_outputs(run_dir, i, stage),
               root=run_dir, seconds=round(seconds, 2), **info, **_hash_parts(run_dir, e))
     record.unlink(missing_ok=True)
