@@ -154,7 +154,9 @@ def sft_problems(sft: dict) -> list[str]:
     extra = {k: v for k, v in sft.items() if k not in _SFT_LOOP_KEYS and k not in _SFT_OWNED}
     if extra:
         try:
-            check_axolotl_keys(extra, prefix="sft.", also_known=set(SFTStageConfig.model_fields) | _SFT_LOOP_KEYS)
+            check_axolotl_keys(extra, prefix="sft.", also_known=set(SFTStageConfig.model_fields) | _SFT_LOOP_KEYS,
+                               section="the loop's sft section (it takes " + ", ".join(sorted(_SFT_LOOP_KEYS))
+                               + " and Axolotl config keys)")
         except ConfigError as e:
             out.append(str(e))
     return out

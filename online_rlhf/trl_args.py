@@ -226,7 +226,7 @@ def check_lora(lora: dict | None, where: str = "lora", required: bool = True):
                           "it names (fields: python -c 'import peft; help(peft.LoraConfig)').") from None
 
 
-def check_axolotl_keys(keys: dict, prefix: str = "", also_known: set[str] = frozenset()) -> None:
+def check_axolotl_keys(keys: dict, prefix: str = "", also_known: set[str] = frozenset(), section: str = "") -> None:
     """Raise ConfigError for keys Axolotl does not know (it would ignore them silently).
 
     Skipped when the config loads plugins of its own (plugins add keys to Axolotl's schema) or when
@@ -236,6 +236,8 @@ def check_axolotl_keys(keys: dict, prefix: str = "", also_known: set[str] = froz
         keys: the Axolotl part of an SFT config.
         prefix: put before each key in the message, e.g. ``"sft."`` (the loop section).
         also_known: keys that are not Axolotl's but are allowed (the stage's own).
+        section: where the keys were read, when that is not a plain Axolotl config, e.g. ``"the loop's
+            sft section (enabled, config and Axolotl config keys)"``; the message then names it.
     Raises:
         ConfigError: naming every unknown key with the closest known one.
     """
@@ -257,5 +259,6 @@ def check_axolotl_keys(keys: dict, prefix: str = "", also_known: set[str] = froz
         for k in bad:
             hint = did_you_mean(k, known).strip()
             hints.append(f"'{prefix}{k}'" + (f" ({hint})" if hint else ""))
-        raise ConfigError(f"unknown Axolotl config key(s): {', '.join(hints)}. Axolotl would ignore them; "
+        what = f"unknown key(s) in {section}" if section else "unknown Axolotl config key(s)"
+        raise ConfigError(f"{what}: {', '.join(hints)}. Axolotl would ignore them; "
                           "see https://docs.axolotl.ai/docs/config-reference.html")

@@ -200,6 +200,8 @@ def test_sft_axolotl_key_typo_fails_at_plan_time(small_cfg, tmp_path):
     pytest.importorskip("axolotl")
     with pytest.raises(ConfigError, match=r"'sft\.learning_rat' \(Did you mean 'learning_rate'\?\)"):
         loop.resolve(None, small_cfg + ["sft.learning_rat=1.0e-5"])  # checked even while sft is off
+    with pytest.raises(ConfigError, match=r"in the loop's sft section \(it takes config, enabled and Axolotl"):
+        loop.resolve(None, small_cfg + ["sft.foo=1"])  # the message says what the section takes
     with pytest.raises(ConfigError, match=r"sft\.base_model: cannot be set here; set policy"):
         loop.resolve(None, small_cfg + ["sft.base_model=/x"])
     stage_file = tmp_path / "sft_stage.yaml"
