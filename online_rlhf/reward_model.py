@@ -24,7 +24,10 @@ label (e.g. FsfairX-LLaMA3-RM, Skywork-Reward): the scalar it outputs at the las
   On CPU: ``ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 ...``.
 - **dtype** ``auto``: :func:`online_rlhf.hardware.compute_dtype` (bf16 on GPUs that have it,
   else fp16; on CPU bf16 only with native bf16, else fp32). Threads: the usable cores split
-  between the processes (``OMP_NUM_THREADS`` wins).
+  between the processes (``OMP_NUM_THREADS`` wins). The score head (a one-row linear layer) runs
+  in float32 on the pooled hidden state whatever the dtype: its output in bf16 would keep 8
+  significant bits, so rewards near 5 would come in steps of 0.03, with ties where the float32
+  rewards differ and a batched item's reward off by a step from the same item scored alone.
 """
 
 from __future__ import annotations
@@ -95,12 +98,16 @@ class RewardModel:
         dtype: ``auto`` | ``float32`` | ``bfloat16`` | ``float16`` (auto: see :func:`resolve_dtype`).
         device: torch device (default: CUDA if available, else CPU).
         max_length: input budget in tokens (capped at the model's ``max_position_embeddings``).
+        pad_multiple: ``auto`` (64 in bf16/fp16, None in float32), None, or a whole number: a batch
+            holds only inputs of one length rounded up to it, padded to that width; None: a batch
+            is padded to its longest input (see :meth:`score_ids`).
     Raises:
         ConfigError: not a one-label sequence-classification checkpoint (a score head would be
             freshly, randomly initialised), or the tokenizer has no chat template.
     """
 
-    def __init__(self, path: str, dtype: str = "auto", device: Any = None, max_length: int = 4096):
+    def __init__(self, path: str, dtype: str = "auto", device: Any = None, max_length: int = 4096,
+                 pad_multiple: int | str | None = "auto"):
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -110,6 +117,12 @@ class RewardModel:
         check_reward_model_config(self.path)
         self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = resolve_dtype(dtype, self.device.type)
+        if pad_multiple == "auto":
+            pad_multiple = 64 if self.dtype in (torch.bfloat16, torch.float16) else None
+        if pad_multiple is not None and (isinstance(pad_multiple, bool) or not isinstance(pad_multiple, int)
+                                         or pad_multiple < 1):
+            raise ConfigError(f"pad_multiple={pad_multiple!r}: give auto, None or a whole number >= 1.")
+        self.pad_multiple = pad_multiple
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         if not self.tokenizer.chat_template:
             raise ConfigError(
@@ -208,7 +221,9 @@ class RewardModel:
         with torch.inference_mode():
             ref = self.model(input_ids=x).logits[0, 0].float()
             mine = self._scores_exact(x, torch.ones_like(x))[0]
-        if not torch.allclose(ref, mine, rtol=1e-3, atol=1e-3):
+        # the model's own output is rounded to its dtype (bf16: 8 significant bits), ours is not
+        rtol = max(1e-3, torch.finfo(self.dtype).eps) if self.dtype.is_floating_point else 1e-3
+        if not torch.allclose(ref, mine, rtol=rtol, atol=1e-3):
             print(f"warning: reward model {self.path}: score head check failed ({ref.item()} vs {mine.item()}); "
                   "scoring inputs one at a time.", file=sys.stderr)
             return False
@@ -224,28 +239,46 @@ class RewardModel:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         last = (attention_mask * positions).argmax(-1)  # last attended position, whichever side is padded
         pooled = hidden[torch.arange(input_ids.shape[0], device=input_ids.device), last]
-        return self.model.score(pooled)[:, 0].float()
+        head = self.model.score  # a one-row Linear, applied in float32 (see the module docstring)
+        bias = head.bias.float() if head.bias is not None else None
+        return torch.nn.functional.linear(pooled.float(), head.weight.float(), bias)[:, 0]
 
     def score_ids(self, seqs: Sequence[list[int]], batch_size: int = 8, progress: bool = False) -> list[float]:
         """Reward of each token-id sequence (list of floats, input order).
 
-        Sequences are sorted longest first and scored ``batch_size`` at a time, padded on the
-        tokenizer's padding side; batched and one-by-one scores agree within float tolerance.
+        Sequences are sorted longest first and scored up to ``batch_size`` at a time, padded on the
+        tokenizer's padding side. With ``pad_multiple`` m (bf16/fp16 by default) a batch holds only
+        sequences of one length rounded up to m and is padded to that width: a sequence's padded
+        width depends on its own length alone, never on the others scored with it, so its reward is
+        the same batched as alone, or in a reward service's batch merged from other requests (in
+        bf16 a wider padded row changes the last bits: ~1e-3 of rewards ~0.5 on a tiny model).
+        Without (float32 by default) a batch is padded to its longest sequence; batched and
+        one-by-one scores then agree within float32 tolerance (~1e-7).
         """
         import torch
 
         n = len(seqs)
         out: list[float] = [0.0] * n
+        m = self.pad_multiple
+
+        def width_of(i: int) -> int | None:  # the padded width a sequence needs; None: any batch's
+            return -(-len(seqs[i]) // m) * m if m else None
+
         order = sorted(range(n), key=lambda i: -len(seqs[i]))
         bs = batch_size if self.exact_head else 1
-        batches = [order[s:s + bs] for s in range(0, n, bs)]
+        batches: list[list[int]] = []
+        for i in order:  # consecutive runs of one padded width, cut every bs sequences
+            if batches and len(batches[-1]) < bs and width_of(batches[-1][0]) == width_of(i):
+                batches[-1].append(i)
+            else:
+                batches.append([i])
         if progress:
             from tqdm import tqdm
 
             batches = tqdm(batches, desc="reward model", unit="batch")
         with torch.inference_mode():
             for idx in batches:
-                width = max(len(seqs[i]) for i in idx)
+                width = (width_of(idx[0]) or len(seqs[idx[0]])) if self.exact_head else len(seqs[idx[0]])
                 input_ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
                 mask = torch.zeros((len(idx), width), dtype=torch.long)
                 for r, i in enumerate(idx):

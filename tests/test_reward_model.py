@@ -145,6 +145,28 @@ def test_batched_scores_equal_one_by_one(tmp_path, padding_side, pad_equals_eos)
     assert max(single) - min(single) > 1e-4  # the responses really score differently
 
 
+@pytest.mark.parametrize("padding_side", ["left", "right"])
+def test_bf16_reward_does_not_depend_on_the_batch(tmp_path, padding_side):
+    """In bf16 a wider padded row changes the last bits of the backbone's output (here ~1e-3 of
+    rewards ~0.5 with the batch's longest width); padded to its own length rounded up to 64, a
+    sequence gets the same reward alone, in any batch, and with the head in float32 it is not
+    rounded to bf16's 8 significant bits."""
+    import random
+
+    rm = RewardModel(str(make_tiny_reward_model(tmp_path / "rm", padding_side=padding_side)), dtype="bfloat16")
+    assert rm.exact_head and rm.pad_multiple == 64
+    rng = random.Random(0)
+    seqs = [[rng.randrange(5, 500) for _ in range(rng.randrange(3, 150))] for _ in range(24)]
+    alone = rm.score_ids(seqs, batch_size=1)
+    batched = rm.score_ids(seqs, batch_size=16)
+    mixed = rm.score_ids(seqs[::-1] + seqs[:5], batch_size=7)[:24][::-1]
+    assert batched == pytest.approx(alone, abs=1e-6) and mixed == pytest.approx(alone, abs=1e-6)
+    assert any(torch.tensor(a).bfloat16().item() != a for a in alone)  # float32 head: not on bf16's grid
+    assert RewardModel(str(tmp_path / "rm"), dtype="float32").pad_multiple is None  # float32: no extra padding
+    with pytest.raises(ConfigError, match="pad_multiple=0: give auto, None or a whole number"):
+        RewardModel(str(tmp_path / "rm"), pad_multiple=0)
+
+
 def _eos_ending_template(d):
     """Give the RM in ``d`` a ChatML template without the newline after <|im_end|>: inputs end in eos (= pad)."""
     tc = json.loads((d / "tokenizer_config.json").read_text())
