@@ -25,9 +25,10 @@ label (e.g. FsfairX-LLaMA3-RM, Skywork-Reward): the scalar it outputs at the las
 - **dtype** ``auto``: :func:`online_rlhf.hardware.compute_dtype` (bf16 on GPUs that have it,
   else fp16; on CPU bf16 only with native bf16, else fp32). Threads: the usable cores split
   between the processes (``OMP_NUM_THREADS`` wins). The score head (a one-row linear layer) runs
-  in float32 on the pooled hidden state whatever the dtype: its output in bf16 would keep 8
-  significant bits, so rewards near 5 would come in steps of 0.03, with ties where the float32
-  rewards differ and a batched item's reward off by a step from the same item scored alone.
+  in float32 on the pooled hidden state whatever the dtype: in bf16 its output would keep 8
+  significant bits, so rewards near 5 would come in steps of 0.03 and tie where they differ. In
+  bf16/fp16 an input's padded width is its own length rounded up to 64 (:meth:`RewardModel.score_ids`),
+  so its reward does not depend on the inputs batched with it.
 """
 
 from __future__ import annotations
