@@ -223,7 +223,7 @@ class RewardModel:
             ref = self.model(input_ids=x).logits[0, 0].float()
             mine = self._scores_exact(x, torch.ones_like(x))[0]
         # the model's own output is rounded to its dtype (bf16: 8 significant bits), ours is not
-        rtol = max(1e-3, torch.finfo(self.dtype).eps) if self.dtype.is_floating_point else 1e-3
+        rtol = max(1e-3, torch.finfo(self.dtype).eps)
         if not torch.allclose(ref, mine, rtol=rtol, atol=1e-3):
             print(f"warning: reward model {self.path}: score head check failed ({ref.item()} vs {mine.item()}); "
                   "scoring inputs one at a time.", file=sys.stderr)
@@ -260,7 +260,7 @@ class RewardModel:
 
         n = len(seqs)
         out: list[float] = [0.0] * n
-        m = self.pad_multiple
+        m = self.pad_multiple if self.exact_head else None  # without the exact head nothing is padded
 
         def width_of(i: int) -> int | None:  # the padded width a sequence needs; None: any batch's
             return -(-len(seqs[i]) // m) * m if m else None
@@ -279,7 +279,7 @@ class RewardModel:
             batches = tqdm(batches, desc="reward model", unit="batch")
         with torch.inference_mode():
             for idx in batches:
-                width = (width_of(idx[0]) or len(seqs[idx[0]])) if self.exact_head else len(seqs[idx[0]])
+                width = width_of(idx[0]) or len(seqs[idx[0]])  # idx[0]: the batch's longest
                 input_ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
                 mask = torch.zeros((len(idx), width), dtype=torch.long)
                 for r, i in enumerate(idx):
