@@ -207,6 +207,36 @@ def table(summaries: list[dict], pool: dict, title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_run_config(run_dir: Path, config: str, seed: int, overrides: list[str]) -> None:
+    """Check that ``run_dir`` is this recipe's run of ``seed``: its ``config.yaml`` (the loop config it
+    was planned with) equals ``config`` resolved with ``seed=S run_name=<dir name>`` and ``overrides``,
+    but for where the run lives and what it reports to (:data:`LOCATION_KEYS`).
+
+    Raises:
+        DataError: no ``config.yaml``, or a key that differs (names the run, up to five keys with the
+            run's value and the recipe's, and the fix).
+    """
+    import yaml
+
+    from .loop import resolve
+    from .loop.plan import run_config_dict
+
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise DataError(f"{path}: missing, so {run_dir.name} cannot be checked against {config}; run the seed "
+                        "(without --table-only) or remove the folder.")
+    have = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    want = run_config_dict(resolve(config, list(overrides) + [f"seed={seed}", f"run_name={run_dir.name}"]))
+    skip = set(LOCATION_KEYS) | {"run_name"}
+    diff = sorted(k for k in set(have) | set(want) if k not in skip and have.get(k) != want.get(k))
+    if diff:
+        shown = "; ".join(f"{k}: run {have.get(k)!r}, recipe {want.get(k)!r}" for k in diff[:5])
+        raise DataError(f"{path}: this run was planned with other settings than {config} "
+                        f"{' '.join(overrides + [f'seed={seed}'])} ({len(diff)} key(s) differ: {shown}); its "
+                        "results are not this recipe's. Run the seeds command without --table-only to replan and "
+                        "rerun what changed, or give the overrides the run was made with.")
+
+
 def run_seed(config: str, seed: int, base: str, overrides: list[str]) -> float:
     """Run one seed with ``bash run_loop.sh`` (output streamed); returns its wall seconds.
 
@@ -231,9 +261,13 @@ def main(argv: list[str] | None = None) -> int:
                     "recipe with overrides gets its own run names: <run_name>_<hash of the overrides>_seed<S>")
     ap.add_argument("--seeds", nargs="+", default=["1", "2", "3"], help="seeds to run (default 1 2 3)")
     ap.add_argument("--table-only", action="store_true", help="run nothing; tabulate the seeds' finished runs")
-    args = ap.parse_args(argv)
-    # key=value words given after --seeds are overrides too
-    args.overrides += [w for w in args.seeds if "=" in w]
+    args, rest = ap.parse_known_args(argv)
+    # key=value words given after --seeds or after --table-only are overrides too
+    extra = [w for w in rest if "=" in w and not w.startswith("-")]
+    if len(extra) != len(rest):
+        ap.error(f"unrecognized arguments: {' '.join(w for w in rest if w not in extra)} (the options are "
+                 "--seeds and --table-only; settings are key=value)")
+    args.overrides += [w for w in args.seeds if "=" in w] + extra
     try:
         bad = [w for w in args.seeds if "=" not in w and not w.lstrip("-").isdigit()]
         if bad:
@@ -264,16 +298,24 @@ def main(argv: list[str] | None = None) -> int:
         if not args.table_only:
             for s in args.seeds:
                 walls[s] = run_seed(args.config, s, name, args.overrides)
-        summaries = []
-        for s in args.seeds:
+        summaries, problems = [], []
+        for s in args.seeds:  # every seed's problem at once, not only the first
             run = root / run_name_of(name, s)
-            if (run / ".lock").is_file() and not (run / "report.md").is_file():
-                raise DataError(f"{run}: seed {s} has not finished (no report.md yet); wait for it or run it, then "
-                                "tabulate again.")
-            row = seed_summary(run)
+            try:
+                if (run / ".lock").is_file() and not (run / "report.md").is_file():
+                    raise DataError(f"{run}: seed {s} has not finished (no report.md yet); wait for it or run it, "
+                                    "then tabulate again.")
+                row = seed_summary(run)
+                check_run_config(run, args.config, s, args.overrides)
+            except (DataError, FileNotFoundError) as e:
+                problems.append(str(e))
+                continue
             row["seed"] = s
             row["wall_s"] = round(walls[s], 1) if s in walls else None
             summaries.append(row)
+        if problems:
+            raise DataError("\n".join(problems) if len(problems) == 1 else
+                            f"{len(problems)} of {len(args.seeds)} seeds cannot be tabulated:\n  " + "\n  ".join(problems))
     except (ConfigError, DataError, RuntimeError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

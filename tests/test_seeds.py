@@ -93,3 +93,38 @@ def test_a_variant_recipe_gets_its_own_run_names_and_overrides_may_follow_seeds(
     assert rc == 2 and f"{tmp_path / want}/metrics.jsonl: missing" in capsys.readouterr().err
     assert seeds.main(["configs/loop.yaml", "--seeds", "one", "--table-only"]) == 2
     assert "whole numbers" in capsys.readouterr().err
+
+
+def test_table_only_refuses_a_run_planned_with_other_settings(tmp_path, capsys):
+    import yaml
+
+    from online_rlhf.loop import resolve
+    from online_rlhf.loop.plan import run_config_dict
+
+    run = _run(tmp_path, 1, [False] * 4, [True] * 4)
+    run = run.rename(tmp_path / "default_seed1")
+    args = ["configs/loop.yaml", f"output_root={tmp_path}", "--seeds", "1", "--table-only"]
+    # no config.yaml: the run cannot be checked, so it is not tabulated
+    assert seeds.main(args) == 2
+    assert "default_seed1/config.yaml: missing" in capsys.readouterr().err
+    cfg = run_config_dict(resolve("configs/loop.yaml", [f"output_root={tmp_path}", "seed=1", "run_name=default_seed1"]))
+    (run / "config.yaml").write_text("# header\n" + yaml.safe_dump(cfg))
+    assert seeds.main(args) == 0
+    assert "1 seeds" in capsys.readouterr().out
+    # the same folder, planned with another seed and another K: refused, naming both keys
+    (run / "config.yaml").write_text(yaml.safe_dump({**cfg, "seed": 7, "generation": {**cfg["generation"], "k": 9}}))
+    assert seeds.main(args) == 2
+    err = capsys.readouterr().err
+    assert "other settings" in err and "seed: run 7, recipe 1" in err and "generation" in err
+
+
+def test_overrides_after_table_only_are_taken_and_every_missing_seed_is_named(tmp_path, capsys):
+    rc = seeds.main(["configs/loop.yaml", "--table-only", f"output_root={tmp_path}", "dpo.training.beta=0.05",
+                     "--seeds", "1", "2"])
+    err = capsys.readouterr().err
+    name = seeds.recipe_name("default", ["dpo.training.beta=0.05"])
+    assert rc == 2 and "2 of 2 seeds cannot be tabulated" in err
+    assert f"{name}_seed1/metrics.jsonl: missing" in err and f"{name}_seed2/metrics.jsonl: missing" in err
+    with pytest.raises(SystemExit):
+        seeds.main(["configs/loop.yaml", "--table-only", "--bogus"])
+    assert "--bogus" in capsys.readouterr().err
