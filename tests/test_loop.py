@@ -408,6 +408,34 @@ def test_exec_runs_a_stage_from_its_config_file(small_cfg, tmp_path):
     assert loop.main(["check", str(run_dir), "0", "dpo"]) == 3  # not a stage of iteration 0
 
 
+def test_mark_refuses_a_stage_last_run_with_exec_overrides(small_cfg, tmp_path, capsys):
+    """`loop exec ... key=value` changes what a stage writes but not its hash: marking that output
+    fresh would hide the setting, so mark refuses until the stage runs again without overrides."""
+    import subprocess
+    import sys
+
+    run_dir = loop.plan(None, small_cfg)
+    write_jsonl(run_dir / "iter_1" / "rewards.jsonl", [
+        {"id": "p0", "prompt": [{"role": "user", "content": "q"}], "responses": ["a", "b"],
+         "finish_reasons": ["stop", "stop"], "rewards": [1.0, 0.0], "reward_source": "verifier"}])
+
+    def exec_pairs(*extra):
+        return subprocess.run([sys.executable, "-m", "online_rlhf.loop", "exec", str(run_dir), "1", "pairs", *extra],
+                              capture_output=True, text=True, cwd=tmp_path)
+
+    r = exec_pairs("min_margin=2.0")  # the margin now skips the only prompt: 0 pairs (exit 2), files written
+    assert r.returncode == 2 and "min_margin=2" in r.stderr
+    assert read_jsonl(run_dir / "iter_1" / "pairs.jsonl") == []
+    capsys.readouterr()
+    assert loop.main(["mark", str(run_dir), "1", "pairs", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "min_margin=2.0" in err and "Nothing was marked" in err
+    assert not (run_dir / "iter_1" / "pairs.done").exists()
+    assert exec_pairs().returncode == 0  # as its config says: the record goes and the stage may be marked
+    assert not (run_dir / "iter_1" / "pairs.exec_overrides.json").exists()
+    assert loop.main(["mark", str(run_dir), "1", "pairs", "1"]) == 0 and loop.check(run_dir, 1, "pairs")
+
+
 def test_check_names_a_mistyped_stage_and_the_real_ones(small_cfg, capsys):
     run_dir = loop.plan(None, small_cfg)
     capsys.readouterr()
@@ -424,6 +452,7 @@ def test_loop_commands_refuse_bad_arguments_in_one_line(small_cfg, capsys):
     capsys.readouterr()
     for argv, words in [(["check", str(run_dir), "zero", "pairs"], "ITER must be an iteration number"),
                         (["mark", str(run_dir), "1", "pairs", "abc"], "SECONDS must be a number"),
+                        (["mark", str(run_dir), "1", "pairs", "-5"], "SECONDS is the stage's wall time, so >= 0"),
                         (["after", str(run_dir), "1", "pairz"], "no stage named 'pairz'"),
                         (["exec", str(run_dir), "1", "pairz"], "no stage named 'pairz'"),
                         (["mark", str(run_dir), "1"], "mark needs RUN_DIR ITER STAGE SECONDS")]:
@@ -522,6 +551,10 @@ def test_metrics_refuse_a_missing_or_bad_stats_file(small_cfg, capsys):
     err = capsys.readouterr().err
     assert "model.stats.json" in err and "missing key 'train_loss_last'" in err
     assert "unknown key 'train_loss_final'" in err and "run_dpo.py" in err
+    # an iteration the run does not have: says which ones it has, not that a file is missing
+    assert loop.main(["metrics", str(run_dir), "9"]) == 2
+    err = capsys.readouterr().err
+    assert "iteration 9 is not planned in this run (planned: 0, 1" in err
 
 
 def test_metrics_leave_out_unscored_and_warn_on_identical_train_responses(small_cfg, capsys):

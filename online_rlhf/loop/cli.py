@@ -156,6 +156,8 @@ def main(argv: list[str]) -> int:
                 seconds = float(args[3])
             except ValueError:
                 raise ConfigError(f"mark: SECONDS must be a number (the stage's wall seconds), got {args[3]!r}.") from None
+            if not 0 <= seconds < float("inf"):
+                raise ConfigError(f"mark: SECONDS is the stage's wall time, so >= 0 and finite; got {args[3]!r}.")
             mark(Path(args[0]), _iteration(args[1]), _stage_name(args[2]), seconds)
         elif cmd == "metrics":
             _needs(cmd, args, "RUN_DIR ITER")

@@ -47,11 +47,17 @@ def metrics(run_dir: Path, i: int) -> dict:
     train prompts with fewer than 2 distinct responses (``train_prompts_fewer_than_2_distinct``).
 
     Raises:
-        FileNotFoundError: ``eval.jsonl`` or a stage's stats file is missing (for ``i >= 1`` the
+        FileNotFoundError: iteration ``i`` is not planned (names the planned ones), ``eval.jsonl`` or a
+            stage's stats file is missing (for ``i >= 1`` the
             train stages' too: generated, rewards, pairs, model).
         DataError: a stats file is not what its stage writes (names the file and the key).
     """
     it = run_dir / f"iter_{i}"
+    if not (it / "plan.json").is_file():
+        planned = sorted(int(p.name[5:]) for p in run_dir.glob("iter_*") if p.name[5:].isdigit()
+                         and (p / "plan.json").is_file())
+        raise FileNotFoundError(f"{run_dir}: iteration {i} is not planned in this run (planned: "
+                                f"{', '.join(map(str, planned)) or 'none'}); give one of those.")
     evals = read_jsonl(it / "eval.jsonl")
     stats = iteration_stats(it, i)
     firsts = [r["rewards"][0] for r in evals]  # held-out: first (greedy) response

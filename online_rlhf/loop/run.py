@@ -128,7 +128,8 @@ def exec_stage(run_dir: Path, i: int, stage: str, overrides: list[str] = (), mac
 
     Args:
         overrides: ``key=value`` arguments appended to the stage's command (e.g. ``dry_run=true``);
-            they change this run only, not the stage's config file or its freshness hash.
+            they change this run only, not the stage's config file or its freshness hash, so
+            :func:`mark` refuses the stage until it runs again without them.
     Raises:
         ConfigError: no such stage in the iteration's plan.json; ``machine_rank`` outside the stage's
             machines; a rank > 0 under ``launcher: slurm`` (srun starts every node's part).
@@ -150,6 +151,8 @@ def exec_stage(run_dir: Path, i: int, stage: str, overrides: list[str] = (), mac
         if check(run_dir, i, stage):
             print(f"stage {stage} of iteration {i} is done and fresh; nothing to run on machine {machine_rank}.")
             return
+    if machine_rank == 0:
+        _record_overrides(run_dir, i, stage, overrides)
     if machine_rank == 0 and not overrides and _reuse_cached(run_dir, i, stage, e, d):
         return
     if machine_rank == 0 and not overrides and _co_decoded_before(run_dir, i, stage):
@@ -165,6 +168,24 @@ def exec_stage(run_dir: Path, i: int, stage: str, overrides: list[str] = (), mac
         _co_decode(run_dir, i, stage, companions, argv, env)
         return
     os.execve(argv[0] if os.sep in argv[0] else _which(argv[0]), argv, {**os.environ, **env})
+
+
+def _overrides_record(run_dir: Path, i: int, stage: str) -> Path:
+    """``iter_<i>/<stage>.exec_overrides.json``: the ``key=value`` overrides of the stage's last
+    ``loop exec`` on machine 0, when it had any that change outputs (:func:`_record_overrides`)."""
+    return run_dir / f"iter_{i}" / f"{stage}.exec_overrides.json"
+
+
+def _record_overrides(run_dir: Path, i: int, stage: str, overrides) -> None:
+    """Before a launch on machine 0: record the overrides that are not in the stage's config file nor
+    its freshness hash (``dry_run=`` aside: a dry run writes no output), or remove the record when
+    there are none, so that :func:`mark` can refuse outputs made with unrecorded settings."""
+    kept = [o for o in overrides if o.split("=", 1)[0].strip() != "dry_run"]
+    path = _overrides_record(run_dir, i, stage)
+    if kept:
+        write_json(path, {"overrides": kept})
+    else:
+        path.unlink(missing_ok=True)
 
 
 # ------------------------------------------------------------------ co-decoding (online_rlhf/co_decode.py)
@@ -310,6 +331,7 @@ def _co_decode(run_dir: Path, i: int, stage: str, companions: list[tuple[int, st
     hashes = {}
     for ci, c in companions:
         _co_decode_record(run_dir, ci, c).unlink(missing_ok=True)
+        _overrides_record(run_dir, ci, c).unlink(missing_ok=True)  # rewritten from its own config now
         for o in _recorded_outputs(run_dir, ci, c):
             Path(o).unlink(missing_ok=True)
         hashes[ci, c] = stage_hash(run_dir, ci, c)
@@ -528,14 +550,22 @@ def mark(run_dir: Path, i: int, stage: str, seconds: float) -> None:
     output there.
 
     Raises:
-        ConfigError: an output or the stats file is missing (the stage has not run, or failed), or
-            the stats file does not read as the stage's stats class (a file from another stage or an
+        ConfigError: an output or the stats file is missing (the stage has not run, or failed), the
+            stage's last ``loop exec`` had overrides (:func:`_record_overrides`), or the stats file does not read as the stage's stats class (a file from another stage or an
             older version, or edited by hand): nothing is marked.
     """
     missing = [p for p in _recorded_outputs(run_dir, i, stage) if not _output_present(Path(p))]
     if missing:
         raise ConfigError(f"mark: {stage} of iteration {i} has no {missing[0]}; run it first (`python -m "
                           f"online_rlhf.loop exec {run_dir} {i} {stage}`). Nothing was marked.")
+    rec = _overrides_record(run_dir, i, stage)
+    if rec.is_file():
+        kept = " ".join(read_json(rec).get("overrides") or [])
+        raise ConfigError(f"mark: {stage} of iteration {i} last ran as `loop exec {run_dir} {i} {stage} {kept}`; "
+                          "those overrides are in neither its config file nor its freshness hash, so a marker would "
+                          "record outputs made with other settings as fresh. Put the settings in the loop config "
+                          f"(e.g. `bash run_loop.sh CONFIG key=value`), or rerun `loop exec {run_dir} {i} {stage}` "
+                          f"without them (the record {rec.name} goes then). Nothing was marked.")
     e = _stage_entry(run_dir, i, stage)
     try:  # a marker over stats that the next check refuses would only make that check rerun the stage
         STAGES[stage].stats.read(stats_path(e["outputs"][0]))
