@@ -101,9 +101,9 @@ class LoopConfig(StageConfig):
     eval_prompts: str = Field("default", description="held-out prompt set ('default' = IFBench held-out split)")
     prompt_field: Optional[str] = Field(None, description="prompt column (text or message list) of the train set, if not messages/prompt; also of the held-out set unless eval_prompt_field is set")
     eval_prompt_field: Optional[str] = Field(None, description="prompt column of the held-out set (default: prompt_field)")
-    train_limit: Optional[int] = Field(None, ge=1, description="first N train prompts per iteration")
+    train_limit: Optional[int] = Field(None, ge=1, description="the first N train prompts, the same in every iteration (not with prompts_per_iteration)")
     eval_limit: Optional[int] = Field(None, ge=1, description="first N held-out prompts")
-    prompts_per_iteration: Optional[int] = Field(None, ge=1, description="iteration i takes the i-th slice of this many train prompts (wrapping); None = all (or train_limit)")
+    prompts_per_iteration: Optional[int] = Field(None, ge=1, description="iteration i takes the i-th slice of this many train prompts (wrapping); None = all (or train_limit); not with train_limit")
     launch_profile: LaunchProfile = Field("cpu", description="configs/accelerate/<profile>.yaml for DPO (and a reward model)")
     num_processes: Union[int, Literal["auto"]] = Field("auto", description="processes of accelerate launch (DPO, reward model) over all machines together (accelerate's meaning; a multiple of num_machines). auto: one per GPU of a machine x num_machines; on CPU one per usable core (each with one thread; 2 ranks over gloo trained faster than 2 threads in one process) x num_machines, the most that divides dpo.train_batch_size")
     num_machines: int = Field(1, ge=1, description="machines the distributed stages span (DPO, a reward model, generation shards); they must share a filesystem holding the project and the run directory. run_loop.sh runs on machine 0 (docs/multi-node.md)")
@@ -145,6 +145,16 @@ class LoopConfig(StageConfig):
                              "(machines are 0-based)")
         check_machines(self.num_machines, None if self.num_processes == "auto" else self.num_processes,
                        self.main_process_ip)
+        return self
+
+    @model_validator(mode="after")
+    def _one_train_slice_rule(self):
+        # _prompt_slice takes slice i of prompts_per_iteration when it is set: train_limit would do nothing.
+        if self.train_limit is not None and self.prompts_per_iteration is not None:
+            raise ValueError(f"train_limit={self.train_limit} and prompts_per_iteration={self.prompts_per_iteration} "
+                             "are both set, and with prompts_per_iteration each iteration takes its own slice, so "
+                             "train_limit would be ignored; keep one: prompts_per_iteration=null (the first "
+                             "train_limit prompts every iteration) or train_limit=null")
         return self
 
     @field_validator("run_name")
