@@ -31,19 +31,24 @@ for arg in "$@"; do
   case "$arg" in
     --fresh|fresh=true) FRESH=1 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | grep '^#' | cut -c3-; exit 0 ;;
-    --*) echo "run_loop.sh: unknown option '$arg' (rerunning the same command resumes; --fresh starts over)" >&2; exit 2 ;;
+    -*) echo "run_loop.sh: unknown option '$arg' (rerunning the same command resumes; --fresh starts over)" >&2; exit 2 ;;
     *=*)
       key="${arg%%=*}" val="${arg#*=}"
-      case "$key" in
+      pkey="$key"  # per_iteration.<i>.<key>: a path in it is taken from here too
+      [[ "$key" =~ ^per_iteration\.[0-9]+\.(.+)$ ]] && pkey="${BASH_REMATCH[1]}"
+      case "$pkey" in
         train_prompts|eval_prompts|ifeval.prompts|policy|sft.dataset|reward.reward_model|dpo_config|grpo_config|sft.config)
           [[ "$val" != /* && -e "$CALLER_PWD/$val" ]] && arg="$key=$CALLER_PWD/$val" ;;
         output_root) [[ "$val" != /* ]] && arg="$key=$CALLER_PWD/$val" ;;
       esac
       OVERRIDES+=("$arg") ;;
-    *) CONFIG="$arg"; [[ "$CONFIG" != /* && -f "$CALLER_PWD/$CONFIG" ]] && CONFIG="$CALLER_PWD/$CONFIG" ;;
+    *)
+      [[ -n "${CONFIG_GIVEN:-}" ]] && { echo "run_loop.sh: two config files given ('$CONFIG_GIVEN' and '$arg'); give one, and settings as key=value" >&2; exit 2; }
+      CONFIG_GIVEN="$arg"
+      CONFIG="$arg"; [[ "$CONFIG" != /* && -f "$CALLER_PWD/$CONFIG" ]] && CONFIG="$CALLER_PWD/$CONFIG" ;;
   esac
 done
-[[ -f "$CONFIG" ]] || { echo "run_loop.sh: config file '$CONFIG' not found" >&2; exit 2; }
+[[ -f "$CONFIG" ]] || { echo "run_loop.sh: config file '$CONFIG' not found (the first word that is not key=value names the config file; a setting is key=value, e.g. generation.k=3)" >&2; exit 2; }
 
 # Caches inside the project (unless the user set them); wandb offline unless told otherwise.
 CACHE="${ONLINE_RLHF_CACHE:-$ROOT/.cache}"

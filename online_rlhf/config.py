@@ -238,10 +238,15 @@ def validation_problems(err: ValidationError, cls: type[BaseModel]) -> list[str]
             lines.append(f"{msg}." if not e["loc"] else f"{key}: {msg}.")
         elif e["type"] == "string_type" and isinstance(e.get("input"), (int, float)):
             # YAML read an unquoted number (or true/false) where text is expected: say how to quote it
-            raw = str(e["input"]).lower() if isinstance(e["input"], bool) else str(e["input"])
             leaf = ".".join(str(p) for p in e["loc"])
-            lines.append(f"{key}: expected text, but YAML reads {raw} as {'a bool' if isinstance(e['input'], bool) else 'a number'}. Quote it: "
-                         f"{leaf}=\"'{raw}'\" on the command line, {e['loc'][-1]}: '{raw}' in a YAML file.")
+            if isinstance(e["input"], bool):  # the word itself is gone: yes, no, on, off, true, false all read as bools
+                word = "WORD"
+                what = f"an unquoted yes/no/on/off/true/false as the bool {str(e['input']).lower()}"
+            else:
+                word = str(e["input"])
+                what = f"{word} as a number"
+            lines.append(f"{key}: expected text, but YAML reads {what}. Quote it: "
+                         f"{leaf}=\"'{word}'\" on the command line, {e['loc'][-1]}: '{word}' in a YAML file.")
         else:
             lines.append(f"{key}: {e['msg'].removeprefix('Value error, ')} (got {_short_repr(e.get('input'))}).")
     return lines

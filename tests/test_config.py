@@ -196,3 +196,28 @@ def test_run_loop_takes_relative_stage_config_paths_from_where_it_runs(tmp_path)
                          capture_output=True, text=True, check=True).stdout.split()
     assert out == [f"dpo_config={tmp_path}/my_dpo.yaml", f"grpo_config={tmp_path}/my_grpo.yaml",
                    f"sft.config={tmp_path}/my_sft.yaml", "grpo_config=configs/g.yaml", "grpo.beta=0.1"]
+
+
+def test_run_loop_takes_per_iteration_paths_from_where_it_runs_and_refuses_odd_words(tmp_path):
+    """A per_iteration.<i>.train_prompts= that exists where the user runs run_loop.sh becomes that
+    absolute path, as a top-level one does; a single-dash option and a second config file are refused
+    with a message that says so (not "config file not found")."""
+    import subprocess
+    from pathlib import Path
+
+    script = (Path(__file__).resolve().parents[1] / "run_loop.sh").read_text()
+    block = script[script.index('CONFIG="configs/loop.yaml"'):]
+    block = block[:block.index("\ndone\n") + 6]
+    (tmp_path / "p2.jsonl").write_text("{}\n")
+
+    def args_loop(*args):
+        return subprocess.run(["bash", "-c", f'CALLER_PWD="$1"; shift\n{block}\nprintf "%s\\n" "${{OVERRIDES[@]}}"',
+                               "_", str(tmp_path), *args], capture_output=True, text=True)
+
+    out = args_loop("per_iteration.2.train_prompts=p2.jsonl", "per_iteration.2.eval_prompts=nothere.jsonl")
+    assert out.returncode == 0 and out.stdout.split() == [f"per_iteration.2.train_prompts={tmp_path}/p2.jsonl",
+                                                          "per_iteration.2.eval_prompts=nothere.jsonl"]
+    out = args_loop("-x")
+    assert out.returncode == 2 and "unknown option '-x'" in out.stderr
+    out = args_loop("configs/loop.yaml", "configs/if_dpo.yaml")
+    assert out.returncode == 2 and "two config files given" in out.stderr

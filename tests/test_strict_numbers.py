@@ -62,3 +62,11 @@ def test_a_number_for_run_name_says_how_to_quote_it():
         resolve(None, ["run_name=123"])
     assert resolve(None, ["run_name='123'"]).run_name == "123"
     assert LoopConfig.from_dict({"run_name": "123"}).run_name == "123"
+
+
+def test_a_yaml_bool_for_run_name_does_not_echo_another_word():
+    """`run_name=no` reads as the bool false: the message must not tell the user to quote 'false'."""
+    with pytest.raises(ConfigError) as e:
+        resolve(None, ["run_name=no"])
+    msg = str(e.value)
+    assert "yes/no/on/off/true/false" in msg and """run_name="'WORD'\"""" in msg and "'false'" not in msg
