@@ -232,7 +232,7 @@ FIELDS_HELP = {
 def missing_fields(record: dict, verifier: str = "auto") -> str | None:
     """What a prompt (or generated) record lacks for ``verifier`` to score it, in words; None when
     its fields are there (the checks of :func:`pick_verifier`, :func:`_ifeval_fields` and
-    :func:`math_rewards` that need no checker: an unknown instruction id is left to the stage).
+    :func:`math_rewards` that need no checker; :func:`instruction_problem` checks the ids and kwargs).
 
     ``auto`` needs ``instruction_id_list`` (then as ``ifeval``) or ``answer`` (then as ``math``).
     """
@@ -251,6 +251,32 @@ def missing_fields(record: dict, verifier: str = "auto") -> str | None:
     if kwargs is not None and (not isinstance(kwargs, list) or len(kwargs) != len(ids)
                                or not all(isinstance(k, dict) or k is None for k in kwargs)):
         return f"kwargs as one object (or null) per instruction id ({len(ids)} of them)"
+    return None
+
+
+def instruction_problem(record: dict) -> str | None:
+    """What is wrong, in words, with an IFEval/IFBench record whose fields are there
+    (:func:`missing_fields` gives None): an instruction id no checker of the registry has, or a
+    kwargs key its checker's ``build_description`` does not take (the checker would fail on every
+    response: ``checker_error:TypeError``). None when neither; the checkers are not run.
+    """
+    import difflib
+    import inspect
+
+    registry = _registry()
+    ids, kwargs = record["instruction_id_list"], record.get("kwargs") or [None] * len(record["instruction_id_list"])
+    for iid, kw in zip(ids, kwargs):
+        if iid not in registry:
+            near = difflib.get_close_matches(str(iid), list(registry), n=1)
+            return (f"instruction id {iid!r}, which no IFEval or IFBench checker has"
+                    + (f" (did you mean {near[0]!r}?)" if near else ""))
+        params = inspect.signature(registry[iid](iid).build_description).parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            continue
+        extra = sorted(k for k, v in (kw or {}).items() if v is not None and k not in params)
+        if extra:
+            return (f"kwargs {', '.join(extra)} for {iid!r}, which its checker does not take (it takes "
+                    f"{', '.join(params) or 'none'})")
     return None
 
 

@@ -90,6 +90,20 @@ def test_prompts_without_the_verifiers_fields_are_refused_by_the_plan(small_cfg,
                           "kwargs": [{}, {}]}])
     with pytest.raises(ConfigError, match=r"id 'i1', needs kwargs as one object \(or null\) per instruction id \(1 of them\)"):
         loop.plan(None, _with(small_cfg, f"train_prompts={ifeval}"))
+    # the fields are there, but the id is no checker's, or a kwarg is not its checker's: refused before any decode
+    write_jsonl(ifeval, [{"id": "i1", "prompt": "Answer in lowercase.", "instruction_id_list": ["change_case:english_lowercase"],
+                          "kwargs": [{}]},
+                         {"id": "i2", "prompt": "Write a poem.", "instruction_id_list": ["change_case:english_lowercse"],
+                          "kwargs": [{}]}])
+    with pytest.raises(ConfigError, match=r"1 of 2 prompts name a constraint the checkers cannot score; the first, id "
+                                          r"'i2', has instruction id 'change_case:english_lowercse'.*did you mean "
+                                          r"'change_case:english_lowercase'"):
+        loop.plan(None, _with(small_cfg, f"train_prompts={ifeval}"))
+    write_jsonl(ifeval, [{"id": "i3", "prompt": "Write a poem.", "instruction_id_list": ["length_constraints:number_words"],
+                          "kwargs": [{"num_word": 50, "relation": "at least"}]}])
+    with pytest.raises(ConfigError, match=r"id 'i3', has kwargs num_word for 'length_constraints:number_words', which its "
+                                          r"checker does not take \(it takes num_words, relation\)"):
+        loop.plan(None, _with(small_cfg, f"train_prompts={ifeval}"))
     rm = tmp_path / "rm"
     rm.mkdir()  # another reward source scores any prompt
     loop.plan(None, _with(small_cfg, f"train_prompts={bare}", f"eval_prompts={bare}") +
@@ -955,3 +969,9 @@ def test_ifeval_prompts_without_instruction_fields_are_refused_by_the_plan(small
                         "kwargs": [{}]}])
     loop.plan(None, small_cfg + [f"ifeval.prompts={good}"], write=False)
     loop.plan(None, small_cfg + [f"ifeval.prompts={bare}", "ifeval.when=never"], write=False)
+    typo = tmp_path / "typo_ifeval.jsonl"
+    write_jsonl(typo, [{"id": "i1", "prompt": "Answer in lowercase.", "instruction_id_list": ["change_case:lowercase"],
+                        "kwargs": [{}]}])
+    with pytest.raises(ConfigError, match=rf"ifeval\.prompts={typo} .*1 of 1 prompts name a constraint the checkers "
+                                          r"cannot score; the first, id 'i1', has instruction id 'change_case:lowercase'"):
+        loop.plan(None, small_cfg + [f"ifeval.prompts={typo}"], write=False)

@@ -242,6 +242,8 @@ def _check_ifeval_fields(cfg: LoopConfig) -> None:
         return
     rows = load_prompts(str(path), prompt_field=None, limit=cfg.ifeval.limit)
     bad = [(r["id"], m) for r in rows if (m := missing_fields(r, "ifeval"))]
+    if not bad:
+        _check_instructions(rows, f"ifeval.prompts={given} ({path})", "ifeval_score would fail on every response of them")
     if bad:
         rid, lacks = bad[0]
         raise ConfigError(f"ifeval.prompts={given} ({path}): {len(bad)} of {len(rows)} prompts lack the fields IFEval "
@@ -299,6 +301,9 @@ def _check_verifier_fields(c: LoopConfig, rows: list[dict], what: str) -> None:
 
     bad = [(r["id"], m) for r in rows if (m := missing_fields(r, c.reward.verifier))]
     if not bad:
+        if c.reward.verifier != "math":
+            _check_instructions([r for r in rows if "instruction_id_list" in r], what,
+                                "their responses would be generated, then left unscored")
         return
     rid, lacks = bad[0]
     kinds = [c.reward.verifier] if c.reward.verifier != "auto" else ["ifeval", "math"]
@@ -309,6 +314,23 @@ def _check_verifier_fields(c: LoopConfig, rows: list[dict], what: str) -> None:
         "them another way: reward.source=reward_model reward.reward_model=<folder or Hub id> (a Bradley-Terry reward "
         "model), reward.source=remote reward.url=<http://...>, or reward.source=judge reward.url=<.../v1> "
         "reward.judge_model=<name>.")
+
+
+def _check_instructions(rows: list[dict], what: str, then: str) -> None:
+    """Every IF record of ``rows`` (fields present) names checkers of the registry and kwargs they
+    take (:func:`online_rlhf.verifiers.instruction_problem`).
+
+    Raises:
+        ConfigError: naming ``what``, how many records are wrong, the first one's id and its problem.
+    """
+    from ..verifiers import instruction_problem
+
+    bad = [(r["id"], m) for r in rows if (m := instruction_problem(r))]
+    if bad:
+        rid, problem = bad[0]
+        raise ConfigError(f"{what}: {len(bad)} of {len(rows)} prompts name a constraint the checkers cannot score; the "
+                          f"first, id {rid!r}, has {problem}; {then}. Fix those records (the ids and kwargs of "
+                          "if-verifiable's IFEval/IFBench registries; scripts/build_if_prompts.py writes valid ones).")
 
 
 def _other_algorithm_warnings(cfg: LoopConfig) -> list[str]:
