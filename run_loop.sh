@@ -117,7 +117,7 @@ if [[ "$FRESH" == 1 ]]; then
   # nothing but what an earlier refused plan left (iter_*/configs, plan.json, prompts.jsonl, logs).
   "$TRAIN" -m online_rlhf.loop fresh-check "$RUN_DIR" || { rc=$?; undo_new; exit "$rc"; }
   # and the new plan must pass (a bad prompt file, say) before the old run is emptied
-  "$TRAIN" -m online_rlhf.loop plan-check "$CONFIG" "${OVERRIDES[@]}" || { rc=$?; undo_new; exit "$rc"; }
+  "$TRAIN" -m online_rlhf.loop plan-check --quiet "$CONFIG" "${OVERRIDES[@]}" || { rc=$?; undo_new; exit "$rc"; }
   say "fresh start: removing the contents of $RUN_DIR"
   find "$RUN_DIR" -mindepth 1 -maxdepth 1 ! -name .lock -exec rm -rf -- {} +
 fi

@@ -238,6 +238,11 @@ def test_keys_of_the_algorithm_that_does_not_run_are_named_once(tmp_path, capsys
         capsys.readouterr().err
     loop.plan(None, args + ["algorithm=grpo", "grpo.beta=0.04"])
     assert "ignored" not in capsys.readouterr().err
+    # plan-check (nothing written) prints the same warnings; --quiet (run_loop.sh --fresh, before its plan) does not
+    check = ["plan-check", "configs/loop.yaml", *args, "grpo.beta=0.04"]
+    assert loop.main(check) == 0
+    assert "algorithm=dpo: grpo.beta is ignored" in capsys.readouterr().err
+    assert loop.main(check[:1] + ["--quiet"] + check[1:]) == 0 and "ignored" not in capsys.readouterr().err
 
 
 def test_grpo_max_length_must_leave_room_for_a_prompt():

@@ -1,7 +1,7 @@
 """The loop's bookkeeping, called by run_loop.sh (training env):
 
     python -m online_rlhf.loop plan CONFIG [key=value ...]   # resolve + validate, write stage configs
-    python -m online_rlhf.loop plan-check CONFIG [key=value ...]  # the plan's checks only, nothing written
+    python -m online_rlhf.loop plan-check CONFIG [key=value ...] [--quiet]  # the plan's checks and warnings, nothing written
     python -m online_rlhf.loop run-dir CONFIG [key=value ...]  # the run directory the config names, nothing written
     python -m online_rlhf.loop check RUN_DIR ITER STAGE       # exit 0 if STAGE is done and fresh, 1 to run (prints env, why),
                                                               # 3 not planned in ITER (says so), 2 no such stage
@@ -85,14 +85,16 @@ def main(argv: list[str]) -> int:
     cmd, args = argv[0], argv[1:]
     try:
         if cmd in ("plan", "plan-check", "run-dir"):
+            quiet = "--quiet" in args  # plan-check --quiet: no warnings (run_loop.sh --fresh: the plan prints them next)
+            args = [a for a in args if a != "--quiet"]
             if not args:  # nothing given: the class defaults are not configs/loop.yaml's (64 prompts per iteration ...)
                 raise ConfigError(f"{cmd} needs CONFIG, e.g. `python -m online_rlhf.loop {cmd} configs/loop.yaml` (what "
                                   "`bash run_loop.sh` plans); key=value overrides alone start from the keys' defaults.")
             cfg_path = args[0] if "=" not in args[0] else None
             overrides = args[1:] if cfg_path else args
-            if cmd in ("plan", "plan-check"):  # plan-check: every check of the plan, nothing written
+            if cmd in ("plan", "plan-check"):  # plan-check: every check of the plan (and its warnings), nothing written
                 with _stdout_to_stderr() as real_stdout:
-                    plan(cfg_path, overrides, write=cmd == "plan", shell_out=real_stdout)
+                    plan(cfg_path, overrides, write=cmd == "plan", shell_out=real_stdout, warn=not quiet)
             else:  # where the run lives, nothing written (run_loop.sh locks it before any change)
                 cfg = resolve(cfg_path, overrides)
                 print((Path(cfg.output_root) / cfg.run_name).resolve())

@@ -31,7 +31,8 @@ from .resolve import (_LIBRARY_CHECKS, _check_ifeval_fields, _check_ifeval_promp
 RUN_CONFIG_HEADER = "# online_rlhf run config, resolved from"
 
 
-def plan(config_path: str | None, overrides: list[str], write: bool = True, shell_out=None) -> Path:
+def plan(config_path: str | None, overrides: list[str], write: bool = True, shell_out=None,
+         warn: bool | None = None) -> Path:
     """Resolve the config, write the run dir's config.yaml, stage configs, plan.json and prompt
     slices; print shell assignments (RUN_DIR, ITERATIONS, ...) for run_loop.sh to ``eval``, to
     ``shell_out`` (default: stdout).
@@ -41,9 +42,9 @@ def plan(config_path: str | None, overrides: list[str], write: bool = True, shel
     plan refused on the way (e.g. a missing ``train_prompts`` file, at the top level or in
     ``per_iteration``) leaves an existing run directory as it was, and creates nothing.
 
-    ``write=False`` runs every check and writes and prints nothing (``loop plan-check``:
+    ``write=False`` runs every check and writes nothing (``loop plan-check``:
     ``run_loop.sh --fresh`` runs it before it empties the old run, so a plan that would be refused
-    leaves the old run in place).
+    leaves the old run in place). ``warn`` (default: ``write``) prints the plan's warnings to stderr.
 
     Raises:
         ConfigError, DataError, FileNotFoundError: as :func:`resolve` and the prompt loaders; nothing
@@ -108,13 +109,14 @@ def plan(config_path: str | None, overrides: list[str], write: bool = True, shel
              "DRY_RUN": int(cfg.dry_run)}
     files.add(run_dir / "plan_warnings.json", json_text(warnings))
     body = yaml.safe_dump(run_config_dict(cfg), sort_keys=False, allow_unicode=True)
+    if write if warn is None else warn:
+        for w in warnings:
+            print(f"WARNING: {w}", file=sys.stderr)
     if not write:
         return run_dir
     # Every check has passed: now the files. config.yaml last, so that a write cut short (disk full)
     # leaves the run's config as it was.
     files.write()
-    for w in warnings:
-        print(f"WARNING: {w}", file=sys.stderr)
     if cfg.num_machines > 1 and cfg.launcher == "local":
         print(f"note: num_machines={cfg.num_machines}: this is machine 0. On each other machine k (same paths on a shared "
               f"filesystem), run: bash scripts/other_machine.sh {run_dir} k", file=sys.stderr)
