@@ -228,13 +228,44 @@ def check_run_config(run_dir: Path, config: str, seed: int, overrides: list[str]
     have = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     want = run_config_dict(resolve(config, list(overrides) + [f"seed={seed}", f"run_name={run_dir.name}"]))
     skip = set(LOCATION_KEYS) | {"run_name"}
-    diff = sorted(k for k in set(have) | set(want) if k not in skip and have.get(k) != want.get(k))
+    from pydantic import BaseModel
+
+    from .loop_config import LoopConfig
+
+    def default(k: str):  # a key newer than the run's config.yaml: its value when the run was planned
+        d = LoopConfig.model_fields[k].get_default(call_default_factory=True)
+        return d.model_dump(mode="json", exclude_unset=True) if isinstance(d, BaseModel) else d
+
+    diff = sorted(k for k in set(have) | set(want) if k not in skip and have.get(k) != want.get(k)
+                  and not (k not in have and k in LoopConfig.model_fields and want.get(k) == default(k)))
     if diff:
         shown = "; ".join(f"{k}: run {have.get(k)!r}, recipe {want.get(k)!r}" for k in diff[:5])
         raise DataError(f"{path}: this run was planned with other settings than {config} "
                         f"{' '.join(overrides + [f'seed={seed}'])} ({len(diff)} key(s) differ: {shown}); its "
                         "results are not this recipe's. Run the seeds command without --table-only to replan and "
                         "rerun what changed, or give the overrides the run was made with.")
+
+
+# The keys whose relative path run_loop.sh takes from where it runs when the file is there (also
+# under per_iteration.<i>.); output_root= always from there.
+RUN_LOOP_PATH_KEYS = ("train_prompts", "eval_prompts", "ifeval.prompts", "policy", "sft.dataset", "reward.reward_model",
+                      "dpo_config", "grpo_config", "sft.config")
+
+
+def _as_run_loop_takes(override: str) -> str:
+    """``key=value`` with a relative path made absolute as ``run_loop.sh`` makes it, so that the run's
+    ``config.yaml`` and the recipe resolved here (:func:`check_run_config`) hold the same path."""
+    import re
+
+    key, _, val = override.partition("=")
+    leaf = re.sub(r"^per_iteration\.\d+\.", "", key.strip())
+    if Path(val).is_absolute():
+        return override
+    if leaf == "output_root" and key.strip() == "output_root":
+        return f"{key}={Path.cwd() / val}"
+    if leaf in RUN_LOOP_PATH_KEYS and val and (Path.cwd() / val).exists():
+        return f"{key}={Path.cwd() / val}"
+    return override
 
 
 def run_seed(config: str, seed: int, base: str, overrides: list[str]) -> float:
@@ -288,12 +319,11 @@ def main(argv: list[str] | None = None) -> int:
         # from here; the config file's own output_root from the project root
         if not Path(args.config).is_file() and (PROJECT_ROOT / args.config).is_file():
             args.config = str(PROJECT_ROOT / args.config)
-        args.overrides = [f"output_root={Path.cwd() / o.split('=', 1)[1]}"
-                          if o.startswith("output_root=") and not Path(o.split("=", 1)[1]).is_absolute() else o
-                          for o in args.overrides]
+        given = list(args.overrides)  # the recipe's name is the overrides as written, wherever it runs from
+        args.overrides = [_as_run_loop_takes(o) for o in args.overrides]
         cfg = resolve(args.config, args.overrides)
         root = Path(cfg.output_root) if Path(cfg.output_root).is_absolute() else PROJECT_ROOT / cfg.output_root
-        name = recipe_name(cfg.run_name, args.overrides)
+        name = recipe_name(cfg.run_name, given)
         walls: dict[int, float] = {}
         if not args.table_only:
             for s in args.seeds:

@@ -111,6 +111,10 @@ def test_table_only_refuses_a_run_planned_with_other_settings(tmp_path, capsys):
     (run / "config.yaml").write_text("# header\n" + yaml.safe_dump(cfg))
     assert seeds.main(args) == 0
     assert "1 seeds" in capsys.readouterr().out
+    # a key newer than the run's config.yaml, at its default: the run was planned with that value
+    (run / "config.yaml").write_text(yaml.safe_dump({k: v for k, v in cfg.items() if k != "kl_warn"}))
+    assert seeds.main(args) == 0
+    capsys.readouterr()
     # the same folder, planned with another seed and another K: refused, naming both keys
     (run / "config.yaml").write_text(yaml.safe_dump({**cfg, "seed": 7, "generation": {**cfg["generation"], "k": 9}}))
     assert seeds.main(args) == 2
@@ -128,3 +132,28 @@ def test_overrides_after_table_only_are_taken_and_every_missing_seed_is_named(tm
     with pytest.raises(SystemExit):
         seeds.main(["configs/loop.yaml", "--table-only", "--bogus"])
     assert "--bogus" in capsys.readouterr().err
+
+
+def test_a_relative_prompt_file_is_checked_as_run_loop_took_it(tmp_path, monkeypatch, capsys):
+    """run_loop.sh makes a relative train_prompts= that exists where it runs absolute; the seeds
+    command does the same, so the run's config.yaml matches, and the recipe keeps its name."""
+    import yaml
+
+    from online_rlhf.loop import resolve
+    from online_rlhf.loop.plan import run_config_dict
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.jsonl").write_text("{}\n")  # resolve only needs the file to exist
+    assert seeds._as_run_loop_takes("train_prompts=mine.jsonl") == f"train_prompts={tmp_path / 'mine.jsonl'}"
+    assert seeds._as_run_loop_takes("per_iteration.2.train_prompts=mine.jsonl") == \
+        f"per_iteration.2.train_prompts={tmp_path / 'mine.jsonl'}"
+    assert seeds._as_run_loop_takes("train_prompts=absent.jsonl") == "train_prompts=absent.jsonl"
+    assert seeds._as_run_loop_takes("output_root=out") == f"output_root={tmp_path / 'out'}"
+    name = seeds.recipe_name("default", ["train_prompts=mine.jsonl"])
+    run = _run(tmp_path / "out", 1, [False] * 4, [True] * 4).rename(tmp_path / "out" / f"{name}_seed1")
+    cfg = run_config_dict(resolve(str(seeds.PROJECT_ROOT / "configs/loop.yaml"),
+                                  [f"output_root={tmp_path / 'out'}", f"train_prompts={tmp_path / 'mine.jsonl'}",
+                                   "seed=1", f"run_name={run.name}"]))
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    rc = seeds.main(["configs/loop.yaml", "output_root=out", "train_prompts=mine.jsonl", "--seeds", "1", "--table-only"])
+    assert rc == 0, capsys.readouterr().err
