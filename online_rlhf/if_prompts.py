@@ -260,7 +260,8 @@ def build(base: list[dict], cfg: IFPromptsConfig, against: list[dict] | None) ->
         ``(records, stats)``: records ``{id, messages, instruction_id_list, kwargs, base_id}`` (the
         input's other fields kept); stats count what came in, what went out, every skip by reason
         (``contaminated``: shares an n-gram; ``already_constrained``: the row carries its own
-        ``instruction_id_list``), the constraints per prompt and the prompts per instruction id.
+        ``instruction_id_list``), the base prompts left unread once ``n`` prompts were built
+        (``base_prompts_not_read``), the constraints per prompt and the prompts per instruction id.
     Raises:
         ConfigError: an ``exclude`` id that the registry does not have, or nothing left to sample.
     """
@@ -279,9 +280,11 @@ def build(base: list[dict], cfg: IFPromptsConfig, against: list[dict] | None) ->
     per_id: Counter = Counter()
     short = 0
     redrawn: Counter = Counter()
+    read = 0
     for row in base:
         if cfg.n is not None and len(out) >= cfg.n:
             break
+        read += 1
         reason = None
         if "instruction_id_list" in row:
             reason = "already_constrained"
@@ -306,7 +309,8 @@ def build(base: list[dict], cfg: IFPromptsConfig, against: list[dict] | None) ->
         per_id.update(chosen)
         if len(chosen) < cfg.min_constraints:  # every compatible id was used up: counted, never silent
             short += 1
-    stats = {"base_prompts_in": len(base), "prompts_out": len(out), "skipped": dict(skipped),
+    stats = {"base_prompts_in": len(base), "n": cfg.n, "base_prompts_not_read": len(base) - read,
+             "prompts_out": len(out), "skipped": dict(skipped),
              "skipped_examples": examples, "constraints_per_prompt": {str(k): v for k, v in sorted(per_prompt.items())},
              "prompts_per_instruction": dict(sorted(per_id.items())),
              "prompts_below_min_constraints": short,
@@ -359,8 +363,9 @@ def main(cfg: IFPromptsConfig) -> dict:
     stats = {"input": cfg.input or "built-in templates (online_rlhf.if_prompts)", "output": cfg.output, **stats}
     write_jsonl(cfg.output, records)
     write_json(stats_path(cfg.output), stats)
+    unread = f"; {stats['base_prompts_not_read']} not read after n={cfg.n}" if stats["base_prompts_not_read"] else ""
     print(f"build_if_prompts: {len(records)} prompts from {stats['base_prompts_in']} base prompts "
-          f"(skipped {stats['skipped'] or 0}; constraints per prompt {stats['constraints_per_prompt']}) -> {cfg.output}",
+          f"(skipped {stats['skipped'] or 0}{unread}; constraints per prompt {stats['constraints_per_prompt']}) -> {cfg.output}",
           file=sys.stderr)
     return stats
 

@@ -106,7 +106,10 @@ def _normalize(rec: dict, index: int, where: str, prompt_field: str | None) -> t
         skip = {"messages"}
     elif "prompt" in rec:
         p = rec["prompt"]
-        messages = [{"role": "user", "content": p}] if isinstance(p, str) else check_messages(p, where)
+        if not isinstance(p, (str, list)):
+            raise DataError(f"{where}: column 'prompt' must be a string or a list of {{role, content}} messages, "
+                            f"got {type(p).__name__} {p!r:.60}.")
+        messages = [{"role": "user", "content": p}] if isinstance(p, str) else check_messages(p, f"{where}, column 'prompt'")
         skip = {"prompt"}
     else:
         raise DataError(
@@ -137,11 +140,20 @@ class PromptSetCounts:
         assistant_turns_removed: prompts that ended with assistant turn(s), removed so that the
             policy answers the last user turn.
         first_assistant_removed: ``"<file:line> (id=...)"`` of the first such prompt, or None.
+        prompt_column_unused: rows with both ``messages`` and ``prompt`` whose prompt came from
+            ``messages`` (their ``prompt`` column is not kept); ``first_prompt_column_unused`` names
+            the first.
+        prompt_field_missing: rows without the ``prompt_field`` column, whose prompt came from their
+            ``messages`` or ``prompt`` column instead; ``first_prompt_field_missing`` names the first.
     """
 
     blank_lines: int = 0
     assistant_turns_removed: int = 0
     first_assistant_removed: str | None = None
+    prompt_column_unused: int = 0
+    first_prompt_column_unused: str | None = None
+    prompt_field_missing: int = 0
+    first_prompt_field_missing: str | None = None
 
 
 def load_prompts(source: str | os.PathLike, split: str = "train", prompt_field: str | None = None,
@@ -200,6 +212,12 @@ def load_prompt_set(source: str | os.PathLike, split: str = "train", prompt_fiel
         field_seen = field_seen or (custom_field and prompt_field in rec)
         first_columns = list(rec) if first_columns is None else first_columns
         r, removed = _normalize(rec, i, where, prompt_field)
+        if custom_field and prompt_field not in rec:
+            counts.prompt_field_missing += 1
+            counts.first_prompt_field_missing = counts.first_prompt_field_missing or where
+        elif "messages" in rec and "prompt" in rec and prompt_field in (None, "messages"):
+            counts.prompt_column_unused += 1
+            counts.first_prompt_column_unused = counts.first_prompt_column_unused or where
         here = where + (" (no id: generated)" if prompt_id(rec, i, where)[1] else "")
         if r["id"] in seen:
             raise DataError(f"{here}: duplicate id {r['id']!r}, also the id of {seen[r['id']]}. Ids must be unique "
@@ -217,6 +235,14 @@ def load_prompt_set(source: str | os.PathLike, split: str = "train", prompt_fiel
         print(f"warning: {source}: no row has the column prompt_field={prompt_field!r}; the prompts came from "
               "its 'messages' or 'prompt' column. Check the name if you meant that column "
               f"(columns of the first row: {', '.join(first_columns or [])}).", file=sys.stderr)
+    elif counts.prompt_field_missing:
+        print(f"warning: {source}: {counts.prompt_field_missing} of {len(out)} row(s) have no column "
+              f"prompt_field={prompt_field!r} (first: {counts.first_prompt_field_missing}); their prompts came from "
+              "their 'messages' or 'prompt' column.", file=sys.stderr)
+    if counts.prompt_column_unused:
+        print(f"note: {source}: {counts.prompt_column_unused} row(s) have both 'messages' and 'prompt' (first: "
+              f"{counts.first_prompt_column_unused}); their prompt came from 'messages' and the 'prompt' column was "
+              "not kept. Give prompt_field=prompt to use it instead.", file=sys.stderr)
     if lines is not None:
         counts.blank_lines = lines.blank_lines
         if stopped_early and lines.blank_lines:  # the reader notes them itself only at the end of the file

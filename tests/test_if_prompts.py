@@ -67,6 +67,11 @@ def test_decontamination_drops_base_prompts_sharing_an_8gram_and_counts_them(tmp
     assert [r["base_id"] for r in recs] == ["seven", "ok"]
     assert stats["skipped"] == {"contaminated": 1, "already_constrained": 1}
     assert stats["skipped_examples"]["contaminated"] == ["dup"]
+    assert stats["n"] is None and stats["base_prompts_not_read"] == 0
+    # n=1: the first clean prompt is built; the rows after it are counted as not read, not lost silently
+    recs, stats = ifp.build(base, _cfg(tmp_path, n=1), ifeval)
+    assert [r["base_id"] for r in recs] == ["seven"]
+    assert stats["n"] == 1 and stats["base_prompts_not_read"] == 2 and stats["skipped"] == {"contaminated": 1}
 
 
 def test_exclude_and_bad_settings_are_refused_or_honoured(tmp_path):

@@ -149,8 +149,30 @@ def test_prompt_field_only_applies_to_sets_without_prompt_columns(tmp_path, caps
     err = capsys.readouterr().err
     assert "no row has the column prompt_field='question'" in err and "p.jsonl" in err and "messages" in err
     q = _write(tmp_path / "q.jsonl", [{"question": "hi?"}, {"messages": [{"role": "user", "content": "hi"}]}])
-    load_prompts(q, prompt_field="question")
-    assert "prompt_field" not in capsys.readouterr().err  # used by some rows: nothing to say
+    rows = load_prompts(q, prompt_field="question")
+    assert [r["prompt"][0]["content"] for r in rows] == ["hi?", "hi"]
+    # used by some rows only: the others are counted and the first named, not taken silently
+    err = capsys.readouterr().err
+    assert "1 of 2 row(s) have no column prompt_field='question'" in err and "q.jsonl:2" in err
+
+
+def test_prompt_column_faults_name_the_column(tmp_path, capsys):
+    p = _write(tmp_path / "p.jsonl", [{"prompt": 5}])
+    with pytest.raises(DataError, match=r"p.jsonl:1: column 'prompt' must be a string or a list .* got int 5"):
+        load_prompts(p)
+    p = _write(tmp_path / "p.jsonl", [{"prompt": [{"role": "user"}]}])
+    with pytest.raises(DataError, match=r"p.jsonl:1, column 'prompt': message 0"):
+        load_prompts(p)
+    # both columns: messages wins, and the unused prompt column is said, with the way to choose it
+    both = {"messages": [{"role": "user", "content": "from messages"}], "prompt": "from prompt"}
+    p = _write(tmp_path / "p.jsonl", [both, {"prompt": "only"}])
+    (r, _) = load_prompts(p)
+    assert r["prompt"][0]["content"] == "from messages"
+    err = capsys.readouterr().err
+    assert "1 row(s) have both 'messages' and 'prompt' (first: " in err and "p.jsonl:1" in err
+    assert "prompt_field=prompt" in err
+    (r, _) = load_prompts(p, prompt_field="prompt")
+    assert r["prompt"][0]["content"] == "from prompt" and "both" not in capsys.readouterr().err
 
 
 def test_missing_local_model_dir_is_a_clear_error(tmp_path):
