@@ -146,7 +146,11 @@ run_stage() {
     *) exit "$rc" ;;
   esac
   why="${env#*$'\n'}"; env="${env%%$'\n'*}"   # check prints the env, then why the stage runs
-  [[ "$why" != "not run yet" && "$why" != "$env" ]] && say "iteration $i/$ITERATIONS · $stage: runs again: $why"
+  case "$why" in   # a first run says nothing; a co-decoded first run says only that; a rerun says why
+    "not run yet"|"$env") ;;
+    "not run yet; "*) say "iteration $i/$ITERATIONS · $stage: ${why#not run yet; }" ;;
+    *) say "iteration $i/$ITERATIONS · $stage: runs again: $why" ;;
+  esac
   local log="$RUN_DIR/iter_$i/logs/$stage.log" start=$SECONDS
   mkdir -p "$(dirname "$log")"
   say "iteration $i/$ITERATIONS · $stage ($env env) · log $log"

@@ -140,6 +140,19 @@ class FakeLauncher:
         return SimpleNamespace(wait=lambda: self.rc)
 
 
+def _run_loop_says(check_out: str) -> str:
+    """The line run_loop.sh's run_stage prints for ``loop check``'s output (its case block run alone)."""
+    import subprocess
+
+    script = (Path(__file__).resolve().parents[1] / "run_loop.sh").read_text()
+    block = script[script.index('  case "$why" in'):]
+    block = block[:block.index("\n  esac\n") + 7]
+    out = subprocess.run(["bash", "-c", 'say() { printf "%s\\n" "$*"; }; i=1 ITERATIONS=2 stage=kl_generate\n'
+                          'env="${1%%$\'\\n\'*}"; why="${1#*$\'\\n\'}"\n' + block, "_", check_out.rstrip("\n")],
+                         capture_output=True, text=True, check=True).stdout
+    return out.strip().removeprefix("iteration 1/2 · ")
+
+
 def _run_stage(run: Path, i: int, stage: str) -> None:
     """What run_loop.sh does for a stale stage: exec, then mark."""
     assert not loop.check(run, i, stage)
@@ -170,8 +183,10 @@ def test_held_out_generation_takes_kl_and_ifeval_along(run1, capsys):
         assert (run / "iter_1" / f"{stage}.co_decoded").is_file() and not loop.check(run, 1, stage)
     capsys.readouterr()
     assert loop.main(["check", str(run), "1", "kl_generate"]) == 1  # `loop check` says it only gets marked
-    assert ("already decoded (co-decoded in the engine start of stage eval_generate of iteration 1)"
-            in capsys.readouterr().out)
+    checked = capsys.readouterr().out
+    assert "already decoded (co-decoded in the engine start of stage eval_generate of iteration 1)" in checked
+    said = _run_loop_says(checked)  # run_loop.sh's console line: the note alone, not "runs again: not run yet"
+    assert said.startswith("kl_generate: its output is already decoded") and "runs again" not in said
     assert loop_run.co_decoded_note(run, 1, "eval_generate") is None
     for stage in ("kl_generate", "ifeval_generate"):  # their turn: nothing runs, then marked as usual
         _run_stage(run, 1, stage)
