@@ -184,4 +184,11 @@ def check_loop_keys(data: dict, source: str, run_level: tuple[str, ...]) -> None
         problems += [line for err, line in zip(e.errors(), validation_problems(e, LoopConfig))
                      if not (err["loc"] and str(err["loc"][0]) in checked)]
     if problems:
-        raise ConfigError(f"{source}: {len(problems)} problem(s) in the config:\n  - " + "\n  - ".join(problems))
+        unknown = [k for k in data if k not in LoopConfig.model_fields]
+        hint = ""
+        if len(unknown) > len(data) - len(unknown):  # mostly unknown keys: likely a stage's file, not a loop config
+            hint = ("\nMost of its keys are not loop config keys: is it a stage's config? A loop config has "
+                    "configs/loop.yaml's layout. A DPO or GRPO recipe file is named from it (dpo_config=<file>, or "
+                    "grpo_config=<file> with algorithm=grpo), and a stage's own YAML runs that stage by hand "
+                    "(docs/architecture.md).")
+        raise ConfigError(f"{source}: {len(problems)} problem(s) in the config:\n  - " + "\n  - ".join(problems) + hint)

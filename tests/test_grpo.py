@@ -238,6 +238,13 @@ def test_keys_of_the_algorithm_that_does_not_run_are_named_once(tmp_path, capsys
         capsys.readouterr().err
     loop.plan(None, args + ["algorithm=grpo", "grpo.beta=0.04"])
     assert "ignored" not in capsys.readouterr().err
+    # pairs keys: no pairs under GRPO; what GRPO does anyway (configs/loop.yaml's section) is not named
+    loop.plan(None, args + ["algorithm=grpo", "pairs.strategy=max_min", "pairs.truncated=keep"])
+    assert "ignored" not in capsys.readouterr().err
+    loop.plan(None, args + ["algorithm=grpo", "pairs.truncated=penalize", "per_iteration={2: {pairs: {min_margin: 0.1}}}"])
+    assert ("algorithm=grpo: pairs.truncated=penalize, per_iteration.2.pairs.min_margin=0.1 are ignored (no pairs are "
+            "built under GRPO: every response of a group counts); GRPO's own rule for cut responses: "
+            "grpo.truncated_penalty.") in capsys.readouterr().err
     # plan-check (nothing written) prints the same warnings; --quiet (run_loop.sh --fresh, before its plan) does not
     check = ["plan-check", "configs/loop.yaml", *args, "grpo.beta=0.04"]
     assert loop.main(check) == 0

@@ -189,6 +189,18 @@ def test_top_level_and_section_problems_come_in_one_message(small_cfg):
     assert problems.count("generation.kk") == 1  # LoopConfig's own error for the section is not said twice
 
 
+def test_a_stage_recipe_given_as_the_loop_config_is_named_as_such():
+    # configs/grpo.yaml is the GRPO stage's recipe: its keys are unknown to the loop, and the message says what
+    # the file probably is and where it goes, not only eleven "unknown key" lines
+    with pytest.raises(ConfigError) as e:
+        loop.resolve("configs/grpo.yaml", ["algorithm=grpo"])
+    assert "problem(s) in the config" in str(e.value) and "is it a stage's config?" in str(e.value)
+    assert "grpo_config=<file> with algorithm=grpo" in str(e.value)
+    with pytest.raises(ConfigError) as e:  # a typo or two in a loop config: no such guess
+        loop.resolve("configs/loop.yaml", ["itrations=3"])
+    assert "stage's config" not in str(e.value)
+
+
 def test_lora_typo_fails_at_plan_time(small_cfg):
     pytest.importorskip("peft")
     with pytest.raises(ConfigError, match=r"dpo\.lora\.lora_alph: unknown peft\.LoraConfig key .*'lora_alpha'"):

@@ -342,11 +342,41 @@ def _other_algorithm_warnings(cfg: LoopConfig) -> list[str]:
     for i, over in sorted(cfg.per_iteration.items()):
         if isinstance(over.get(other), dict):
             keys += _flat_keys(over[other], f"per_iteration.{i}.{other}")
+    out = [] if not keys else [
+        f"algorithm={cfg.algorithm}: {', '.join(keys)} {'is' if len(keys) == 1 else 'are'} ignored (the {other} "
+        f"section applies under algorithm={other}); remove {'it' if len(keys) == 1 else 'them'} or set "
+        f"algorithm={other}."]
+    return out + _pairs_under_grpo_warnings(cfg)
+
+
+# What GRPO does anyway, as a pairs setting: every response of a group counts, a cut one kept as it is.
+_GRPO_NEUTRAL_PAIRS = {"strategy": "max_min", "truncated": "keep"}
+_GRPO_PAIRS_EQUIVALENT = {"penalize": "grpo.truncated_penalty", "exclude": "grpo.mask_truncated_completions=true"}
+
+
+def _pairs_under_grpo_warnings(cfg: LoopConfig) -> list[str]:
+    """Under ``algorithm=grpo`` no pairs are built: one warning naming the ``pairs`` keys set (top
+    level and ``per_iteration``) to a value that would change the pairs, with GRPO's own setting for
+    a truncation rule. ``strategy: max_min`` and ``truncated: keep`` (configs/loop.yaml's) are what
+    GRPO does anyway and are not named."""
+    if cfg.algorithm != "grpo":
+        return []
+    sections = [("pairs", cfg.pairs.model_dump(exclude_unset=True))]
+    sections += [(f"per_iteration.{i}.pairs", over["pairs"]) for i, over in sorted(cfg.per_iteration.items())
+                 if isinstance(over.get("pairs"), dict)]
+    keys, hints = [], []
+    for prefix, d in sections:
+        for k, v in d.items():
+            if _GRPO_NEUTRAL_PAIRS.get(k, object()) == v:
+                continue
+            keys.append(f"{prefix}.{k}={v}")
+            if k == "truncated" and v in _GRPO_PAIRS_EQUIVALENT and _GRPO_PAIRS_EQUIVALENT[v] not in hints:
+                hints.append(_GRPO_PAIRS_EQUIVALENT[v])
     if not keys:
         return []
-    return [f"algorithm={cfg.algorithm}: {', '.join(keys)} {'is' if len(keys) == 1 else 'are'} ignored (the {other} "
-            f"section applies under algorithm={other}); remove {'it' if len(keys) == 1 else 'them'} or set "
-            f"algorithm={other}."]
+    hint = f"; GRPO's own rule for cut responses: {' or '.join(hints)}" if hints else ""
+    return [f"algorithm=grpo: {', '.join(keys)} {'is' if len(keys) == 1 else 'are'} ignored (no pairs are built "
+            f"under GRPO: every response of a group counts){hint}."]
 
 
 def _flat_keys(d: dict, prefix: str) -> list[str]:
