@@ -627,6 +627,7 @@ def test_sft_enabled_without_dataset_is_a_config_error(small_cfg):
 
 
 def test_copied_run_dir_keeps_its_done_markers(small_cfg, tmp_path):
+    import re
     import shutil
 
     run_dir = loop.plan(None, small_cfg)
@@ -987,3 +988,27 @@ def test_ifeval_prompts_without_instruction_fields_are_refused_by_the_plan(small
     with pytest.raises(ConfigError, match=rf"ifeval\.prompts={typo} .*1 of 1 prompts name a constraint the checkers "
                                           r"cannot score; the first, id 'i1', has instruction id 'change_case:lowercase'"):
         loop.plan(None, small_cfg + [f"ifeval.prompts={typo}"], write=False)
+
+
+def test_a_copied_run_directory_is_refused_until_planned_where_it_is(small_cfg, tmp_path, capsys):
+    """plan.json names the run directory it was planned for: a copy's stages would read and write the
+    original's files, so check/exec/mark refuse it, naming the command that plans it in place."""
+    import re
+    import shutil
+
+    run = loop.plan(None, small_cfg)
+    copy = tmp_path / "elsewhere" / "t_copy"
+    shutil.copytree(run, copy)
+    capsys.readouterr()
+    assert loop.main(["check", str(copy), "1", "generate"]) != 0
+    assert re.search(r"was planned for the run directory .*/runs/t, not .*/t_copy \(a copied or moved run\?\).*Plan it "
+                     r"here first: bash run_loop.sh .*t_copy/config.yaml output_root=.*/elsewhere run_name=t_copy",
+                     capsys.readouterr().err)
+    before = (run / "iter_1" / "configs" / "generate.yaml").read_text()
+    with pytest.raises(ConfigError, match="planned for the run directory"):
+        loop.mark(copy, 1, "generate", 1.0)
+    assert not (run / "iter_1" / "generate.done").exists()
+    # the command it names plans the copy in place (the run's own config.yaml), after which it checks as usual
+    again = loop.plan(str(copy / "config.yaml"), [f"output_root={copy.parent}", "run_name=t_copy"])
+    assert again == copy.resolve() and (copy / "iter_1" / "configs" / "generate.yaml").read_text() != before
+    assert loop.main(["check", str(copy), "1", "generate"]) == 1  # not run yet, in the copy

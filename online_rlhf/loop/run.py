@@ -31,6 +31,12 @@ def _stage_entry(run_dir: Path, i: int, stage: str) -> dict:
     entries = read_json(plan_path)
     if stage not in entries:
         raise ConfigError(f"{plan_path}: no stage {stage!r}; stages: {', '.join(entries)}.")
+    planned_for = Path(entries[stage]["config"]).parents[2]  # <run_dir>/iter_<i>/configs/<stage>.yaml
+    if planned_for.resolve() != run_dir.resolve():
+        raise ConfigError(f"{plan_path} was planned for the run directory {planned_for}, not {run_dir.resolve()} (a "
+                          f"copied or moved run?): its stages would read and write {planned_for}. Plan it here first: "
+                          f"bash run_loop.sh {run_dir / 'config.yaml'} output_root={run_dir.resolve().parent} "
+                          f"run_name={run_dir.resolve().name} (the stages done keep their results).")
     return entries[stage]
 
 
