@@ -204,12 +204,11 @@ def load_prompt_set(source: str | os.PathLike, split: str = "train", prompt_fiel
     counts = PromptSetCounts()
     stopped_early = False
     custom_field = prompt_field not in (None, "messages", "prompt")
-    field_seen, first_columns = False, None
+    first_columns = None
     for where, i, rec in rows:
         if limit is not None and len(out) >= limit:
             stopped_early = True
             break
-        field_seen = field_seen or (custom_field and prompt_field in rec)
         first_columns = list(rec) if first_columns is None else first_columns
         r, removed = _normalize(rec, i, where, prompt_field)
         if custom_field and prompt_field not in rec:
@@ -231,7 +230,7 @@ def load_prompt_set(source: str | os.PathLike, split: str = "train", prompt_fiel
         out.append(r)
     if not out:
         raise DataError(f"{source}: the prompt set is empty.")
-    if custom_field and not field_seen:  # e.g. a typo: the rows' messages/prompt column was used instead
+    if custom_field and counts.prompt_field_missing == len(out):  # e.g. a typo: their messages/prompt column was used
         print(f"warning: {source}: no row has the column prompt_field={prompt_field!r}; the prompts came from "
               "its 'messages' or 'prompt' column. Check the name if you meant that column "
               f"(columns of the first row: {', '.join(first_columns or [])}).", file=sys.stderr)
