@@ -191,14 +191,28 @@ def _reward_summary(values: list[float]) -> RewardSummary:
 
 
 def _leave_together(state) -> None:
-    """Barrier, then tear the process group down on every rank. Without it a rank other than the
-    main one exits while gloo's threads still talk to the others, and that rank can die at exit with
-    SIGABRT ("terminate called without an active exception"), failing a run that scored everything."""
+    """Barrier, then tear the process group down on every rank and free what still refers to it
+    while the interpreter is fully alive. Without it a rank other than the main one exits while
+    gloo's threads still hold work (and tensors) of the last collectives, and that rank can die at
+    exit with SIGABRT ("terminate called without an active exception"), failing a run that scored
+    everything (CI saw it twice in test_reward_model_scoring_on_two_machines_equals_one_machine;
+    pytorch/pytorch PR 179291 describes the same teardown order)."""
+    import gc
+
     import torch.distributed as dist
 
     state.wait_for_everyone()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()
+
+
+def _exit_non_main() -> None:
+    """A non-main rank has nothing left to write once the scores are gathered: flush and leave
+    with status 0 without the interpreter's teardown, where the SIGABRT above happens."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _score(cfg: RewardConfig, scorable: list[dict]) -> tuple[ScoreResult, bool, int]:
@@ -317,9 +331,10 @@ def write_stats(cfg: RewardConfig, records: list[dict], blank_lines: int, out: l
 
 def main(cfg: RewardConfig) -> RewardStats | None:
     """Score ``cfg.input`` into ``cfg.output`` and write the stats (:class:`~online_rlhf.stats.RewardStats`)
-    to ``<output>.stats.json``; returns them (None on processes other than the main one). Warnings
-    (constant rewards; more than 10% of the responses unscored, with the causes and what to check)
-    go to stderr and the stats' ``warnings``. With ``cfg.dry_run``: :func:`dry_run` instead.
+    to ``<output>.stats.json``; returns them on the main process (the others leave through
+    :func:`_exit_non_main` once the scores are gathered). Warnings (constant rewards; more than 10%
+    of the responses unscored, with the causes and what to check) go to stderr and the stats'
+    ``warnings``. With ``cfg.dry_run``: :func:`dry_run` instead.
 
     Order: :func:`construct`, :func:`read_input`, the source's scoring, :func:`collect`, the
     output file, :func:`write_stats`.
@@ -335,7 +350,7 @@ def main(cfg: RewardConfig) -> RewardStats | None:
     records, blank_lines, scorable, examples, skipped = read_input(cfg)
     result, is_main, num_processes = _score(cfg, scorable)
     if not is_main:
-        return None
+        _exit_non_main()
     out, unscored = collect(cfg, records, scorable, result, examples, skipped)
     write_jsonl(cfg.output, out)
     return write_stats(cfg, records, blank_lines, out, skipped, unscored, examples, result, num_processes, t0)
