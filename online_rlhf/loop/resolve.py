@@ -343,9 +343,8 @@ def _other_algorithm_warnings(cfg: LoopConfig) -> list[str]:
         if isinstance(over.get(other), dict):
             keys += _flat_keys(over[other], f"per_iteration.{i}.{other}")
     out = [] if not keys else [
-        f"algorithm={cfg.algorithm}: {', '.join(keys)} {'is' if len(keys) == 1 else 'are'} ignored (the {other} "
-        f"section applies under algorithm={other}); remove {'it' if len(keys) == 1 else 'them'} or set "
-        f"algorithm={other}."]
+        f"{_ignored(cfg.algorithm, keys)} (the {other} section applies under algorithm={other}); remove "
+        f"{'it' if len(keys) == 1 else 'them'} or set algorithm={other}."]
     return out + _pairs_under_grpo_warnings(cfg)
 
 
@@ -375,8 +374,12 @@ def _pairs_under_grpo_warnings(cfg: LoopConfig) -> list[str]:
     if not keys:
         return []
     hint = f"; GRPO's own rule for cut responses: {' or '.join(hints)}" if hints else ""
-    return [f"algorithm=grpo: {', '.join(keys)} {'is' if len(keys) == 1 else 'are'} ignored (no pairs are built "
-            f"under GRPO: every response of a group counts){hint}."]
+    return [f"{_ignored('grpo', keys)} (no pairs are built under GRPO: every response of a group counts){hint}."]
+
+
+def _ignored(algorithm: str, keys: list[str]) -> str:
+    """``algorithm=<a>: k1, k2 are ignored`` (``is`` for one key): the opening of both warnings above."""
+    return f"algorithm={algorithm}: {', '.join(keys)} {'is' if len(keys) == 1 else 'are'} ignored"
 
 
 def _flat_keys(d: dict, prefix: str) -> list[str]:
