@@ -58,11 +58,17 @@ def parameter_count(model_path: str) -> int:
 
     Built on the meta device from its config: no weights are read.
     Raises:
+        FileNotFoundError: a local path (absolute, or starting with ``.``) that does not exist, e.g.
+            a stage's stats naming a model folder of a run directory that was moved since.
         OSError: no config there.
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if model_path.startswith(("/", ".")) and not Path(model_path).exists():
+        raise FileNotFoundError(f"{model_path}: no such model folder. A stage's stats name it; if the run directory "
+                                "was moved or copied since it ran, read the run where it ran, or plan it in place "
+                                "again (docs/architecture.md).")
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)

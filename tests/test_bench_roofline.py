@@ -13,6 +13,7 @@ from online_rlhf.stats import DPOStats, GenerateStats, KLStats
 from online_rlhf.testing import example_stats
 
 N = 100_000_000  # parameters of the made-up policy
+_REAL_PARAMETER_COUNT = rl.parameter_count  # before the fixture below replaces it
 BF16_HW = {"device": "cpu", "dtype": "float32 + bf16 autocast", "threads": 1, "processes": 2,
            "cpu_model": "test CPU", "cpu_capability": "AVX512", "cpu_native_bf16": True}
 
@@ -128,3 +129,10 @@ def test_generation_wall_over_decode_is_summed_over_stages_and_iterations(tmp_pa
     line = next(s for s in printed if s.startswith("generation stages:"))
     assert "wall 44 s over decode 16 s = 2.75x" in line and "engine_start 3 s" in line
     assert printed[-1].startswith("share of the limit:")  # still the last line
+
+
+def test_a_model_folder_that_is_gone_names_a_moved_run(tmp_path):
+    # a run directory moved after it ran: its stats still name the old iter_<i>/model
+    gone = str(tmp_path / "old_place" / "iter_1" / "model")
+    with pytest.raises(FileNotFoundError, match=r"old_place/iter_1/model: no such model folder.*moved or copied"):
+        _REAL_PARAMETER_COUNT(gone)
