@@ -66,9 +66,9 @@ def parameter_count(model_path: str) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if model_path.startswith(("/", ".")) and not Path(model_path).exists():
-        raise FileNotFoundError(f"{model_path}: no such model folder. A stage's stats name it; if the run directory "
-                                "was moved or copied since it ran, read the run where it ran, or plan it in place "
-                                "again (docs/architecture.md).")
+        raise FileNotFoundError(f"{model_path}: no such model folder. A stage's stats name it as it was when the "
+                                "stage ran; if the run directory was moved or copied since, give the roofline the "
+                                "run where it ran (re-planning a copy does not rewrite finished stages' stats).")
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -101,8 +101,12 @@ def stage_rows(it: Path, iteration: int) -> list[dict]:
         if not stats_path(it / output).exists():
             continue
         st = GenerateStats.read(stats_path(it / output))
-        n = parameter_count(st.model) if st.model else 0
         dtype, wall = limit_dtype(st.hardware), _wall(it, stage)
+        if getattr(st, "reused_from", None):  # copied from the evaluation cache: decoded by another run
+            rows.append(_row(iteration, stage, "decode", None, None, dtype, wall, None,
+                             f"from the evaluation cache ({st.reused_from}): not work of this run"))
+            continue
+        n = parameter_count(st.model) if st.model else 0
         rows.append(_row(iteration, stage, "decode", 2 * n * st.generated_tokens / 1e12, st.generation_s, dtype,
                          wall, st.generated_tokens))
         rows[-1]["phase_s"] = st.phase_s  # where the shards' seconds went (None in stats older than the key)

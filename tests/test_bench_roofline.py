@@ -136,3 +136,17 @@ def test_a_model_folder_that_is_gone_names_a_moved_run(tmp_path):
     gone = str(tmp_path / "old_place" / "iter_1" / "model")
     with pytest.raises(FileNotFoundError, match=r"old_place/iter_1/model: no such model folder.*moved or copied"):
         _REAL_PARAMETER_COUNT(gone)
+
+
+def test_answers_from_the_evaluation_cache_are_not_counted_as_this_runs_work(tmp_path):
+    run = make_run(tmp_path)
+    it0 = run / "iter_0"
+    _marker(it0, "eval_generate", 2)  # copied in ~2 s; decoded by another run
+    example_stats(GenerateStats, generated_tokens=5000, generation_s=50.0, prompt_tokens=900,
+                  reused_from="/elsewhere/seed1/iter_0/eval_generated.jsonl").write(it0 / "eval_generated.jsonl.stats.json")
+    rows = rl.stage_rows(it0, 0)
+    assert [(r["stage"], r["part"], r["tflop"], r["seconds"]) for r in rows] == [("eval_generate", "decode", None, None, )]
+    assert "evaluation cache (/elsewhere/seed1/iter_0/eval_generated.jsonl)" in rows[0]["note"]
+    both = rows + rl.stage_rows(run / "iter_1", 1)
+    over = rl.generation_overhead(both)
+    assert (over["wall_s"], over["decode_s"]) == (32, 10.0)  # the cached 50 decode seconds are not this run's
