@@ -286,12 +286,14 @@ def run_seed(config: str, seed: int, base: str, overrides: list[str]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m online_rlhf.seeds", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m online_rlhf.seeds", description=__doc__.split("\n\n")[0],
+                                 allow_abbrev=False)  # --seed is not --seeds
     ap.add_argument("config", help="the recipe's loop YAML (e.g. configs/if_dpo.yaml)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides for every seed (not seed= or run_name=); a "
                     "recipe with overrides gets its own run names: <run_name>_<hash of the overrides>_seed<S>")
     ap.add_argument("--seeds", nargs="+", default=["1", "2", "3"], help="seeds to run (default 1 2 3)")
-    ap.add_argument("--table-only", action="store_true", help="run nothing; tabulate the seeds' finished runs")
+    ap.add_argument("--table-only", action="store_true", help="run nothing; tabulate the given seeds' finished runs into <run_name>_seeds/seeds.md and "
+                    "seeds.json (replacing the table there)")
     args, rest = ap.parse_known_args(argv)
     # key=value words given after --seeds or after --table-only are overrides too
     extra = [w for w in rest if "=" in w and not w.startswith("-")]

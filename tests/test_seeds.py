@@ -132,6 +132,10 @@ def test_overrides_after_table_only_are_taken_and_every_missing_seed_is_named(tm
     with pytest.raises(SystemExit):
         seeds.main(["configs/loop.yaml", "--table-only", "--bogus"])
     assert "--bogus" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # not taken as --seeds (it would tabulate one seed over the 3-seed table)
+        seeds.main(["configs/loop.yaml", "--seed", "1", "--table-only", f"output_root={tmp_path}"])
+    assert "unrecognized arguments: --seed 1" in capsys.readouterr().err
+    assert not (tmp_path / "default_seeds").exists()
 
 
 def test_a_relative_prompt_file_is_checked_as_run_loop_took_it(tmp_path, monkeypatch, capsys):
