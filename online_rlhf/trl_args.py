@@ -107,7 +107,7 @@ def dpo_training_problems(training: dict, where: str = "training") -> tuple[dict
             problems.append(f"{where}.{key}: {STAGE_OWNED[key]}.")
         elif key not in fields:
             problems.append(f"{where}.{key}: unknown trl.DPOConfig key {key!r}.{did_you_mean(key, fields)} "
-                            "See the fields with: python -c 'import trl; help(trl.DPOConfig)'.")
+                            "See the fields with: .venv-train/bin/python -c 'import trl; help(trl.DPOConfig)'.")
         else:
             try:
                 out[key] = _checked_value(f"{where}.{key}", str(fields[key].type), value)
