@@ -679,6 +679,16 @@ def test_plan_warns_on_train_eval_overlap_and_reuse(tmp_path, capsys):
     assert "WARNING" in capsys.readouterr().err
 
 
+def test_plan_warns_when_eval_limit_exceeds_the_held_out_file(tmp_path):
+    train, held = _prompts(tmp_path / "train.jsonl", 8), _prompts(tmp_path / "held.jsonl", 3)
+    common = [f"train_prompts={train}", f"eval_prompts={held}", f"output_root={tmp_path / 'r'}", f"policy={tmp_path}",
+              "iterations=1", "prompts_per_iteration=4"]
+    warnings = read_json(loop.plan(None, common + ["run_name=big", "eval_limit=1000"]) / "plan_warnings.json")
+    assert any("eval_limit=1000, but eval_prompts" in w and "has 3 prompts" in w for w in warnings), warnings
+    warnings = read_json(loop.plan(None, common + ["run_name=fits", "eval_limit=3"]) / "plan_warnings.json")
+    assert not any("eval_limit" in w for w in warnings), warnings
+
+
 def test_rerun_with_changed_config_keeps_the_previous_one(small_cfg, capsys):
     run = loop.plan(None, small_cfg)
     first = (run / "config.yaml").read_text()

@@ -60,6 +60,10 @@ def plan(config_path: str | None, overrides: list[str], write: bool = True, shel
     warnings: list[str] = []
     eval_src, eval_rows = _eval_rows(cfg, run_dir)
     eval_ids = {_prompt_key(r) for r in eval_rows}
+    if cfg.eval_limit and len(eval_rows) < cfg.eval_limit:
+        warnings.append(f"eval_limit={cfg.eval_limit}, but eval_prompts {eval_src} has {len(eval_rows)} prompts: the "
+                        f"held-out set is those {len(eval_rows)} (set eval_limit to at most {len(eval_rows)}, or give a "
+                        "larger eval_prompts file).")
     seen_train: dict[str, int] = {}  # train prompt id -> first iteration that used it
     layers = _Layers(config_path, [o for o in overrides if o.split("=", 1)[0] != "dry_run"])
     tokenizers: dict[str, Any] = {}  # policy dir -> tokenizer (None: none here), for the rows' prompt checks
