@@ -302,8 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="key=value overrides for every seed (not seed= or run_name=); a "
                     "recipe with overrides gets its own run names: <run_name>_<hash of the overrides>_seed<S>")
     ap.add_argument("--seeds", nargs="+", default=["1", "2", "3"], help="seeds to run (default 1 2 3)")
-    ap.add_argument("--table-only", action="store_true", help="run nothing; tabulate the given seeds' finished runs into <run_name>_seeds/seeds.md and "
-                    "seeds.json (replacing the table there)")
+    ap.add_argument("--table-only", action="store_true", help="run nothing; tabulate the given seeds' finished runs "
+                    "into <run_name>_seeds/seeds.md and seeds.json (replacing the table there)")
     args, rest = ap.parse_known_args(argv)
     # key=value words given after --seeds or after --table-only are overrides too
     extra = [w for w in rest if "=" in w and not w.startswith("-")]
