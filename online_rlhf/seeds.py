@@ -207,15 +207,6 @@ def table(summaries: list[dict], pool: dict, title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _differing_leaves(key: str, have: Any, want: Any) -> list[tuple[str, Any, Any]]:
-    """``[(dotted key, run's value, recipe's value)]`` where two config values differ, descending into
-    sections present on both sides (``generation.k``, not the whole ``generation`` section)."""
-    if isinstance(have, dict) and isinstance(want, dict):
-        return [leaf for k in sorted(set(have) | set(want), key=str) if have.get(k) != want.get(k)
-                for leaf in _differing_leaves(f"{key}.{k}", have.get(k), want.get(k))]
-    return [(key, have, want)]
-
-
 def check_run_config(run_dir: Path, config: str, seed: int, overrides: list[str]) -> None:
     """Check that ``run_dir`` is this recipe's run of ``seed``: its ``config.yaml`` (the loop config it
     was planned with) equals ``config`` resolved with ``seed=S run_name=<dir name>`` and ``overrides``,
@@ -229,6 +220,7 @@ def check_run_config(run_dir: Path, config: str, seed: int, overrides: list[str]
 
     from .loop import resolve
     from .loop.plan import run_config_dict
+    from .loop.run import UNSET, config_differences
 
     path = run_dir / "config.yaml"
     if not path.is_file():
@@ -248,8 +240,9 @@ def check_run_config(run_dir: Path, config: str, seed: int, overrides: list[str]
     diff = sorted(k for k in set(have) | set(want) if k not in skip and have.get(k) != want.get(k)
                   and not (k not in have and k in LoopConfig.model_fields and want.get(k) == default(k)))
     if diff:
-        leaves = [leaf for k in diff for leaf in _differing_leaves(k, have.get(k), want.get(k))]
-        shown = "; ".join(f"{k}: run {a!r}, recipe {b!r}" for k, a, b in leaves[:5])
+        leaves = config_differences({k: have.get(k) for k in diff}, {k: want.get(k) for k in diff})
+        shown = "; ".join(f"{k}: run {None if a is UNSET else a!r}, recipe {None if b is UNSET else b!r}"
+                          for k, a, b in leaves[:5])
         raise DataError(f"{path}: this run was planned with other settings than {config} "
                         f"{' '.join(overrides + [f'seed={seed}'])} ({len(leaves)} key(s) differ: {shown}); its "
                         "results are not this recipe's. Run the seeds command without --table-only to replan and "

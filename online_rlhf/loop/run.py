@@ -15,6 +15,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -61,25 +62,31 @@ def _hash_parts(run_dir: Path, e: dict) -> dict:
             "input_digests": {inp: fingerprint({}, [inp], root=run_dir) for inp in e["inputs"]}}
 
 
-def _diff(before, now, prefix: str = "") -> list[str]:
-    """``key: old -> new`` per differing value of two config mappings, nested mappings walked with
-    dotted keys; a value compares by its JSON text, so ``0.0`` and ``0`` differ (they hash apart)."""
+def config_differences(before, now, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """``(dotted key, before's value, now's value)`` per differing value of two config mappings,
+    nested mappings walked (``training.beta``); a key one side lacks has :data:`UNSET` there. A value
+    compares by its JSON text, so ``0.0`` and ``0`` differ (they hash apart)."""
     if isinstance(before, dict) and isinstance(now, dict) and (before or now):
         out = []
         for k in sorted(set(before) | set(now), key=str):
-            out += _diff(before.get(k, _UNSET), now.get(k, _UNSET), f"{prefix}{k}.")
+            out += config_differences(before.get(k, UNSET), now.get(k, UNSET), f"{prefix}{k}.")
         return out
     if _text(before) == _text(now):
         return []
-    return [f"{prefix.rstrip('.')}: {_short(before)} -> {_short(now)}"]
+    return [(prefix.rstrip("."), before, now)]
 
 
-_UNSET = object()
+def _diff(before, now) -> list[str]:
+    """``key: old -> new`` per :func:`config_differences` entry (``(unset)`` for a lacking key)."""
+    return [f"{k}: {_short(a)} -> {_short(b)}" for k, a, b in config_differences(before, now)]
+
+
+UNSET = object()  # a key one side of config_differences lacks
 
 
 def _text(v) -> str:
     """A config value as written in JSON, ``(unset)`` for a key one side lacks."""
-    return "(unset)" if v is _UNSET else json.dumps(v, ensure_ascii=False)
+    return "(unset)" if v is UNSET else json.dumps(v, ensure_ascii=False)
 
 
 def _short(v) -> str:
