@@ -102,7 +102,7 @@ def stage_rows(it: Path, iteration: int) -> list[dict]:
             continue
         st = GenerateStats.read(stats_path(it / output))
         dtype, wall = limit_dtype(st.hardware), _wall(it, stage)
-        if getattr(st, "reused_from", None):  # copied from the evaluation cache: decoded by another run
+        if st.reused_from:  # copied from the evaluation cache: decoded by another run
             rows.append(_row(iteration, stage, "decode", None, None, dtype, wall, None,
                              f"from the evaluation cache ({st.reused_from}): not work of this run"))
             continue
