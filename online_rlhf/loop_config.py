@@ -16,7 +16,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import Field, create_model, field_validator, model_validator
 
 from .config import StageConfig, deep_merge
-from .stage_configs import (DPOStageConfig, GenerateConfig, GRPOStageConfig, IFEvalSection, LaunchProfile,
+from .stage_configs import (SEED_MAX, DPOStageConfig, GenerateConfig, GRPOStageConfig, IFEvalSection, LaunchProfile,
                             PairsConfig, RewardConfig, check_machines)
 from .stage_table import STAGES
 
@@ -93,7 +93,7 @@ class LoopConfig(StageConfig):
 
     run_name: str = Field("default", description="runs/<run_name>/ holds everything the run writes")
     output_root: str = Field("runs", description="parent folder of run directories")
-    seed: int = Field(42, description="seed of sampling, pair selection and training: iteration i's rollouts use seed + 1000 x i, its pairs seed + i, held-out generation and DPO seed (a generation.seed / pairs.seed you set is used as is in every iteration)")
+    seed: int = Field(42, ge=0, le=SEED_MAX, description="seed of sampling, pair selection and training: iteration i's rollouts use seed + 1000 x i, its pairs seed + i, held-out generation and DPO seed (a generation.seed / pairs.seed you set is used as is in every iteration)")
     iterations: int = Field(2, ge=1, description="number of generate -> reward -> pairs -> DPO rounds")
     policy: str = Field("default", description="starting policy: dir, Hub id or 'default'")
     sft: dict[str, Any] = Field(default_factory=lambda: {"enabled": False}, description="sft.enabled: run sft/ once before iteration 1; sft.config: its YAML (default configs/sft.yaml); sft.dataset: SFT JSONL of {messages: [...]} (required when enabled); any other key of that YAML (SFTStageConfig or Axolotl) overrides it")

@@ -320,6 +320,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"{args.config}: no such recipe file (give the loop YAML, e.g. configs/if_dpo.yaml).")
         if len(set(args.seeds)) != len(args.seeds):
             raise ConfigError(f"--seeds {' '.join(map(str, args.seeds))}: a seed is given twice.")
+        from .stage_configs import SEED_MAX
+
+        if any(not 0 <= s <= SEED_MAX for s in args.seeds):
+            raise ConfigError(f"--seeds {' '.join(map(str, args.seeds))}: a seed is a whole number from 0 to {SEED_MAX} "
+                              "(numpy, which vLLM and transformers seed, refuses negative seeds).")
         # paths as run_loop.sh takes them: the config from here (else the project root), output_root=
         # from here; the config file's own output_root from the project root
         if not Path(args.config).is_file() and (PROJECT_ROOT / args.config).is_file():

