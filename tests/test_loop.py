@@ -695,6 +695,19 @@ def test_plan_warns_when_eval_limit_exceeds_the_held_out_file(tmp_path):
     assert not any("eval_limit" in w for w in warnings), warnings
 
 
+def test_plan_warns_when_ifeval_limit_exceeds_the_ifeval_file(tmp_path):
+    train, held = _prompts(tmp_path / "train.jsonl", 8), _prompts(tmp_path / "held.jsonl", 3)
+    ifeval = tmp_path / "ifeval_like.jsonl"
+    write_jsonl(ifeval, [{"id": f"i{n}", "prompt": "Answer in lowercase.",
+                          "instruction_id_list": ["change_case:english_lowercase"], "kwargs": [{}]} for n in range(2)])
+    common = [f"train_prompts={train}", f"eval_prompts={held}", f"output_root={tmp_path / 'r'}", f"policy={tmp_path}",
+              "iterations=1", "prompts_per_iteration=4", f"ifeval.prompts={ifeval}", "ifeval.when=ends"]
+    warnings = read_json(loop.plan(None, common + ["run_name=big", "ifeval.limit=600"]) / "plan_warnings.json")
+    assert any("ifeval.limit=600, but ifeval.prompts has 2 prompts" in w for w in warnings), warnings
+    warnings = read_json(loop.plan(None, common + ["run_name=fits", "ifeval.limit=2"]) / "plan_warnings.json")
+    assert not any("ifeval.limit" in w for w in warnings), warnings
+
+
 def test_rerun_with_changed_config_keeps_the_previous_one(small_cfg, capsys):
     run = loop.plan(None, small_cfg)
     first = (run / "config.yaml").read_text()

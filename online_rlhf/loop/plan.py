@@ -53,7 +53,7 @@ def plan(config_path: str | None, overrides: list[str], write: bool = True, shel
     cfg = resolve(config_path, overrides)
     _check_prompt_files(cfg)  # every missing prompt file at once
     _check_ifeval_prompts(cfg)
-    _check_ifeval_fields(cfg)
+    n_ifeval = _check_ifeval_fields(cfg)
     run_dir = Path(cfg.output_root) / cfg.run_name
     run_dir = run_dir.resolve()
     train_sets: dict[str, list[dict]] = {}  # prompt source -> rows (a source may change per iteration)
@@ -64,6 +64,9 @@ def plan(config_path: str | None, overrides: list[str], write: bool = True, shel
         warnings.append(f"eval_limit={cfg.eval_limit}, but eval_prompts {eval_src} has {len(eval_rows)} prompts: the "
                         f"held-out set is those {len(eval_rows)} (set eval_limit to at most {len(eval_rows)}, or give a "
                         "larger eval_prompts file).")
+    if n_ifeval is not None and cfg.ifeval.limit and n_ifeval < cfg.ifeval.limit:
+        warnings.append(f"ifeval.limit={cfg.ifeval.limit}, but ifeval.prompts has {n_ifeval} prompts: IFEval scores "
+                        f"those {n_ifeval} (set ifeval.limit to at most {n_ifeval}, or null for all of them).")
     seen_train: dict[str, int] = {}  # train prompt id -> first iteration that used it
     layers = _Layers(config_path, [o for o in overrides if o.split("=", 1)[0] != "dry_run"])
     tokenizers: dict[str, Any] = {}  # policy dir -> tokenizer (None: none here), for the rows' prompt checks

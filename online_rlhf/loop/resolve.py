@@ -12,7 +12,7 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from ..config import ConfigError, apply_overrides, load_yaml
 from ..loop_keys import check_loop_keys
@@ -222,24 +222,27 @@ def _check_ifeval_prompts(cfg: LoopConfig) -> None:
                           "prompts (prompt, instruction_id_list, kwargs), or set ifeval.when=never.")
 
 
-def _check_ifeval_fields(cfg: LoopConfig) -> None:
+def _check_ifeval_fields(cfg: LoopConfig) -> Optional[int]:
     """When the run has IFEval stages, every record of a local ``ifeval.prompts`` file (the first
     ``ifeval.limit``) must carry the fields ``ifeval_score`` scores by (``instruction_id_list`` +
     ``kwargs``; :func:`online_rlhf.verifiers.missing_fields` with ``verifier=ifeval``, the check of
     :func:`_check_verifier_fields`), else every IFEval score of the run would fail after training.
 
+    Returns:
+        how many prompts IFEval will score (the file's first ``ifeval.limit``), or None when the run
+        has no IFEval stage or the prompts are not a local file.
     Raises:
         ConfigError: naming ``ifeval.prompts``, the file, how many records lack the fields, the first
             one's id and what it lacks, and the fixes.  DataError: a malformed file (file and line).
     """
     if cfg.ifeval.when == "never":
-        return
+        return None
     from ..records import load_prompts
     from ..verifiers import missing_fields
 
     given, path = _ifeval_prompts_path(cfg)
     if not path.is_file():  # a Hub id is left to the stage; a missing file is _check_ifeval_prompts'
-        return
+        return None
     rows = load_prompts(str(path), prompt_field=None, limit=cfg.ifeval.limit)
     bad = [(r["id"], m) for r in rows if (m := missing_fields(r, "ifeval"))]
     if not bad:
@@ -251,6 +254,7 @@ def _check_ifeval_fields(cfg: LoopConfig) -> None:
                           "them after the training. Give a JSONL file of IFEval prompts (prompt, instruction_id_list, "
                           "kwargs), e.g. the default (ifeval.prompts=default, prepared by "
                           "`.venv-train/bin/python scripts/prepare_default.py`), or set ifeval.when=never.")
+    return len(rows)
 
 
 def _check_prompt_files(cfg: LoopConfig) -> None:
