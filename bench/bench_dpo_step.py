@@ -1,7 +1,7 @@
 """DPO stage: completion-only log-probs on unpadded sequences vs TRL's own computation, same pairs.
 
     .venv-train/bin/python -m bench.bench_dpo_step [--pairs 16] [--batch 4] [--max-length 512] [--runs 2]
-        [--layouts sequence,side] [--smoke] [--output FIGURES.json]
+        [--layouts sequence,side,packed] [--smoke] [--output FIGURES.json]
 
 Runs the DPO stage (``online_rlhf.stages.run_dpo.main``, in this process, the stage's threads and
 precision: bf16 autocast on a CPU with native bf16, else fp32) on the same pairs once per
@@ -36,6 +36,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from online_rlhf.completion_logps import LAYOUTS
 from online_rlhf.jsonl import iter_jsonl, write_json
 from online_rlhf.paths import default_model_dir
 
@@ -114,15 +115,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, default=4, help="pairs per optimizer step")
     ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--runs", type=int, default=2)
-    ap.add_argument("--layouts", default="sequence,side", help="completion_logps layouts to compare with trl")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="completion_logps layouts to compare with trl")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="random 2-layer model, 2 pairs: seconds, for the tests")
     ap.add_argument("--output", type=Path, help="also write the figures to this JSON file")
     a = ap.parse_args(argv)
     layouts = [x for x in a.layouts.split(",") if x]
-    bad = [x for x in layouts if x not in ("sequence", "side")]
+    bad = [x for x in layouts if x not in LAYOUTS]
     if bad or a.pairs < 1 or a.batch < 1 or a.runs < 1:
-        ap.error(f"--layouts takes sequence and/or side (got {bad}); --pairs, --batch, --runs must be >= 1"
+        ap.error(f"--layouts takes some of {', '.join(LAYOUTS)} (got {bad}); --pairs, --batch, --runs must be >= 1"
                  if bad else "--pairs, --batch and --runs must be >= 1")
     work = Path(tempfile.mkdtemp(prefix="bench_dpo_step_"))
     prompts_file = ROOT / ".cache" / "data" / "ifbench_train.jsonl"

@@ -9,7 +9,9 @@ CPU the per-position vocabulary work is a large share of a DPO step.
 
 Here the same rows are run as :func:`row_groups` says (``"sequence"``: each row alone, no
 padding at all; ``"side"``: the chosen rows together and the rejected rows together, each padded
-to its own longest), and the LM head runs only where a logit predicts a completion token (the
+to its own longest; ``"packed"``: all 2B rows, unpadded, one after another in one sequence, each
+attending only to itself: :func:`packed_sdpa_attention`), and the LM head runs only where a logit
+predicts a completion token (the
 model's ``logits_to_keep``, a transformers causal-LM argument). Everything TRL computes from those
 positions is then the same numbers: per-token log-probs (``trl.trainer.utils.selective_log_softmax``,
 float32), their per-sequence sums, and the losses and metrics of :func:`dpo_loss`; only the
@@ -19,20 +21,24 @@ gradients against TRL's own ``_compute_loss`` on one batch.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
 # TRL loss types this path computes (trl.DPOConfig.loss_type); any other runs TRL's own code.
 FAST_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "sft")
-LAYOUTS = ("sequence", "side")
+LAYOUTS = ("sequence", "side", "packed")
+# the attention implementation a packed forward runs under (transformers AttentionInterface name)
+PACKED_ATTENTION = "sdpa_packed"
 
 
 def row_groups(n_rows: int, layout: str) -> list[list[int]]:
     """Which rows of a ``[chosen..., rejected...]`` batch of ``n_rows`` (= 2B) run in one forward.
 
-    ``"sequence"``: one forward per row (no padding; the right layout on a CPU, where a ~100-token
-    row already fills the matrix units); ``"side"``: two forwards, the B chosen rows and the B
-    rejected rows, each padded to its own longest row (fewer, larger products, for a GPU).
+    ``"sequence"``: one forward per row (no padding); ``"side"``: two forwards, the B chosen rows
+    and the B rejected rows, each padded to its own longest row (fewer, larger products, for a
+    GPU); ``"packed"``: one forward of all rows, concatenated without padding
+    (:func:`completion_logits` packs them).
 
     Raises:
         ValueError: an unknown layout, or an odd ``n_rows``.
@@ -43,6 +49,8 @@ def row_groups(n_rows: int, layout: str) -> list[list[int]]:
         raise ValueError(f"a DPO batch has chosen and rejected rows, 2B of them; got {n_rows}")
     if layout == "sequence":
         return [[i] for i in range(n_rows)]
+    if layout == "packed":
+        return [list(range(n_rows))]
     half = n_rows // 2
     return [list(range(half)), list(range(half, n_rows))]
 
@@ -100,6 +108,9 @@ def completion_logits(model, input_ids, attention_mask, completion_mask, layout:
     if not torch.equal(attention_mask.bool(), expect):
         raise ValueError("completion_logits: every row's attention mask must be ones from position 0 then zeros "
                          "(right padding, as trl's DataCollatorForPreference makes it)")
+    if layout == "packed":
+        row_groups(input_ids.shape[0], layout)  # ValueError on an odd row count
+        return _packed_logits(model, input_ids, attention_mask.bool(), completion_mask, lengths, model_kwargs)
     logits, labels, rows = [], [], []
     for group in row_groups(input_ids.shape[0], layout):
         idx = torch.tensor(group, device=input_ids.device)
@@ -118,6 +129,110 @@ def completion_logits(model, input_ids, attention_mask, completion_mask, layout:
     if not logits:
         raise ValueError("completion_logits: the batch has no completion token")
     return CompletionLogits(torch.cat(logits), torch.cat(labels), torch.cat(rows), input_ids.shape[0])
+
+
+def packed_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                          scaling: Optional[float] = None, cu_seq_lens_q=None, cu_seq_lens_k=None, **kwargs):
+    """Attention for a packed forward (a transformers ``AttentionInterface`` function, registered as
+    :data:`PACKED_ATTENTION`): each sequence of the pack attends causally to itself only.
+
+    ``query`` (1, H, N, D), ``key``/``value`` (1, Hkv, N, D), N the packed length; ``cu_seq_lens_q``
+    (S+1,) int, the sequences' start offsets and N (the flash-attention varlen convention, passed to
+    the model's ``forward`` as ``cu_seq_lens_q``/``cu_seq_lens_k``). Each sequence runs through
+    transformers' own ``sdpa_attention_forward`` with ``is_causal=True``, so the result equals the
+    sequences run one by one; a call without ``cu_seq_lens_q`` is plain sdpa. Returns
+    ``(output (1, N, H, D), None)``. The packed block-causal mask transformers would build for sdpa
+    from the position ids costs N^2 attention; this costs the sum of the squared lengths.
+
+    Raises:
+        ValueError: a batch of more than one packed row, ``cu_seq_lens_k`` unlike ``cu_seq_lens_q``, or a
+            sequence longer than the layer's sliding window (which this does not apply; use
+            ``log_probs=sequence``).
+    """
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if cu_seq_lens_q is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if query.shape[0] != 1 or (cu_seq_lens_k is not None and not torch.equal(cu_seq_lens_k, cu_seq_lens_q)):
+        raise ValueError("packed_sdpa_attention: one packed row with the same sequences for queries and keys")
+    bounds = cu_seq_lens_q.tolist()
+    window = kwargs.pop("sliding_window", None)
+    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    if window is not None and longest > window:
+        raise ValueError(f"packed_sdpa_attention: a {longest}-token sequence is longer than the sliding window "
+                         f"({window}), which the packed layout does not apply; use log_probs=sequence")
+    kwargs.pop("is_causal", None)
+    outs = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, dropout,
+                                   scaling, is_causal=True, **kwargs)[0]
+            for a, b in zip(bounds, bounds[1:])]
+    return torch.cat(outs, dim=1), None
+
+
+def _base_config(model):
+    """The transformers config of ``model`` under its DDP, DeepSpeed, accelerate or PEFT wrappers."""
+    from transformers import PreTrainedModel
+
+    while not isinstance(model, PreTrainedModel):
+        if hasattr(model, "get_base_model"):  # PEFT
+            model = model.get_base_model()
+        elif hasattr(model, "module"):  # DDP, DeepSpeed
+            model = model.module
+        else:
+            break
+    return model.config
+
+
+@contextmanager
+def packed_attention(model):
+    """While the block runs, ``model``'s attention layers run :func:`packed_sdpa_attention` (registered
+    once in transformers' ``AttentionInterface``, with the flash-attention mask function: no mask, the
+    sequence bounds come as ``cu_seq_lens_q``). Nests: an inner block leaves the outer one's setting.
+    A backward that recomputes the layers (gradient checkpointing) must run inside the block too.
+
+    Raises:
+        ValueError: the model's attention is not sdpa or eager (flash-attention kernels differ in
+            numerics; use ``log_probs=side`` or ``sequence``)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+
+    AttentionInterface.register(PACKED_ATTENTION, packed_sdpa_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION, flash_attention_mask)
+    config = _base_config(model)
+    before = config._attn_implementation
+    if before not in ("sdpa", "eager", PACKED_ATTENTION):
+        raise ValueError(f"log_probs layout 'packed' runs sdpa attention per sequence; the model's attention is "
+                         f"{before!r}: use log_probs=side or sequence")
+    config._attn_implementation = PACKED_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+def _packed_logits(model, input_ids, mask, completion_mask, lengths, model_kwargs) -> CompletionLogits:
+    """:func:`completion_logits` in the ``"packed"`` layout: the 2B rows' real tokens one after another
+    in one (1, N) sequence, position ids restarting at 0 per row, one forward."""
+    import torch
+
+    n_rows = input_ids.shape[0]
+    target = torch.zeros_like(mask)
+    target[:, :-1] = completion_mask[:, 1:].bool()  # position t's logits predict token t+1
+    following = torch.zeros_like(input_ids)
+    following[:, :-1] = input_ids[:, 1:]
+    flat_target = target[mask]  # (N,) row after row, the order of the other layouts
+    keep = flat_target.nonzero().squeeze(1)
+    if keep.numel() == 0:
+        raise ValueError("completion_logits: the batch has no completion token")
+    ids = input_ids[mask][None]  # (1, N)
+    positions = (mask.long().cumsum(dim=1) - 1)[mask][None]
+    cu = torch.nn.functional.pad(lengths.cumsum(dim=0), (1, 0)).to(torch.int32)
+    longest = int(lengths.max())
+    with packed_attention(model):
+        out = model(input_ids=ids, position_ids=positions, attention_mask=None, logits_to_keep=keep,
+                    cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest, **model_kwargs)
+    rows = torch.arange(n_rows, device=input_ids.device)[:, None].expand_as(mask)[mask]
+    return CompletionLogits(out.logits.float()[0], following[mask][keep], rows[keep], n_rows)
 
 
 def fast_path_refusal(trainer) -> Optional[str]:

@@ -386,7 +386,7 @@ class DPOStats(StageStats):
     sequence_tokens: Optional[int] = None
     epochs: Optional[float] = None
     # how the log-probs were computed (online_rlhf/completion_logps.py): {"layout": "sequence" |
-    # "side" | None (TRL's own computation), "trl_because": why TRL's ran, or None} (None in older files)
+    # "side" | "packed" | None (TRL's own computation), "trl_because": why TRL's ran, or None} (None in older files)
     log_probs: Optional[dict[str, Any]] = None
     train_loss_mean: Optional[float]
     history: list[dict[str, Any]]

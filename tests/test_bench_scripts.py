@@ -40,7 +40,7 @@ def test_bench_matmul():
 
 def test_bench_dpo_step(tmp_path):
     out = _run("bench_dpo_step", "--smoke", "--output", str(tmp_path / "f.json"))
-    assert "sequence / trl" in out and "side / trl" in out
+    assert "sequence / trl" in out and "side / trl" in out and "packed / trl" in out
     figures = json.loads((tmp_path / "f.json").read_text())
     assert figures["loss_first_max_diff"] < 1e-3  # the same loss either way
     assert figures["runs"]["sequence"][0]["layout"] == "sequence" and figures["runs"]["trl"][0]["layout"] is None

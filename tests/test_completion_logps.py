@@ -80,7 +80,7 @@ def _loss_and_grads(trainer, fn, batch):
 
 
 @pytest.mark.parametrize("loss_type,loss_weights", LOSS_CASES)
-@pytest.mark.parametrize("layout", ["sequence", "side"])
+@pytest.mark.parametrize("layout", ["sequence", "side", "packed"])
 def test_loss_logps_and_gradients_equal_trl(tmp_path, models, loss_type, loss_weights, layout):
     from trl import DPOTrainer
 
@@ -102,7 +102,7 @@ def test_loss_logps_and_gradients_equal_trl(tmp_path, models, loss_type, loss_we
     assert abs(theirs[2]["rewards/chosen"]) > 0.1
 
 
-@pytest.mark.parametrize("layout", ["sequence", "side"])
+@pytest.mark.parametrize("layout", ["sequence", "side", "packed"])
 def test_reference_log_probs_equal_trl(tmp_path, models, layout):
     from trl import DPOTrainer
 
@@ -119,12 +119,14 @@ def test_reference_log_probs_equal_trl(tmp_path, models, layout):
     assert torch.allclose(logps.detach(), torch.cat(expect), rtol=1e-5, atol=1e-5)
 
 
-def test_truncated_rows_and_precomputed_reference_equal_trl(tmp_path, models):
+@pytest.mark.parametrize("layout", ["sequence", "packed"])
+def test_truncated_rows_and_precomputed_reference_equal_trl(tmp_path, models, layout):
     """max_length cuts some rows (keep_start): the cut rows' completions end at max_length; with
     precomputed reference log-probs the batch carries them (the stage's default)."""
     from trl import DPOTrainer
 
-    trainer = _trainer(tmp_path, models, ["sigmoid", "sft"], [1.0, 1.0], precompute=True, max_length=24)
+    trainer = _trainer(tmp_path, models, ["sigmoid", "sft"], [1.0, 1.0], precompute=True, max_length=24,
+                       layout=layout)
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
     assert "ref_chosen_logps" in batch and batch["input_ids"].shape[1] == 24
     ours = _loss_and_grads(trainer, lambda b: trainer.compute_loss(trainer.model, b), batch)
@@ -155,8 +157,8 @@ def test_settings_it_does_not_cover_run_trls_code(tmp_path, models, training, re
 def test_layout_none_is_trls_code_and_bad_layout_is_refused(tmp_path, models):
     trainer = _trainer(tmp_path, models, ["sigmoid"], layout=None)
     assert trainer.completion_layout() is None and trainer.completion_logps_refused == "turned off"
-    with pytest.raises(ValueError, match="layout='packed'"):
-        run_dpo.timed_trainer_class("packed")
+    with pytest.raises(ValueError, match="layout='stacked'"):
+        run_dpo.timed_trainer_class("stacked")
 
 
 def test_left_padded_rows_are_refused():
@@ -169,5 +171,43 @@ def test_left_padded_rows_are_refused():
 def test_row_groups():
     assert cl.row_groups(4, "sequence") == [[0], [1], [2], [3]]
     assert cl.row_groups(4, "side") == [[0, 1], [2, 3]]
+    assert cl.row_groups(4, "packed") == [[0, 1, 2, 3]]
     with pytest.raises(ValueError, match="2B"):
         cl.row_groups(3, "side")
+
+
+def test_packed_attention_is_each_sequence_alone_and_refuses_what_it_cannot_do():
+    """Two sequences (2 and 4 tokens) in one pack: the output equals causal sdpa run on each alone,
+    and differs from causal attention over the whole pack (the second sequence would see the first)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 6, 4, generator=g) for _ in range(3))
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    module = torch.nn.Module()
+    out, weights = cl.packed_sdpa_attention(module, q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    assert weights is None and out.shape == (1, 6, 2, 4)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    alone = torch.cat([sdpa(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True) for a, b in ((0, 2), (2, 6))],
+                      dim=2).transpose(1, 2)
+    assert torch.allclose(out, alone, atol=1e-6)
+    assert not torch.allclose(out, sdpa(q, k, v, is_causal=True).transpose(1, 2), atol=1e-3)
+    with pytest.raises(ValueError, match="sliding window"):
+        cl.packed_sdpa_attention(module, q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, sliding_window=3)
+    with pytest.raises(ValueError, match="one packed row"):
+        cl.packed_sdpa_attention(module, q.expand(2, -1, -1, -1), k, v, None, cu_seq_lens_q=cu)
+
+
+def test_packed_layout_restores_the_attention_and_refuses_other_kernels(tmp_path, models):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(models["policy"], dtype=torch.float32, attn_implementation="sdpa")
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 0]])
+    attn = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    done = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 0]])
+    packed = cl.completion_logits(model, ids, attn, done, "packed")
+    single = cl.completion_logits(model, ids, attn, done, "sequence")
+    assert model.config._attn_implementation == "sdpa"
+    assert torch.equal(packed.rows, single.rows) and torch.equal(packed.labels, single.labels)
+    assert torch.allclose(packed.logits, single.logits, atol=1e-5)
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="flash_attention_2"):
+        cl.completion_logits(model, ids, attn, done, "packed")

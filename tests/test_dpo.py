@@ -171,7 +171,7 @@ def test_training_separates_chosen_from_rejected(tmp_path, models):
     assert stats.rewards_accuracies_first == 0.0 and stats.rewards_accuracies_last == 1.0
     assert stats.rewards_margins_last > 0
     assert stats.reference.source == "policy" and stats.reference.precomputed_log_probs
-    assert stats.log_probs == {"layout": "sequence", "trl_because": None}  # the CPU default: completion_logps.py
+    assert stats.log_probs == {"layout": "packed", "trl_because": None}  # the CPU default: completion_logps.py
     on_disk = DPOStats.read(stats_path(tmp_path / "model"))  # the stage's stats round-trip through their class
     assert on_disk == stats and on_disk.steps == 12 and on_disk.seconds.reference_precompute > 0
 
@@ -442,7 +442,8 @@ def test_zero2_ddp_and_trls_log_probs_match_plain(tmp_path, models):
     plain = runs["cpu", 1]
     assert plain["deepspeed_zero_stage"] is None and runs["zero2_cpu", 2]["deepspeed_zero_stage"] == 2
     assert runs["zero2_cpu", 2]["num_processes"] == 2 and runs["ddp", 2]["num_processes"] == 2
-    assert plain["log_probs"]["layout"] == runs["ddp", 2]["log_probs"]["layout"] == "sequence"
+    assert plain["log_probs"]["layout"] == runs["ddp", 2]["log_probs"]["layout"] == "packed"
+    assert runs["zero2_cpu", 2]["log_probs"]["layout"] == "packed"
     assert runs["trl", 1]["log_probs"] == {"layout": None, "trl_because": "turned off"}
     losses = {k: [h["loss"] for h in v["history"]] for k, v in runs.items()}
     print("DPO losses per step:", {f"{p}x{n}": v for (p, n), v in losses.items()})
@@ -503,6 +504,6 @@ def test_reference_pass_runs_under_the_training_autocast(tmp_path, models, monke
     pairs = _write_pairs(tmp_path / "pairs.jsonl", [_pair(i) for i in range(4)])
     stats = run_dpo.main(_cfg(tmp_path, models["p0"], pairs, training={"loss_type": "sigmoid", "max_steps": 1}))
     assert stats.hardware["dtype"] == "float32 + bf16 autocast" and stats.reference.precomputed_log_probs
-    assert stats.log_probs == {"layout": "sequence", "trl_because": None}  # the completion-only path, wrapped forward
+    assert stats.log_probs == {"layout": "packed", "trl_because": None}  # the completion-only path, wrapped forward
     assert abs(stats.history[0]["rewards/chosen"]) < 1e-5 and abs(stats.history[0]["rewards/rejected"]) < 1e-5
     assert stats.train_loss_first == pytest.approx(0.6931472, abs=1e-6)
