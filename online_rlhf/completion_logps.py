@@ -145,8 +145,9 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
     from the position ids costs N^2 attention; this costs the sum of the squared lengths.
 
     Raises:
-        ValueError: a batch of more than one packed row, ``cu_seq_lens_k`` unlike ``cu_seq_lens_q``, or a
-            sequence longer than the layer's sliding window (which this does not apply; use
+        ValueError: a batch of more than one packed row, ``cu_seq_lens_k`` unlike ``cu_seq_lens_q``, a
+            sequence longer than the layer's sliding window, or attention logit soft-capping,
+            attention sinks (``s_aux``) or a position bias (none of which this applies; use
             ``log_probs=sequence``).
     """
     import torch
@@ -156,6 +157,10 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if query.shape[0] != 1 or (cu_seq_lens_k is not None and not torch.equal(cu_seq_lens_k, cu_seq_lens_q)):
         raise ValueError("packed_sdpa_attention: one packed row with the same sequences for queries and keys")
+    extras = [name for name in ("softcap", "s_aux", "position_bias") if kwargs.get(name) is not None]
+    if extras:
+        raise ValueError(f"packed_sdpa_attention: this model's attention takes {', '.join(extras)}, which the "
+                         f"packed layout does not apply; use log_probs=sequence")
     bounds = cu_seq_lens_q.tolist()
     window = kwargs.pop("sliding_window", None)
     longest = max(b - a for a, b in zip(bounds, bounds[1:]))

@@ -192,6 +192,8 @@ def test_packed_attention_is_each_sequence_alone_and_refuses_what_it_cannot_do()
     assert not torch.allclose(out, sdpa(q, k, v, is_causal=True).transpose(1, 2), atol=1e-3)
     with pytest.raises(ValueError, match="sliding window"):
         cl.packed_sdpa_attention(module, q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, sliding_window=3)
+    with pytest.raises(ValueError, match="softcap"):  # Gemma-2's attention logit soft-capping
+        cl.packed_sdpa_attention(module, q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, softcap=50.0)
     with pytest.raises(ValueError, match="one packed row"):
         cl.packed_sdpa_attention(module, q.expand(2, -1, -1, -1), k, v, None, cu_seq_lens_q=cu)
 
