@@ -105,6 +105,18 @@ def test_explicit_dtype_loads_both_in_one_dtype():
         run_dpo.resolve_load_dtypes("float16", None, None, True, False, True)
 
 
+def test_flash_attention_without_gpu_or_package_is_a_clear_error(monkeypatch):
+    from online_rlhf.stages import dpo_trainer
+
+    dpo_trainer.check_attn_implementation("sdpa", on_gpu=False)  # not flash: nothing to check
+    with pytest.raises(ConfigError, match="needs a CUDA GPU.*attn_implementation=sdpa"):
+        dpo_trainer.check_attn_implementation("flash_attention_2", on_gpu=False)
+    import importlib.util
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match="'flash_attn' package.*FLASH_ATTN_SPEC.*attn_implementation=sdpa"):
+        dpo_trainer.check_attn_implementation("flash_attention_2", on_gpu=True)
+
+
 def test_empty_pairs_file_is_a_clear_error(tmp_path, models):
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("\n")

@@ -24,12 +24,48 @@ def log_probs_layout(log_probs: str, on_gpu: bool) -> str | None:
     return None if log_probs == "trl" else log_probs
 
 
+# flash attention kernels transformers can be asked for, and the package each one imports
+FLASH_ATTENTION_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
+
+
+def check_attn_implementation(attn: str, on_gpu: bool) -> None:
+    """Refuse a flash-attention ``attn_implementation`` this machine cannot run, before any weight
+    is loaded (transformers would raise an ImportError deep in ``from_pretrained``).
+
+    Raises:
+        ConfigError: ``attn`` is ``flash_attention_2``/``_3`` and there is no CUDA GPU, or its
+            package (``flash_attn`` / ``flash_attn_interface``) is not installed in this env; the
+            message names the fix (``attn_implementation=sdpa``, or installing flash-attn on a GPU
+            machine: scripts/setup_envs.sh, ``FLASH_ATTN_SPEC``).
+    """
+    import importlib.util
+    import sys
+
+    from online_rlhf.config import ConfigError
+
+    package = FLASH_ATTENTION_PACKAGES.get(attn)
+    if package is None:
+        return
+    fix = "set attn_implementation=sdpa (in the loop: dpo.attn_implementation / grpo.attn_implementation)"
+    if not on_gpu:
+        raise ConfigError(f"attn_implementation={attn} needs a CUDA GPU and this machine has none; {fix}.")
+    if importlib.util.find_spec(package) is None:
+        raise ConfigError(f"attn_implementation={attn} needs the {package!r} package, which is not installed in "
+                          f"this env ({sys.prefix}); install flash-attn there (scripts/setup_envs.sh builds it on "
+                          f"a GPU machine, FLASH_ATTN_SPEC picks the version) or {fix}.")
+
+
 def load_causal_lm(path: str, dtype: str, attn: str, trust_remote_code: bool):
     """``AutoModelForCausalLM`` of the checkpoint at ``path`` in ``dtype`` (``"float32"``, ``"bfloat16"``,
-    ...) with attention ``attn`` (``"sdpa"``, ...); the DPO and GRPO stages load policy and reference so."""
+    ...) with attention ``attn`` (``"sdpa"``, ...); the DPO and GRPO stages load policy and reference so.
+
+    Raises:
+        ConfigError: a flash-attention ``attn`` this machine cannot run (:func:`check_attn_implementation`).
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
+    check_attn_implementation(attn, torch.cuda.is_available())
     return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=attn,
                                                 trust_remote_code=trust_remote_code)
 

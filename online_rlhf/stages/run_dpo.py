@@ -373,7 +373,8 @@ def write_stats(run: DPORun, data: DPOData, trainer, train_out, reference_kind: 
         loss = (f"loss {stats.train_loss_first}" + (" (one step: log(2) = 0.6931 is the loss before any update)"
                                                     if plain_sigmoid else "")
                 if stats.steps == 1 else f"loss {stats.train_loss_first} -> {stats.train_loss_last}")
-        print(f"dpo: {len(kept)}/{data.pairs_in} pairs, {stats.steps} step{'s' * (stats.steps != 1)}, {loss}, "
+        dropped = "".join(f", {n} dropped ({reason})" for reason, n in sorted(stats.pairs_dropped.items()) if n)
+        print(f"dpo: {len(kept)}/{data.pairs_in} pairs{dropped}, {stats.steps} step{'s' * (stats.steps != 1)}, {loss}, "
               f"special-token strings kept as text in {special['prompts']} prompts, {special['chosen']} chosen, "
               f"{special['rejected']} rejected; saved {run.out_dir} ({stats_file})")
     return stats
