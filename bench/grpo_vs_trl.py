@@ -37,7 +37,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.iteration_vs_trl import TRAIN_PY, _load1, _yaml, make_verifier_reward
+try:
+    from bench.iteration_vs_trl import TRAIN_PY, _load1, _yaml, make_verifier_reward
+except ModuleNotFoundError:  # run as a file (python bench/grpo_vs_trl.py): bench/ is on sys.path
+    from iteration_vs_trl import TRAIN_PY, _load1, _yaml, make_verifier_reward
 from online_rlhf.jsonl import read_json, read_jsonl
 from online_rlhf.stats import GRPOStats, RewardStats, stats_path
 

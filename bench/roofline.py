@@ -172,7 +172,10 @@ def measure_limits(given: dict[str, float | None]) -> dict[str, float]:
         else:
             import torch
 
-            from bench.bench_matmul import gflops
+            try:
+                from bench.bench_matmul import gflops
+            except ModuleNotFoundError:  # run as a file (python bench/roofline.py): bench/ is on sys.path
+                from bench_matmul import gflops
             from online_rlhf.hardware import cpu_has_native_bf16, usable_cores
 
             dtype = getattr(torch, name)
