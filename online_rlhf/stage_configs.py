@@ -6,12 +6,26 @@ loop config, whose sections these classes type, is ``online_rlhf.loop_config``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, model_validator
 
 from .config import StageConfig
 from .stats import stats_path
+
+# transformers' attention implementations the policy stages take by name (a Hub kernel is named
+# "owner/repo"); flash_attention_2/3 need a CUDA GPU and their package (checked at load time)
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+def _known_attn(value: str) -> str:
+    if value in ATTN_IMPLEMENTATIONS or "/" in value:
+        return value
+    raise ValueError(f"unknown attention implementation {value!r}: one of {', '.join(ATTN_IMPLEMENTATIONS)} "
+                     f"(or a Hub kernel named owner/repo)")
+
+
+AttnImplementation = Annotated[str, AfterValidator(_known_attn)]
 
 # The largest seed a stage or the loop takes. numpy (which vLLM and transformers' set_seed seed)
 # refuses anything outside 0..2**32 - 1, and the loop adds 1000 x iteration and the shard index.
@@ -172,9 +186,9 @@ class DPOStageConfig(StageConfig):
     training: dict[str, Any] = Field(default_factory=dict, description="any trl.DPOConfig field (beta, loss_type, learning_rate, max_length, precompute_ref_log_probs, report_to, ...); stage defaults: bf16 from the hardware (on CPU true only with native bf16, AVX512-BF16/AMX; fp16 on a GPU without bf16), precompute_ref_log_probs=true, report_to=none")
     max_prompt_length: Optional[int] = Field(None, ge=1, description="drop (and count) pairs whose prompt has more tokens than this; TRL 1.9 has no prompt truncation. Pairs whose prompt fills training.max_length are always dropped")
     lora: Optional[dict[str, Any]] = Field(None, description="peft.LoraConfig fields; merged into the saved checkpoint")
-    attn_implementation: str = Field("sdpa", description="sdpa (CPU/GPU), eager, or flash_attention_2 (GPU with flash-attn; without a GPU or the package it is refused before any weight is loaded)")
+    attn_implementation: AttnImplementation = Field("sdpa", description="sdpa (CPU/GPU), eager, flex_attention, or flash_attention_2 (GPU with flash-attn; without a GPU or the package it is refused before any weight is loaded)")
     torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="policy/reference load dtype (auto: fp32 on CPU, each checkpoint's stored dtype on GPU; float16 vs bfloat16 checkpoints are refused)")
-    log_probs: Literal["auto", "sequence", "side", "packed", "trl"] = Field("auto", description="how the DPO log-probs are computed: LM head and log-softmax only at completion positions (online_rlhf/completion_logps.py), each sequence unpadded (sequence), chosen and rejected padded separately (side) or all sequences of a micro-batch in one unpadded row, each attending to itself (packed; sdpa or eager attention only); auto = packed on CPU, side on GPU; trl = TRL's own computation (full logits, chosen and rejected padded to each other). Settings it does not cover (e.g. loss types other than sigmoid, hinge, ipo, sft) use TRL's, named in the stats")
+    log_probs: Literal["auto", "sequence", "side", "packed", "trl"] = Field("auto", description="how the DPO log-probs are computed: LM head and log-softmax only at completion positions (online_rlhf/completion_logps.py), each sequence unpadded (sequence), chosen and rejected padded separately (side) or all sequences of a micro-batch in one unpadded row, each attending to itself (packed; attention computed with sdpa per sequence, so only for sdpa or eager models); auto = packed on CPU with sdpa or eager attention, else side; trl = TRL's own computation (full logits, chosen and rejected padded to each other). Settings it does not cover (e.g. loss types other than sigmoid, hinge, ipo, sft) use TRL's, named in the stats")
     num_processes: Optional[int] = Field(None, ge=1, description=_PROCESSES_DOC)
     launch_profile: LaunchProfile = Field("cpu", description=_PROFILE_DOC)
     dry_run: bool = Field(False, description="memory check instead of training: load policy and reference as usual, run one optimizer step (forward + backward + optimizer step, reference log-probs included) on dummy pairs of training.max_length tokens (chosen and rejected) at the real per-device batch and accumulation, and write only <output_dir>.dry_run.json (peak memory, seconds per step); the pairs file is not read, output_dir is not touched")
@@ -225,7 +239,7 @@ class GRPOStageConfig(StageConfig):
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass (less memory, ~30% more time); TRL's default is true")
     truncated_penalty: float = Field(0.0, ge=0, description="subtracted from the reward of a response cut at max_tokens before the advantages (0 = none); the pairs stage's truncated=penalize for GRPO")
     max_length: Optional[int] = Field(None, ge=2, description="prompt + completion token budget: longer completions lose their last tokens (counted), prompts that fill it drop their group (counted); null = no cap")
-    attn_implementation: str = Field("sdpa", description="sdpa (CPU/GPU), eager, or flash_attention_2 (GPU with flash-attn; without a GPU or the package it is refused before any weight is loaded)")
+    attn_implementation: AttnImplementation = Field("sdpa", description="sdpa (CPU/GPU), eager, flex_attention, or flash_attention_2 (GPU with flash-attn; without a GPU or the package it is refused before any weight is loaded)")
     torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="load dtype of policy and reference (auto: fp32 on CPU, the checkpoint's stored dtype on GPU)")
     num_processes: Optional[int] = Field(None, ge=1, description=_PROCESSES_DOC)
     launch_profile: LaunchProfile = Field("cpu", description=_PROFILE_DOC)

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
@@ -115,6 +116,19 @@ def test_flash_attention_without_gpu_or_package_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ConfigError, match="'flash_attn' package.*FLASH_ATTN_SPEC.*attn_implementation=sdpa"):
         dpo_trainer.check_attn_implementation("flash_attention_2", on_gpu=True)
+
+
+def test_attention_and_layout_are_checked_before_loading(tmp_path):
+    from online_rlhf.stages.dpo_trainer import log_probs_layout
+
+    with pytest.raises(ValidationError, match="unknown attention implementation 'flash'.*flash_attention_2"):
+        DPOStageConfig(policy="p", pairs="x.jsonl", output_dir=str(tmp_path / "m"), attn_implementation="flash")
+    assert log_probs_layout("auto", False, "sdpa") == "packed"
+    assert log_probs_layout("auto", False, "eager") == "packed"
+    assert log_probs_layout("auto", False, "flex_attention") == "side"  # packed cannot stand in for it
+    assert log_probs_layout("auto", True, "sdpa") == "side"
+    with pytest.raises(ConfigError, match="attn_implementation is 'flex_attention'.*log_probs=side"):
+        log_probs_layout("packed", False, "flex_attention")
 
 
 def test_empty_pairs_file_is_a_clear_error(tmp_path, models):

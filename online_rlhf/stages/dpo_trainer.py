@@ -13,14 +13,29 @@ from pathlib import Path
 from online_rlhf.checkpoint import finish_checkpoint, restore_input_config
 
 
-def log_probs_layout(log_probs: str, on_gpu: bool) -> str | None:
+# model attention implementations the packed layout stands in for (it runs sdpa per sequence)
+PACKED_FOR = ("sdpa", "eager")
+
+
+def log_probs_layout(log_probs: str, on_gpu: bool, attn: str = "sdpa") -> str | None:
     """The :mod:`online_rlhf.completion_logps` layout for ``cfg.log_probs``: ``auto`` is
     ``"packed"`` on CPU (all rows of a micro-batch in one unpadded sequence, one forward; measured
     fastest there, bench/bench_dpo_step.py: 0.78x the steps and 0.55x the reference pass of
     ``"sequence"`` on an AMX Xeon) and ``"side"`` on GPU (two padded products per step; works with
-    any attention kernel; not measured: no GPU was lent); ``trl`` is None (TRL's own computation)."""
+    any attention kernel; not measured: no GPU was lent), and ``"side"`` on CPU too when the model's
+    attention ``attn`` is not one of :data:`PACKED_FOR`; ``trl`` is None (TRL's own computation).
+
+    Raises:
+        ConfigError: ``packed`` asked for with an attention the packed layout does not stand in for.
+    """
     if log_probs == "auto":
-        return "side" if on_gpu else "packed"
+        return "side" if on_gpu or attn not in PACKED_FOR else "packed"
+    if log_probs == "packed" and attn not in PACKED_FOR:
+        from online_rlhf.config import ConfigError
+
+        raise ConfigError(f"log_probs=packed computes attention with sdpa per sequence, which stands in for "
+                          f"{' or '.join(PACKED_FOR)} attention only; attn_implementation is {attn!r}: use "
+                          f"log_probs=side or sequence (or auto, which picks side here)")
     return None if log_probs == "trl" else log_probs
 
 

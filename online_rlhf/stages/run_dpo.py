@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -146,6 +147,7 @@ def construct(cfg: DPOStageConfig, for_dry_run: bool = False) -> DPORun:
     else:
         args = build_dpo_args(cfg, work_dir, on_gpu)
     lora_config = build_lora_config(cfg.lora)
+    log_probs_layout(cfg.log_probs, on_gpu, cfg.attn_implementation)  # a layout the attention allows
     trust = args.trust_remote_code
     policy_path = resolve_model(cfg.policy)
     ref_path = resolve_model(cfg.reference) if cfg.reference is not None else None
@@ -266,7 +268,7 @@ def build_trainer(run: DPORun, policy, ref_model, train_ds, tokenizer):
     """Step 4's trainer: the stage's ``DPOTrainer`` (:func:`timed_trainer_class`, in the
     :func:`log_probs_layout` of ``cfg.log_probs``) on ``train_ds``'s token ids. TRL precomputes the
     reference log-probs here when ``training.precompute_ref_log_probs`` is on."""
-    return timed_trainer_class(log_probs_layout(run.cfg.log_probs, run.on_gpu))(
+    return timed_trainer_class(log_probs_layout(run.cfg.log_probs, run.on_gpu, run.cfg.attn_implementation))(
         model=policy, ref_model=ref_model, args=run.args, train_dataset=train_ds, processing_class=tokenizer,
         peft_config=run.lora_config)
 
@@ -374,7 +376,13 @@ def write_stats(run: DPORun, data: DPOData, trainer, train_out, reference_kind: 
                                                     if plain_sigmoid else "")
                 if stats.steps == 1 else f"loss {stats.train_loss_first} -> {stats.train_loss_last}")
         dropped = "".join(f", {n} dropped ({reason})" for reason, n in sorted(stats.pairs_dropped.items()) if n)
+        layout, because = stats.log_probs["layout"], stats.log_probs["trl_because"]
+        if layout is None and cfg.log_probs not in ("auto", "trl"):
+            print(f"warning: dpo: log_probs={cfg.log_probs} was asked for, but {because}: TRL's own log-probs ran "
+                  f"(same loss, slower)", file=sys.stderr)
+        layout = f"log-probs {layout}" if layout else f"TRL's log-probs ({because})"
         print(f"dpo: {len(kept)}/{data.pairs_in} pairs{dropped}, {stats.steps} step{'s' * (stats.steps != 1)}, {loss}, "
+              f"{layout}, "
               f"special-token strings kept as text in {special['prompts']} prompts, {special['chosen']} chosen, "
               f"{special['rejected']} rejected; saved {run.out_dir} ({stats_file})")
     return stats
