@@ -30,6 +30,8 @@ FAST_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "sft")
 LAYOUTS = ("sequence", "side", "packed")
 # the attention implementation a packed forward runs under (transformers AttentionInterface name)
 PACKED_ATTENTION = "sdpa_packed"
+# the model attention implementations the packed layout stands in for (it runs sdpa per sequence)
+PACKED_FOR = ("sdpa", "eager")
 
 
 def row_groups(n_rows: int, layout: str) -> list[list[int]]:
@@ -205,7 +207,7 @@ def packed_attention(model):
     ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION, flash_attention_mask)
     config = _base_config(model)
     before = config._attn_implementation
-    if before not in ("sdpa", "eager", PACKED_ATTENTION):
+    if before not in (*PACKED_FOR, PACKED_ATTENTION):
         raise ValueError(f"log_probs layout 'packed' runs sdpa attention per sequence; the model's attention is "
                          f"{before!r}: use log_probs=side or sequence")
     config._attn_implementation = PACKED_ATTENTION

@@ -11,10 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from online_rlhf.checkpoint import finish_checkpoint, restore_input_config
-
-
-# model attention implementations the packed layout stands in for (it runs sdpa per sequence)
-PACKED_FOR = ("sdpa", "eager")
+from online_rlhf.completion_logps import PACKED_FOR
 
 
 def log_probs_layout(log_probs: str, on_gpu: bool, attn: str = "sdpa") -> str | None:
@@ -23,7 +20,7 @@ def log_probs_layout(log_probs: str, on_gpu: bool, attn: str = "sdpa") -> str | 
     fastest there, bench/bench_dpo_step.py: 0.78x the steps and 0.55x the reference pass of
     ``"sequence"`` on an AMX Xeon) and ``"side"`` on GPU (two padded products per step; works with
     any attention kernel; not measured: no GPU was lent), and ``"side"`` on CPU too when the model's
-    attention ``attn`` is not one of :data:`PACKED_FOR`; ``trl`` is None (TRL's own computation).
+    attention ``attn`` is not one of :data:`online_rlhf.completion_logps.PACKED_FOR`; ``trl`` is None (TRL's own computation).
 
     Raises:
         ConfigError: ``packed`` asked for with an attention the packed layout does not stand in for.

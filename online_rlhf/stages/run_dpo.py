@@ -380,9 +380,9 @@ def write_stats(run: DPORun, data: DPOData, trainer, train_out, reference_kind: 
         if layout is None and cfg.log_probs not in ("auto", "trl"):
             print(f"warning: dpo: log_probs={cfg.log_probs} was asked for, but {because}: TRL's own log-probs ran "
                   f"(same loss, slower)", file=sys.stderr)
-        layout = f"log-probs {layout}" if layout else f"TRL's log-probs ({because})"
+        log_probs_ran = f"log-probs {layout}" if layout else f"TRL's log-probs ({because})"
         print(f"dpo: {len(kept)}/{data.pairs_in} pairs{dropped}, {stats.steps} step{'s' * (stats.steps != 1)}, {loss}, "
-              f"{layout}, "
+              f"{log_probs_ran}, "
               f"special-token strings kept as text in {special['prompts']} prompts, {special['chosen']} chosen, "
               f"{special['rejected']} rejected; saved {run.out_dir} ({stats_file})")
     return stats
