@@ -534,6 +534,10 @@ class IFEvalStats(StageStats):
     # instruction-level pass rates per instruction group (online_rlhf.evaluation.instruction_groups),
     # e.g. groups["length_constraints"]["strict"]; None in stats written before the key existed
     groups: Optional[dict[str, dict[str, float]]] = None
+    # scored records whose checker draws an argument at random (the benchmark as shipped, e.g. IFEval
+    # 1122 and 1129: letter '#' and '!'), id -> "instruction id: argument names"; the draw comes from
+    # the record's own seed (online_rlhf.verifiers.ifeval_instruction_results); None in older stats
+    arguments_drawn: Optional[dict[str, str]] = None
 
 
 class KLStats(StageStats):

@@ -48,16 +48,32 @@ def _refuse_download(info_or_id: Any = None, *args: Any, **kwargs: Any) -> bool:
     return False
 
 
+_nltk_dirs_added: list[str] = []  # what _nltk_offline put on NLTK's search path last time
+
+
 def _nltk_offline() -> None:
-    """Make NLTK look in ``$NLTK_DATA`` (default ``<cache>/nltk_data``) and never download."""
+    """Make NLTK look in ``$NLTK_DATA``, then in ``<cache>/nltk_data``, and never download.
+
+    Called before every scoring, not once per process: the folders follow the settings in force
+    now (``NLTK_DATA``, ``ONLINE_RLHF_CACHE``), and the ones an earlier call added for other
+    settings are taken off the path again. The cache's own folder is searched even when
+    ``NLTK_DATA`` names another: :func:`online_rlhf.paths.setup_cache_env` sets ``NLTK_DATA`` from
+    the cache of its time, which a later change of ``ONLINE_RLHF_CACHE`` in the same process
+    leaves behind."""
     import nltk
 
     from .paths import cache_dir
 
-    dirs = os.environ.get("NLTK_DATA", str(cache_dir() / "nltk_data")).split(os.pathsep)
+    dirs = [d for d in os.environ.get("NLTK_DATA", "").split(os.pathsep) if d]
+    dirs += [d for d in [str(cache_dir() / "nltk_data")] if d not in dirs]
+    for d in _nltk_dirs_added:
+        if d in nltk.data.path:
+            nltk.data.path.remove(d)
+    _nltk_dirs_added.clear()
     for d in reversed(dirs):
-        if d and d not in nltk.data.path:
+        if d not in nltk.data.path:  # one the user's NLTK setup already has stays where it is
             nltk.data.path.insert(0, d)
+            _nltk_dirs_added.append(d)
     nltk.download = _refuse_download
     nltk.downloader.download = _refuse_download
 
@@ -80,15 +96,17 @@ def _last_user_text(prompt: list[dict]) -> str:
 
 
 class Unscorable(Exception):
-    """The record cannot be scored; ``reason`` is the key counted in the stats."""
+    """The record cannot be scored; ``reason`` is the key counted in the stats, ``detail`` what the
+    example list shows beside the record's id (e.g. the argument a checker would draw)."""
 
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
+    def __init__(self, reason: str, detail: str | None = None):
+        super().__init__(reason if detail is None else f"{reason} ({detail})")
+        self.reason, self.detail = reason, detail
 
 
 def ifeval_rewards(record: dict, responses: list[str], mode: str = "loose", score: str = "partial") -> list[float]:
-    """Instruction-following rewards of ``responses`` (K strings) for one prompt record.
+    """Instruction-following rewards of ``responses`` (K strings) for one prompt record, every
+    response checked against the same arguments.
 
     Args:
         record: needs ``instruction_id_list`` (list of ids) and ``kwargs`` (one dict per id;
@@ -98,19 +116,19 @@ def ifeval_rewards(record: dict, responses: list[str], mode: str = "loose", scor
     Returns:
         K floats in [0, 1].
     Raises:
-        Unscorable: a missing/bad field, an unknown instruction id, or a checker error
-            (``checker_error:<ExceptionType>``, e.g. ``LookupError`` when NLTK data is missing).
+        Unscorable: a missing/bad field, an unknown instruction id, a checker error
+            (``checker_error:<ExceptionType>``, e.g. ``LookupError`` when NLTK data is missing), or
+            an argument the checker would draw at random instead of reading it from the record
+            (``argument_drawn_by_checker``: unset, or a value the checker treats as unset or out of
+            range; :func:`drawn_arguments`). Such a record asks for something its checker does not
+            check, so its rewards would not measure the prompt.
     """
-    from if_verifiable.common import evaluate_instructions
-
     ids, kwargs, prompt_text, registry = _ifeval_fields(record)
+    drawn = _drawn(ids, kwargs, registry)
+    if drawn:
+        raise Unscorable("argument_drawn_by_checker", detail=drawn_text(drawn))
     key = f"{'partial' if score == 'partial' else 'binary'}_{mode}"
-    with _record_seed(record):
-        try:
-            return [float(getattr(evaluate_instructions(resp, ids, kwargs, prompt_text, registry)[1], key))
-                    for resp in responses]
-        except Exception as e:  # noqa: BLE001 - any checker failure makes the record unscorable, counted
-            raise Unscorable(f"checker_error:{type(e).__name__}") from e
+    return [float(getattr(_evaluate(record, resp, ids, kwargs, prompt_text, registry)[1], key)) for resp in responses]
 
 
 def ifeval_instruction_results(record: dict, response: str) -> tuple[list[bool], list[bool]]:
@@ -118,17 +136,15 @@ def ifeval_instruction_results(record: dict, response: str) -> tuple[list[bool],
     (:func:`online_rlhf.evaluation.ifeval_scores`): ``(strict, loose)``, one bool per id of the
     record's ``instruction_id_list``, in order. An empty response follows no instruction.
 
-    Raises:
-        Unscorable: as :func:`ifeval_rewards`.
-    """
-    from if_verifiable.common import evaluate_instructions
+    The benchmark as shipped: an argument its checker draws at random (IFEval's ``letter_frequency``
+    records with ``letter`` ``#`` or ``!``, which the checker reads as no letter) is drawn from the
+    record's own seed, the same draw on every call (:func:`_evaluate`), never refused.
 
+    Raises:
+        Unscorable: as :func:`ifeval_rewards`, except ``argument_drawn_by_checker``.
+    """
     ids, kwargs, prompt_text, registry = _ifeval_fields(record)
-    with _record_seed(record):
-        try:
-            results, _ = evaluate_instructions(response, ids, kwargs, prompt_text, registry)
-        except Exception as e:  # noqa: BLE001 - counted as unscorable by the caller
-            raise Unscorable(f"checker_error:{type(e).__name__}") from e
+    results, _ = _evaluate(record, response, ids, kwargs, prompt_text, registry)
     if not results:  # if-verifiable returns no result for an empty response
         return [False] * len(ids), [False] * len(ids)
     if len(results) != len(ids):
@@ -136,20 +152,91 @@ def ifeval_instruction_results(record: dict, response: str) -> tuple[list[bool],
     return [r.strict_pass for r in results], [r.loose_pass for r in results]
 
 
-class _record_seed:
-    """Seed ``random`` from the record's id while checking it, then give the caller's state back: a
-    checker given no value for an argument draws one from ``random``, so rewards would change
-    between runs otherwise."""
+def _evaluate(record: dict, response: str, ids: list[str], kwargs: list[dict], prompt_text: str, registry: dict):
+    """``if_verifiable.common.evaluate_instructions`` on one response, with ``random`` seeded from
+    the record's id for the call: it builds every checker afresh, and a checker given no usable
+    value for an argument draws one, so each response of a record meets the same draw, and every
+    rerun the same (the caller's ``random`` state is given back).
 
-    def __init__(self, record: dict):
-        self.seed = int(hashlib.sha256(str(record.get("id")).encode()).hexdigest()[:16], 16)
+    Raises:
+        Unscorable: ``checker_error:<ExceptionType>``.
+    """
+    from if_verifiable.common import evaluate_instructions
 
-    def __enter__(self):
-        self.state = random.getstate()
-        random.seed(self.seed)
+    state = random.getstate()
+    random.seed(_record_seed(record))
+    try:
+        return evaluate_instructions(response, ids, kwargs, prompt_text, registry)
+    except Exception as e:  # noqa: BLE001 - any checker failure makes the record unscorable, counted
+        raise Unscorable(f"checker_error:{type(e).__name__}") from e
+    finally:
+        random.setstate(state)
 
-    def __exit__(self, *exc):
-        random.setstate(self.state)
+
+def _record_seed(record: dict) -> int:
+    return int(hashlib.sha256(str(record.get("id")).encode()).hexdigest()[:16], 16)
+
+
+def checker_draws(checker_class: Any, iid: str, kwargs: dict) -> list[str] | None:
+    """Which arguments checker ``iid`` would draw at random when built with ``kwargs``.
+
+    if-verifiable's ``build_description`` draws, from the ``random`` module, every argument it is not
+    given or reads as unset or out of range (``if not n_start`` takes 0 for unset;
+    ``ParagraphFirstWordCheck`` draws an ``nth_paragraph`` above ``num_paragraphs`` again). A draw
+    is seen exactly, as a change of ``random``'s state during the build; the arguments named are
+    those left unset, and those whose built value differs between 16 seeds (``["?"]`` when no seed
+    shows which). The caller's ``random`` state is given back.
+
+    Returns:
+        None when the build draws nothing, else the drawn argument names.
+    Raises:
+        whatever the checker's ``build_description`` raises for these ``kwargs``.
+    """
+    state = random.getstate()
+    try:
+        builds = []
+        for seed in range(16):
+            random.seed(seed)
+            before = random.getstate()
+            checker = checker_class(iid)
+            checker.build_description(**kwargs)
+            if seed == 0 and random.getstate() == before:
+                return None
+            builds.append(checker.get_instruction_args() or {})
+        keys = {k for b in builds for k in b}
+        names = {k for k in keys if len({repr(b.get(k)) for b in builds}) > 1 or (k not in kwargs and builds[0].get(k) is not None)}
+        return sorted(names) or ["?"]
+    finally:
+        random.setstate(state)
+
+
+def drawn_arguments(record: dict) -> list[tuple[str, list[str]]]:
+    """The arguments of an IFEval/IFBench record that its checkers would draw at random instead of
+    reading them (:func:`checker_draws`), as ``[(instruction id, [argument names])]`` in the
+    record's order; empty when none. A checker that fails to build is left out (scoring counts it).
+
+    Raises:
+        Unscorable: a missing/bad field or an unknown instruction id.
+    """
+    ids, kwargs, _, registry = _ifeval_fields(record)
+    return _drawn(ids, kwargs, registry)
+
+
+def _drawn(ids: list[str], kwargs: list[dict], registry: dict) -> list[tuple[str, list[str]]]:
+    out = []
+    for iid, kw in zip(ids, kwargs):
+        try:
+            names = checker_draws(registry[iid], iid, kw)
+        except Exception:  # noqa: BLE001 - the scoring reports a checker that cannot be built
+            continue
+        if names:
+            out.append((iid, names))
+    return out
+
+
+def drawn_text(drawn: list[tuple[str, list[str]]]) -> str:
+    """:func:`drawn_arguments`' list in words: ``"<instruction id>: <arg>, <arg>; ..."``."""
+    return "; ".join(f"{iid}: {', '.join(names)}" for iid, names in drawn)
 
 
 def _ifeval_fields(record: dict) -> tuple[list[str], list[dict], str, dict]:
@@ -159,6 +246,7 @@ def _ifeval_fields(record: dict) -> tuple[list[str], list[dict], str, dict]:
         Unscorable: a missing/bad field or an unknown instruction id.
     """
     registry = _registry()
+    _nltk_offline()
     ids, kwargs = record.get("instruction_id_list"), record.get("kwargs")
     if not isinstance(ids, list) or not ids:
         raise Unscorable("missing_field:instruction_id_list")
@@ -297,6 +385,7 @@ def score(records: list[dict], cfg) -> ScoreResult:
     out: list[list[float] | None] = []
     by_verifier: Counter = Counter()
     unscorable: Counter = Counter()
+    examples: dict[str, list[str]] = {}
     for rec in records:
         try:
             kind = pick_verifier(rec, cfg.verifier)
@@ -307,6 +396,8 @@ def score(records: list[dict], cfg) -> ScoreResult:
             by_verifier[kind] += 1
         except Unscorable as e:
             unscorable[e.reason] += 1
+            if e.detail is not None and len(examples.setdefault(e.reason, [])) < 5:
+                examples[e.reason].append(f"{rec.get('id')} ({e.detail})")
             if e.__cause__ is not None:
                 log.debug("record %r unscorable: %s", rec.get("id"), e.__cause__)
             r = None
@@ -314,4 +405,4 @@ def score(records: list[dict], cfg) -> ScoreResult:
     source_stats = {"records": len(records), "scored": sum(r is not None for r in out), "by_verifier": dict(by_verifier)}
     if _skipped_downloads:
         source_stats["nltk_downloads_refused"] = sorted(set(_skipped_downloads))
-    return ScoreResult(rewards=out, skipped=unscorable, source_stats=source_stats)
+    return ScoreResult(rewards=out, skipped=unscorable, examples=examples, source_stats=source_stats)

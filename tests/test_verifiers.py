@@ -136,15 +136,117 @@ def test_loose_ignores_a_first_line_that_strict_counts(ifeval):
     assert (strict, loose) == ([[0.0]], [[1.0]])
 
 
-def test_missing_kwargs_values_give_the_same_reward_every_time(ifeval):
-    # with no num_words/relation the checker draws them at random: seeded per record id
+def test_a_record_whose_checker_would_draw_an_argument_is_unscorable_naming_it(ifeval):
+    # olmo-eval PR #296: with no num_words/relation the checker draws them afresh for every response,
+    # so 20 copies of one answer got 8 x 1.0 and 12 x 0.0; such a record is counted, not scored
     rec = {**ifeval["1072"], "kwargs": [{}]}
-    resps = ["word " * n for n in (10, 50, 100, 200, 300, 400, 500)]
-    res = verifiers.score([generated(rec, resps)], cfg())
-    first = res.rewards
-    res = verifiers.score([generated(rec, resps)], cfg())
-    again = res.rewards
-    assert first == again
+    res = verifiers.score([generated(rec, [" ".join(["word"] * 50)] * 20)], cfg())
+    assert res.rewards == [None] and res.skipped == {"argument_drawn_by_checker": 1}
+    assert res.examples == {"argument_drawn_by_checker": ["1072 (length_constraints:number_words: num_words, relation)"]}
+
+
+def _paragraphs_record(nth: int) -> dict:
+    # the builder's old draw (NeMo-Skills PR #1375): "There should be 3 paragraphs ... Paragraph 4 must start with ..."
+    return {"id": "if-tpl-39-22", "prompt": [{"role": "user", "content": "Write a poem about the moon."}],
+            "instruction_id_list": ["length_constraints:nth_paragraph_first_word"],
+            "kwargs": [{"num_paragraphs": 3, "nth_paragraph": nth, "first_word": "ambition"}]}
+
+
+def test_a_paragraph_past_the_last_is_unscorable_and_one_in_range_scores_the_same_every_time():
+    answer = "The moon is bright.\n\nAmbition is a climb.\n\nThe night is long."
+    res = verifiers.score([generated(_paragraphs_record(4), [answer] * 8)], cfg())
+    assert res.rewards == [None]
+    assert res.examples["argument_drawn_by_checker"] == ["if-tpl-39-22 (length_constraints:nth_paragraph_first_word: "
+                                                         "nth_paragraph)"]
+    res = verifiers.score([generated(_paragraphs_record(2), [answer] * 20)], cfg())
+    assert res.rewards == [[1.0] * 20]
+    assert verifiers.drawn_arguments(_paragraphs_record(2)) == []
+
+
+def test_a_span_from_index_0_is_unscorable_because_its_checker_reads_0_as_unset():
+    # IFBench's held-out id 286 (repeat:repeat_span, n_start 0): the checker draws another start
+    text = "The walls are solid but the stones are cracked and cold. "
+    rec = {"id": "286", "prompt": [{"role": "user", "content": text + "Copy the span from index 0 to 7."}],
+           "instruction_id_list": ["repeat:repeat_span"], "kwargs": [{"n_start": 0, "n_end": 7, "prompt_to_repeat": text}]}
+    assert verifiers.drawn_arguments(rec) == [("repeat:repeat_span", ["n_start"])]
+    res = verifiers.score([generated(rec, ["The walls are solid but the stones are", "no"])], cfg())
+    assert res.rewards == [None] and res.skipped == {"argument_drawn_by_checker": 1}
+    assert verifiers.drawn_arguments({**rec, "kwargs": [{"n_start": 1, "n_end": 7, "prompt_to_repeat": text}]}) == []
+
+
+IFEVAL_DRAWN = DATA / "ifeval_input_data_1122_1129.jsonl"  # IFEval keys 1122, 1129: letter '#' and '!'
+
+
+def test_ifevals_own_redrawn_letters_are_drawn_once_per_record_and_kept():
+    """The benchmark as shipped: IFEval's checker reads '#' and '!' as no letter and draws one. The
+    IFEval scores keep those records; the draw comes from the record's seed, the same on every call."""
+    with open(IFEVAL_DRAWN) as f:
+        recs = [normalize_prompt_record(json.loads(line), i, "ifeval") for i, line in enumerate(f)]
+    assert [(r["id"], verifiers.drawn_arguments(r)) for r in recs] == [
+        ("1122", [("keywords:letter_frequency", ["letter"])]), ("1129", [("keywords:letter_frequency", ["letter"])])]
+    alphabet = "abcdefghijklmnopqrstuvwxyz "
+    for rec in recs:
+        letter = rec["instruction_id_list"].index("keywords:letter_frequency")
+        strict = {}
+        for n in (1, 7):  # the drawn letter appears n times; the records ask for at least 4 and 6
+            outcomes = {repr(verifiers.ifeval_instruction_results(rec, alphabet * n)) for _ in range(20)}
+            assert len(outcomes) == 1  # the same draw on every call
+            strict[n] = verifiers.ifeval_instruction_results(rec, alphabet * n)[0][letter]
+        assert strict == {1: False, 7: True}
+        # under the training reward the same record is refused, naming the argument
+        res = verifiers.score([generated(rec, [alphabet] * 4)], cfg())
+        assert res.rewards == [None] and res.examples["argument_drawn_by_checker"][0].endswith("letter)")
+    # the ifeval_score stage scores both and lists them in its stats
+    from online_rlhf.stages.ifeval_score import score_records
+
+    out, skipped, _, drawn = score_records([generated(r, [alphabet]) for r in recs])
+    assert [o["id"] for o in out] == ["1122", "1129"] and not skipped
+    assert drawn == {"1122": "keywords:letter_frequency: letter", "1129": "keywords:letter_frequency: letter"}
+
+
+def test_twenty_identical_answers_get_one_reward(ifeval):
+    rec = ifeval["1072"]  # number_words at least 400, its arguments set
+    resp = " ".join(["word"] * 420)
+    assert set(verifiers.score([generated(rec, [resp] * 20)], cfg()).rewards[0]) == {1.0}
+
+
+@needs_nltk_data
+def test_nltk_follows_the_cache_in_force_when_scoring(tmp_path, ifeval):
+    """A process that scored once with another cache (a test pointing ONLINE_RLHF_CACHE at a temporary
+    folder, then setup_cache_env) finds NLTK's data again once the cache is back: the search path is
+    set at every scoring, not at the first one. Run in a fresh process, where nothing is loaded yet."""
+    import os
+    import subprocess
+    import sys
+
+    from online_rlhf.paths import PROJECT_ROOT
+
+    code = f"""
+import json, os
+from online_rlhf import verifiers
+from online_rlhf.paths import setup_cache_env
+from online_rlhf.records import normalize_prompt_record
+from online_rlhf.stage_configs import RewardConfig
+cfg = RewardConfig(input="g.jsonl", output="r.jsonl", source="verifier")
+rec = {{**{json.dumps(ifeval["1268"])}, "responses": ["I felt calm. I walked."], "finish_reasons": ["stop"]}}
+real = os.environ.get("ONLINE_RLHF_CACHE")
+os.environ["ONLINE_RLHF_CACHE"] = {str(tmp_path / "cache")!r}
+setup_cache_env()  # sets NLTK_DATA into the temporary cache, as a stage's main does
+first = verifiers.score([rec], cfg)
+if real is None:
+    del os.environ["ONLINE_RLHF_CACHE"]
+else:
+    os.environ["ONLINE_RLHF_CACHE"] = real
+again = verifiers.score([rec], cfg)
+print(json.dumps([first.rewards, dict(first.skipped), again.rewards, dict(again.skipped)]))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "NLTK_DATA"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PROJECT_ROOT, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, first_skipped, again, again_skipped = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (first, first_skipped) == ([None], {"checker_error:LookupError": 1})
+    assert (again, again_skipped) == ([[1.0]], {})
 
 
 # ----------------------------------------------------------------------------- IFBench default prompts
@@ -174,10 +276,12 @@ def test_ifbench_default_prompts_scorable(ifbench):
     res = verifiers.score(recs, cfg())
     rewards, stats = res.rewards, res
     assert len(ifbench) == 294
-    # all but the words:start_verb prompts (NLTK's POS tagger data is not on PyPI) are scorable
+    # all but the words:start_verb prompts (NLTK's POS tagger data is not on PyPI) and id 286 (repeat_span
+    # from index 0, which its checker reads as unset and draws again) are scorable
     start_verb = sum("words:start_verb" in r["instruction_id_list"] for r in ifbench)
-    assert stats.source_stats["scored"] == 294 - start_verb, stats
-    assert stats.skipped == {"checker_error:LookupError": start_verb}
+    assert stats.source_stats["scored"] == 294 - start_verb - 1, stats
+    assert stats.skipped == {"checker_error:LookupError": start_verb, "argument_drawn_by_checker": 1}
+    assert stats.examples["argument_drawn_by_checker"] == ["286 (repeat:repeat_span: n_start)"]
     assert all(r is None or all(0.0 <= x <= 1.0 for x in r) for r in rewards)
 
 

@@ -12,7 +12,10 @@
    the instruction-level rates per instruction group (``groups``, e.g. ``length_constraints``).
 
 A record the checkers cannot score (e.g. ``checker_error:LookupError`` when NLTK data is missing)
-is left out of the scores and counted by reason in ``skipped`` with up to 5 ids. Config:
+is left out of the scores and counted by reason in ``skipped`` with up to 5 ids. A record whose
+checker draws an argument at random is the benchmark as shipped (IFEval 1122 and 1129: letter ``#``
+and ``!``, which its checker reads as no letter): it is scored, the draw taken from the record's
+own seed, and listed in ``arguments_drawn``. Config:
 ``IFEvalScoreConfig`` (online_rlhf/stage_configs.py).
 """
 
@@ -33,20 +36,23 @@ from online_rlhf.stats import IFEvalStats, stats_path
 MAX_EXAMPLES = 5
 
 
-def score_records(records: list[dict]) -> tuple[list[dict], Counter, dict[str, list[str]]]:
+def score_records(records: list[dict]) -> tuple[list[dict], Counter, dict[str, list[str]], dict[str, str]]:
     """Per-prompt IFEval outcomes of the first response of each record.
 
     Returns:
-        ``(outcomes, skipped by reason, reason -> up to 5 ids)``.
+        ``(outcomes, skipped by reason, reason -> up to 5 ids, scored records whose checker draws an
+        argument: id -> "instruction id: arguments")``.
     """
-    from online_rlhf.verifiers import Unscorable, ifeval_instruction_results
+    from online_rlhf.verifiers import Unscorable, drawn_arguments, drawn_text, ifeval_instruction_results
 
-    out, skipped, examples = [], Counter(), {}
+    out, skipped, examples, drawn = [], Counter(), {}, {}
     for rec in records:
         try:
             if not rec["responses"]:
                 raise Unscorable("no_responses")
             strict, loose = ifeval_instruction_results(rec, rec["responses"][0])
+            if d := drawn_arguments(rec):
+                drawn[str(rec["id"])] = drawn_text(d)
         except Unscorable as e:
             skipped[e.reason] += 1
             ids = examples.setdefault(e.reason, [])
@@ -56,7 +62,7 @@ def score_records(records: list[dict]) -> tuple[list[dict], Counter, dict[str, l
         tokens = rec.get("response_tokens") or [None]
         out.append({"id": rec["id"], "instruction_id_list": list(rec["instruction_id_list"]), "strict": strict, "loose": loose, "prompt_strict": all(strict),
                     "prompt_loose": all(loose), "response_tokens": tokens[0], "finish_reason": rec["finish_reasons"][0]})
-    return out, skipped, examples
+    return out, skipped, examples, drawn
 
 
 def main(cfg: IFEvalScoreConfig) -> IFEvalStats:
@@ -68,7 +74,7 @@ def main(cfg: IFEvalScoreConfig) -> IFEvalStats:
     setup_cache_env()
     t0 = time.time()
     records = load_generated(cfg.input)
-    out, skipped, examples = score_records(records)
+    out, skipped, examples, drawn = score_records(records)
     if records and not out:
         raise DataError(f"{cfg.input}: no record could be scored by the IFEval checkers (skipped: {dict(skipped)}; "
                         f"e.g. {examples}). Check that the prompts carry instruction_id_list and kwargs.")
@@ -82,7 +88,7 @@ def main(cfg: IFEvalScoreConfig) -> IFEvalStats:
         truncation_rate=round(sum(r["finish_reason"] == "length" for r in out) / len(out), 4) if out else None,
         groups={g: {k: round(v, 6) for k, v in d.items()} for g, d in instruction_groups(
             [r["instruction_id_list"] for r in out], [r["strict"] for r in out], [r["loose"] for r in out]).items()},
-        seconds=round(time.time() - t0, 2))
+        arguments_drawn=drawn, seconds=round(time.time() - t0, 2))
     stats.write(stats_path(cfg.output))
     fmt = {k: None if v is None else round(100 * v, 1) for k, v in scores.items()}
     print(f"ifeval_score: {len(out)}/{len(records)} prompts scored (skipped {dict(skipped) or 0}): {fmt} -> {cfg.output}",
