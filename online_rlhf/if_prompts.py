@@ -14,7 +14,9 @@ For each base prompt (its last user turn):
    ``if_verifiable.ifeval.instructions_registry``, made symmetric as its ``conflict_make`` does);
 2. each chosen checker's own ``build_description()`` samples fresh kwargs and writes the
    constraint's text (``combination:repeat_prompt`` repeats the base prompt); its
-   ``get_instruction_args()`` are the record's ``kwargs``;
+   ``get_instruction_args()`` are the record's ``kwargs``, kept only when the checker, built with
+   them, draws nothing and gives them back unchanged, and some answer can meet them
+   (:func:`argument_problem`; else drawn again, up to :data:`MAX_DRAWS` times, and counted);
 3. the texts are appended to the prompt, and the record gets ``instruction_id_list`` + ``kwargs``
    in the prompt-set format the loop's verifier scores as it stands.
 
@@ -182,20 +184,49 @@ def unsatisfiable(iid: str, kwargs: dict) -> bool:
             and kwargs.get("relation") == "less than" and count is not None and count <= 1)
 
 
+MAX_DRAWS = 32  # draws of one constraint's kwargs before it is left out (counted)
+
+
+def argument_problem(checker_class, iid: str, kwargs: dict) -> str | None:
+    """Why a constraint's drawn ``kwargs`` cannot go into a record, or None when they can.
+
+    - ``unsatisfiable``: no answer can meet them (:func:`unsatisfiable`);
+    - ``argument_drawn_by_checker``: the checker, built with them, would draw an argument again
+      at every scoring (:func:`online_rlhf.verifiers.checker_draws`): ``ParagraphFirstWordCheck``'s
+      sampler asks for paragraph N+1 of N once in N+1 draws, and its builder reads that as unset;
+    - ``arguments_not_round_trip``: built with them, the checker's ``get_instruction_args()`` gives
+      other values back, so the record would not say what the checker checks.
+    """
+    from .verifiers import checker_draws
+
+    if unsatisfiable(iid, kwargs):
+        return "unsatisfiable"
+    if checker_draws(checker_class, iid, kwargs):
+        return "argument_drawn_by_checker"
+    checker = checker_class(iid)
+    checker.build_description(**kwargs)
+    back = {a: v for a, v in (checker.get_instruction_args() or {}).items() if v is not None}
+    return None if back == kwargs else "arguments_not_round_trip"
+
+
 def sample_constraints(base_text: str, rng: random.Random, k: int, ids: list[str], checkers: dict,
-                       conflicts: dict[str, set[str]], redrawn: Counter | None = None
-                       ) -> tuple[list[str], list[dict], list[str]]:
-    """Up to ``k`` mutually compatible constraints for one prompt.
+                       conflicts: dict[str, set[str]], redrawn: Counter | None = None,
+                       dropped: Counter | None = None) -> tuple[list[str], list[dict], list[str]]:
+    """Up to ``k`` mutually compatible constraints for one prompt, each with kwargs its checker
+    reads back as drawn (:func:`argument_problem`).
 
     Args:
         base_text: the prompt's text (``combination:repeat_prompt`` asks to repeat it).
         rng: the prompt's own generator (its draws decide the ids and, through the ``random``
             module seeded from it, each checker's kwargs).
-        k: how many constraints to draw; fewer come back only when no compatible id is left.
+        k: how many constraints to draw; fewer come back only when no compatible id is left, or
+            when a constraint found no valid kwargs in :data:`MAX_DRAWS` draws.
         ids: the ids that may be drawn (in registry order).
         checkers, conflicts: from :func:`registry`.
-        redrawn: counts, per instruction id, the kwargs drawn again because :func:`unsatisfiable`
-            said no answer could meet them (up to 8 draws; the last one is kept either way).
+        redrawn: counts, per ``(reason, instruction id)``, the kwargs drawn again because
+            :func:`argument_problem` refused them.
+        dropped: counts, per ``(reason, instruction id)``, the constraints left out after
+            :data:`MAX_DRAWS` refused draws (the last draw's reason).
     Returns:
         ``(instruction ids, kwargs per id, description per id)``; ``repeat_prompt`` is put last, so
         that the text it asks to repeat is the request before it.
@@ -209,9 +240,9 @@ def sample_constraints(base_text: str, rng: random.Random, k: int, ids: list[str
         if all(iid not in conflicts.get(c, {c}) and c not in conflicts.get(iid, {iid}) for c in chosen):
             chosen.append(iid)
     chosen.sort(key=lambda i: i == "combination:repeat_prompt")
-    kwargs, texts = [], []
+    kept, kwargs, texts = [], [], []
     for iid in chosen:
-        for _ in range(8):
+        for _ in range(MAX_DRAWS):
             checker = checkers[iid](iid)
             with _global_random(rng.getrandbits(64)):
                 if iid == "combination:repeat_prompt":
@@ -219,13 +250,26 @@ def sample_constraints(base_text: str, rng: random.Random, k: int, ids: list[str
                 else:
                     text = checker.build_description()
                 args = {a: v for a, v in (checker.get_instruction_args() or {}).items() if v is not None}
-            if not unsatisfiable(iid, args):
+            problem = argument_problem(checkers[iid], iid, args)
+            if problem is None:
+                kept.append(iid)
+                kwargs.append(args)
+                texts.append(text)
                 break
             if redrawn is not None:
-                redrawn[iid] += 1
-        kwargs.append(args)
-        texts.append(text)
-    return chosen, kwargs, texts
+                redrawn[(problem, iid)] += 1
+        else:
+            if dropped is not None:
+                dropped[(problem, iid)] += 1
+    return kept, kwargs, texts
+
+
+def _by_reason(counts: Counter) -> dict[str, dict[str, int]]:
+    """``{(reason, id): n}`` as ``{reason: {id: n}}``, sorted."""
+    out: dict[str, dict[str, int]] = {}
+    for (reason, iid), n in sorted(counts.items()):
+        out.setdefault(reason, {})[iid] = n
+    return out
 
 
 # ---------------------------------------------------------------------------------------- decontamination
@@ -260,8 +304,11 @@ def build(base: list[dict], cfg: IFPromptsConfig, against: list[dict] | None) ->
         ``(records, stats)``: records ``{id, messages, instruction_id_list, kwargs, base_id}`` (the
         input's other fields kept); stats count what came in, what went out, every skip by reason
         (``contaminated``: shares an n-gram; ``already_constrained``: the row carries its own
-        ``instruction_id_list``), the base prompts left unread once ``n`` prompts were built
-        (``base_prompts_not_read``), the constraints per prompt and the prompts per instruction id.
+        ``instruction_id_list``; ``no_valid_constraint``: its only constraint found no valid kwargs),
+        the base prompts left unread once ``n`` prompts were built (``base_prompts_not_read``), the
+        constraints per prompt, the prompts per instruction id, and the kwargs drawn again
+        (``arguments_redrawn``) or constraints left out (``constraints_dropped``) by
+        :func:`argument_problem`'s reason and instruction id.
     Raises:
         ConfigError: an ``exclude`` id that the registry does not have, or nothing left to sample.
     """
@@ -280,7 +327,14 @@ def build(base: list[dict], cfg: IFPromptsConfig, against: list[dict] | None) ->
     per_id: Counter = Counter()
     short = 0
     redrawn: Counter = Counter()
+    dropped: Counter = Counter()
     read = 0
+
+    def skip(reason: str, row: dict) -> None:
+        skipped[reason] += 1
+        if len(examples.setdefault(reason, [])) < 5:
+            examples[reason].append(str(row["id"]))
+
     for row in base:
         if cfg.n is not None and len(out) >= cfg.n:
             break
@@ -291,15 +345,15 @@ def build(base: list[dict], cfg: IFPromptsConfig, against: list[dict] | None) ->
         elif grams and any(word_ngrams(m["content"], cfg.ngram) & grams for m in row["prompt"] if m["role"] == "user"):
             reason = "contaminated"
         if reason:
-            skipped[reason] += 1
-            examples.setdefault(reason, [])
-            if len(examples[reason]) < 5:
-                examples[reason].append(str(row["id"]))
+            skip(reason, row)
             continue
         rng = random.Random(f"if-prompts:{cfg.seed}:{row['id']}")
         text = row["prompt"][-1]["content"].strip()
         k = rng.randint(cfg.min_constraints, cfg.max_constraints)
-        chosen, kwargs, texts = sample_constraints(text, rng, k, ids, checkers, conflicts, redrawn)
+        chosen, kwargs, texts = sample_constraints(text, rng, k, ids, checkers, conflicts, redrawn, dropped)
+        if not chosen:  # its only constraint found no valid kwargs (constraints_dropped says which)
+            skip("no_valid_constraint", row)
+            continue
         messages = [dict(m) for m in row["prompt"]]
         messages[-1]["content"] = " ".join([text, *texts])
         extra = {k2: v for k2, v in row.items() if k2 not in ("id", "prompt")}
@@ -307,14 +361,14 @@ def build(base: list[dict], cfg: IFPromptsConfig, against: list[dict] | None) ->
                     "base_id": str(row["id"]), **extra})
         per_prompt[len(chosen)] += 1
         per_id.update(chosen)
-        if len(chosen) < cfg.min_constraints:  # every compatible id was used up: counted, never silent
+        if len(chosen) < cfg.min_constraints:  # no compatible id left, or one dropped: counted, never silent
             short += 1
     stats = {"base_prompts_in": len(base), "n": cfg.n, "base_prompts_not_read": len(base) - read,
              "prompts_out": len(out), "skipped": dict(skipped),
              "skipped_examples": examples, "constraints_per_prompt": {str(k): v for k, v in sorted(per_prompt.items())},
              "prompts_per_instruction": dict(sorted(per_id.items())),
              "prompts_below_min_constraints": short,
-             "unsatisfiable_redrawn": dict(sorted(redrawn.items())),
+             "arguments_redrawn": _by_reason(redrawn), "constraints_dropped": _by_reason(dropped),
              "decontamination": None if against is None else {"against_prompts": len(against), "ngram": cfg.ngram,
                                                               "ngrams": len(grams)},
              "seed": cfg.seed, "min_constraints": cfg.min_constraints, "max_constraints": cfg.max_constraints,
@@ -354,8 +408,9 @@ def main(cfg: IFPromptsConfig) -> dict:
     records, stats = build(base, cfg, against)
     if stats["prompts_below_min_constraints"]:
         print(f"warning: {stats['prompts_below_min_constraints']} prompt(s) got fewer than min_constraints="
-              f"{cfg.min_constraints} constraints: the registry's conflicts left no compatible instruction id for them "
-              "(prompts_below_min_constraints in the stats).", file=sys.stderr)
+              f"{cfg.min_constraints} constraints: the registry's conflicts left no compatible instruction id for them, "
+              f"or a constraint found no valid kwargs in {MAX_DRAWS} draws (prompts_below_min_constraints and "
+              "constraints_dropped in the stats).", file=sys.stderr)
     if not records:
         from .jsonl import DataError
 

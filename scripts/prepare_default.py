@@ -355,9 +355,9 @@ def if_train_ready(out: Path) -> bool:
         st = read_json(out / f"{IF_TRAIN}.stats.json")
     except (DataError, OSError):
         return False
-    # a file from before unsatisfiable draws were redrawn (no "unsatisfiable_redrawn" count) is rebuilt
+    # a file from before every draw was checked against its checker (no "arguments_redrawn" count) is rebuilt
     return (out / IF_TRAIN).is_file() and st.get("prompts_out") == EXPECTED_IF_TRAIN and all(
-        st.get(k) == v for k, v in IF_TRAIN_SETTINGS.items() if k in st) and "unsatisfiable_redrawn" in st
+        st.get(k) == v for k, v in IF_TRAIN_SETTINGS.items() if k in st) and "arguments_redrawn" in st
 
 
 def prepare_if_train(out: Path) -> None:

@@ -131,7 +131,33 @@ def test_an_unsatisfiable_draw_is_drawn_again_and_counted(tmp_path):
     assert not ifp.unsatisfiable("keywords:frequency", {"keyword": "dog", "frequency": 1, "relation": "less than"})
     recs, stats = ifp.build(ifp.template_prompts(2000), _cfg(tmp_path, max_constraints=2), None)
     assert not any(ifp.unsatisfiable(i, kw) for r in recs for i, kw in zip(r["instruction_id_list"], r["kwargs"]))
-    assert sum(stats["unsatisfiable_redrawn"].values()) >= 1  # without the redraw, 3 of these 2,000 could not be met
+    assert sum(stats["arguments_redrawn"]["unsatisfiable"].values()) >= 1  # else 3 of these 2,000 could not be met
+
+
+def test_no_record_of_ten_seeds_leaves_an_argument_for_its_checker_to_draw(tmp_path):
+    """NeMo-Skills PR #1375: the registry's sampler asks for paragraph N+1 of N once in N+1 draws
+    (119 of 399 nth_paragraph_first_word prompts over seeds 0-2 before), which the checker reads as
+    unset and draws again at every scoring. Over seeds 0-9 of the built-in templates: none is left."""
+    from online_rlhf.verifiers import drawn_arguments
+
+    checkers, _ = ifp.registry()
+    nth = "length_constraints:nth_paragraph_first_word"
+    assert ifp.argument_problem(checkers[nth], nth, {"num_paragraphs": 3, "nth_paragraph": 4, "first_word": "a"}) \
+        == "argument_drawn_by_checker"
+    assert ifp.argument_problem(checkers[nth], nth, {"num_paragraphs": 3, "nth_paragraph": 3, "first_word": "a"}) is None
+    # a value the checker changes on the way in (it lower-cases the word) would not say what it checks
+    assert ifp.argument_problem(checkers[nth], nth, {"num_paragraphs": 3, "nth_paragraph": 3, "first_word": "A"}) \
+        == "arguments_not_round_trip"
+    redrawn = 0
+    for seed in range(10):
+        recs, stats = ifp.build(ifp.template_prompts(seed=seed), _cfg(tmp_path, seed=seed), None)
+        assert len(recs) == 2000 and stats["constraints_dropped"] == {}
+        assert [r["id"] for r in recs if drawn_arguments({**r, "prompt": r["messages"]})] == []
+        for r in recs:
+            for iid, kw in zip(r["instruction_id_list"], r["kwargs"]):
+                assert iid != nth or 1 <= kw["nth_paragraph"] <= kw["num_paragraphs"], r["id"]
+        redrawn += stats["arguments_redrawn"]["argument_drawn_by_checker"][nth]
+    assert redrawn > 100  # the draws the builder refused
 
 
 def test_a_prepared_default_from_before_the_redraw_is_rebuilt(tmp_path):
@@ -148,4 +174,6 @@ def test_a_prepared_default_from_before_the_redraw_is_rebuilt(tmp_path):
     write_json(tmp_path / f"{prep.IF_TRAIN}.stats.json", stats)
     assert not prep.if_train_ready(tmp_path)  # an older build: its stats lack the redraw count
     write_json(tmp_path / f"{prep.IF_TRAIN}.stats.json", {**stats, "unsatisfiable_redrawn": {}})
+    assert not prep.if_train_ready(tmp_path)  # one from before every draw was checked against its checker
+    write_json(tmp_path / f"{prep.IF_TRAIN}.stats.json", {**stats, "arguments_redrawn": {}})
     assert prep.if_train_ready(tmp_path)
