@@ -120,6 +120,40 @@ def test_loss_gradient_pushes_up_positive_advantage_tokens():
     assert (logps.grad[0] < 0).all() and (logps.grad[1] > 0).all()  # descent raises row 0, lowers row 1
 
 
+def test_log_probs_ratio_and_kl_are_float32_on_a_bf16_policy(tmp_path):
+    """OpenRLHF PR #634: a bf16 log-softmax is off by ~0.01 nats per token, and a bf16 k3 term at
+    x = 0.01 comes out negative; the stage's log-probs and loss are float32 whatever the weights."""
+    from transformers import AutoModelForCausalLM
+
+    from online_rlhf.stages.grpo_objective import collate, completion_log_probs
+
+    path = make_tiny_policy(tmp_path / "p")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(0)
+    comps = [{"prompt_ids": torch.randint(5, 500, (n,), generator=g).tolist(),
+              "completion_ids": torch.randint(5, 500, (m,), generator=g).tolist(), "advantage": a}
+             for n, m, a in ((7, 9, 1.0), (4, 12, -1.0))]
+    batch = collate(comps, pad_id=0)
+    with torch.no_grad():
+        ours = completion_log_probs(model, batch, temperature=0.7)  # (B, C)
+        P, C = batch["prompt_len"], batch["completion_mask"].size(1)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"]).logits[:, P - 1:-1]  # (B, C, V) bf16, as the model gives them
+        ref = torch.log_softmax(logits.double() / 0.7, -1).gather(-1, batch["input_ids"][:, P:, None])[..., 0]  # (B, C)
+    mask = batch["completion_mask"].bool()
+    assert ours.dtype == torch.float32
+    assert (ours.double() - ref)[mask].abs().max() < 1e-5  # a bf16 log-softmax: ~1e-2
+
+    # the k3 KL at ref - logp = bf16(0.01), every input in bf16 as a bf16 policy would hand them over
+    x = torch.tensor(0.01, dtype=torch.bfloat16)
+    logps, ref_lp = torch.zeros(1, 4, dtype=torch.bfloat16), torch.full((1, 4), float(x), dtype=torch.bfloat16)
+    _, m = run_grpo.grpo_loss(logps, logps, ref_lp, torch.ones(1, dtype=torch.bfloat16),
+                              torch.ones(1, 4, dtype=torch.bfloat16), beta=0.04, epsilon=0.2, epsilon_high=0.2,
+                              loss_type="grpo", max_completion_length=4)
+    exact = math.exp(float(x)) - float(x) - 1  # 5.03e-5
+    assert float(m["kl"]) == pytest.approx(exact, rel=1e-3)  # bf16 arithmetic: -0.0039
+
+
 # --- config -------------------------------------------------------------------------------------
 
 def test_training_keys_carry_trl_grpo_config_names():

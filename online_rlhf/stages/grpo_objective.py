@@ -37,11 +37,16 @@ def collate(completions: list[dict], pad_id: int, device=None) -> dict:
 
 
 def completion_log_probs(model, batch: dict, temperature: float = 1.0):
-    """Per-token log-probs of the completion tokens under ``model``: (B, C).
+    """Per-token log-probs of the completion tokens under ``model``: (B, C), float32 whatever the
+    weights' dtype.
 
     Logits divided by the sampling ``temperature`` first (the distribution the tokens were drawn
-    from, as TRL does); ``trl.trainer.utils.selective_log_softmax`` for the log-softmax + gather.
+    from, as TRL does); ``trl.trainer.utils.selective_log_softmax`` for the log-softmax + gather,
+    on the logits cast to float32 and outside autocast: a bf16 log-softmax is off by ~0.01 nats per
+    token, which the ratio and the k3 KL (differences of log-probs near 0) cannot absorb (OpenRLHF
+    PR #634; the DPO and KL stages cast the same way).
     """
+    import torch
     from trl.trainer.utils import selective_log_softmax
 
     P = batch["prompt_len"]
@@ -49,10 +54,11 @@ def completion_log_probs(model, batch: dict, temperature: float = 1.0):
     # only the last C + 1 positions' logits (the prompt's would cost a (B, P, V) tensor and its gradient)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                    position_ids=batch["position_ids"], use_cache=False, logits_to_keep=C + 1).logits  # (B, C + 1, V)
-    logits = logits[:, :-1, :]  # (B, C, V): position t predicts token t + 1
-    if temperature != 1.0:
-        logits = logits / temperature
-    return selective_log_softmax(logits, batch["input_ids"][:, P:])  # (B, C)
+    with torch.autocast(device_type=logits.device.type, enabled=False):
+        logits = logits[:, :-1, :].float()  # (B, C, V): position t predicts token t + 1
+        if temperature != 1.0:
+            logits = logits / temperature
+        return selective_log_softmax(logits, batch["input_ids"][:, P:])  # (B, C)
 
 
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, beta: float, epsilon: float,
@@ -69,6 +75,9 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, beta: float, eps
     ``dr_grpo`` masked sum / (B x max_completion_length) (Liu et al. 2025, arXiv 2503.20783);
     ``dapo`` masked sum / (num_items_in_batch / num_processes) (Yu et al. 2025, arXiv 2503.14476).
 
+    Computed in float32: every input is cast to it first (in bf16, ``exp(x) - x - 1`` at x = 0.01
+    comes out -0.0039 instead of 5.0e-5).
+
     Args:
         logps, old_logps: (B, C) log-probs of the completion tokens now / under the sampling policy.
         ref_logps: (B, C) under the reference model, or None when ``beta == 0``.
@@ -83,6 +92,8 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, beta: float, eps
     """
     import torch
 
+    logps, old_logps, advantages, mask = (t.float() for t in (logps, old_logps, advantages, mask))
+    ref_logps = None if ref_logps is None else ref_logps.float()
     adv = advantages.unsqueeze(1)  # (B, 1)
     ratio = torch.exp(logps - old_logps)  # (B, C)
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)  # (B, C)

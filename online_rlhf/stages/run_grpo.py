@@ -123,8 +123,7 @@ def train(cfg: GRPOStageConfig, accelerator, model, optimizer, completions: list
                     logps = completion_log_probs(model, batch, cfg.temperature)  # (b, C)
                     old_lp = pad_rows([old[i] for i in idx], C, accelerator.device)  # (b, C)
                     ref_lp = pad_rows([ref[i] for i in idx], C, accelerator.device) if ref is not None else None
-                    loss, m = grpo_loss(logps, old_lp.to(logps.dtype), None if ref_lp is None else ref_lp.to(logps.dtype),
-                                        batch["advantages"].to(logps.dtype), batch["completion_mask"].to(logps.dtype),
+                    loss, m = grpo_loss(logps, old_lp, ref_lp, batch["advantages"], batch["completion_mask"],
                                         beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=eps_hi,
                                         loss_type=cfg.loss_type, max_completion_length=cfg.max_completion_length,
                                         num_items_in_batch=n_items, num_processes=world)
