@@ -70,6 +70,22 @@ def test_a_users_eot_tokens_are_kept(tmp_path):
     assert _ax(tmp_path, tok, eot_tokens=["<|im_end|>", "<|im_start|>"])["eot_tokens"] == ["<|im_end|>", "<|im_start|>"]
 
 
+@pytest.mark.parametrize("eot, says", [
+    (["<|endoftext|>"], r"'<\|endoftext\|>' not in the chat template"),  # the Qwen eos: ChatML never writes it
+    (["<|not_a_token|>"], r"'<\|not_a_token\|>' not in the chat template"),
+    (["<|im_start|>"], r"leaves out '<\|im_end\|>'"),  # in the template, but not what ends an assistant turn
+    ("<|im_end|>", r"expected a list of token strings"),
+])
+def test_a_users_eot_tokens_that_train_no_turn_end_are_refused_before_training(tmp_path, eot, says):
+    """axolotl PR #2364: Axolotl only warns about an eot_tokens value the template lacks, trains, and
+    no assistant turn end gets a label; the stage refuses it, naming the token and the terminator."""
+    tok = make_qwen2_style_tokenizer()  # eos <|endoftext|>, ChatML turns end with <|im_end|>
+    with pytest.raises(ConfigError, match=says) as e:
+        _ax(tmp_path, tok, eot_tokens=eot)
+    assert "the template ends an assistant turn with '<|im_end|>'" in str(e.value)
+    assert "Set eot_tokens: ['<|im_end|>']" in str(e.value)
+
+
 def test_a_template_with_no_turn_end_is_refused_saying_how(tmp_path):
     tok = make_qwen2_style_tokenizer()
     tok.chat_template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"

@@ -99,16 +99,24 @@ def turn_end_tokens(ax: dict, entry: dict, tokenizer, eos: str) -> list[str] | N
     The terminator is read from the template Axolotl trains with
     (``online_rlhf.chat_tokens.turn_terminator``).
 
+    A user's own ``eot_tokens`` are checked, not trusted (axolotl PR #2364): Axolotl only warns
+    about a token the template does not contain ("not found in chat_template"), trains, and no
+    assistant turn end gets a label.
+
     Returns:
-        ``[terminator]`` to set; None to leave Axolotl's default (the config sets ``eot_tokens``
-        itself, or the terminator is the eos).
+        ``[terminator]`` to set; None to leave Axolotl's default (the config sets valid
+        ``eot_tokens`` itself, or the terminator is the eos).
     Raises:
         ConfigError: the template writes no special token after an assistant message and no eos
-            either (no turn end to train), naming the fix.
+            either (no turn end to train), or the config's ``eot_tokens`` name a token the template
+            does not contain or leave out the token it ends an assistant turn with; each names the
+            token(s) and the template's terminator.
     """
-    if ax.get("eot_tokens") is not None:
-        return None
     template = _training_template(ax, entry, tokenizer)
+    if ax.get("eot_tokens") is not None:
+        if template is not None:
+            check_eot_tokens(ax["eot_tokens"], template, turn_terminator(tokenizer, chat_template=template))
+        return None
     if template is None:
         return None
     terminator = turn_terminator(tokenizer, chat_template=template)
@@ -120,6 +128,30 @@ def turn_end_tokens(ax: dict, entry: dict, tokenizer, eos: str) -> list[str] | N
                       f"not the eos {eos!r} either: the model would never learn to end a turn. Set eot_tokens: "
                       "[<the template's turn-ending token>] in the SFT config, or use a chat template that ends each "
                       "turn with a special token (chat_template / chat_template_jinja).")
+
+
+def check_eot_tokens(eot_tokens, template: str, terminator: str | None) -> None:
+    """A config's own ``eot_tokens`` against the chat template SFT trains with.
+
+    Raises:
+        ConfigError: not a list of strings; a token the template does not contain (Axolotl would
+            only warn, and train no turn end); or, where the template's turn terminator is known
+            (``online_rlhf.chat_tokens.turn_terminator``), a list without it. Each names the
+            token(s), the template's terminator and the fix.
+    """
+    ends = f"the template ends an assistant turn with {terminator!r}" if terminator else \
+        "the template writes no special token right after an assistant message"
+    fix = (f"Set eot_tokens: [{terminator!r}] (or remove eot_tokens: the stage then sets it)" if terminator
+           else "Remove eot_tokens, or name a token the template writes")
+    if not isinstance(eot_tokens, list) or not all(isinstance(t, str) and t for t in eot_tokens):
+        raise ConfigError(f"eot_tokens={eot_tokens!r}: expected a list of token strings; {ends}. {fix}.")
+    missing = [t for t in eot_tokens if t not in template]
+    if missing:
+        raise ConfigError(f"eot_tokens: {', '.join(map(repr, missing))} not in the chat template SFT trains with; "
+                          f"{ends}. Axolotl would train no assistant turn end. {fix}.")
+    if terminator and terminator not in eot_tokens:
+        raise ConfigError(f"eot_tokens={eot_tokens!r} leaves out {terminator!r}: {ends}, and only the tokens of "
+                          f"eot_tokens get a label there, so no assistant turn end would be trained. {fix}.")
 
 
 def axolotl_config(cfg: SFTStageConfig, base: str, eos: str, tmp: Path, prepared: Path, tokenizer=None) -> dict:
