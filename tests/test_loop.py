@@ -685,6 +685,26 @@ def test_plan_warns_on_train_eval_overlap_and_reuse(tmp_path, capsys):
     assert "WARNING" in capsys.readouterr().err
 
 
+def test_plan_warns_on_train_prompts_whose_checker_would_draw_an_argument(tmp_path):
+    """A paragraph past the last one (NeMo-Skills PR #1375): its checker draws nth_paragraph again at
+    every scoring, so the rewards stage will count the record unscorable; the plan says so first."""
+    train, held = tmp_path / "train.jsonl", _prompts(tmp_path / "held.jsonl", 3)
+    kw = {"num_paragraphs": 3, "first_word": "ambition"}
+    write_jsonl(train, [{"id": f"t{i}", "prompt": "Write a poem.", "kwargs": [{**kw, "nth_paragraph": n}],
+                         "instruction_id_list": ["length_constraints:nth_paragraph_first_word"]}
+                        for i, n in enumerate((2, 4, 3, 4))])
+    common = [f"train_prompts={train}", f"eval_prompts={held}", f"output_root={tmp_path / 'r'}", f"policy={tmp_path}",
+              "iterations=1", "prompts_per_iteration=4", "ifeval.when=never"]
+    warnings = read_json(loop.plan(None, common + ["run_name=w"]) / "plan_warnings.json")
+    (w,) = [w for w in warnings if "draw at random" in w]
+    assert ("(iteration 1's prompts): 2 of 4 prompts leave an argument for their checker to draw at random" in w
+            and "the first, id 't1': length_constraints:nth_paragraph_first_word: nth_paragraph" in w
+            and "argument_drawn_by_checker" in w), w
+    warnings = read_json(loop.plan(None, common + ["run_name=rm", "reward.source=reward_model",
+                                                   f"reward.reward_model={tmp_path}"]) / "plan_warnings.json")
+    assert not [w for w in warnings if "draw at random" in w]  # another source does not run the checkers
+
+
 def test_plan_warns_when_eval_limit_exceeds_the_held_out_file(tmp_path):
     train, held = _prompts(tmp_path / "train.jsonl", 8), _prompts(tmp_path / "held.jsonl", 3)
     common = [f"train_prompts={train}", f"eval_prompts={held}", f"output_root={tmp_path / 'r'}", f"policy={tmp_path}",

@@ -23,7 +23,7 @@ from ..loop_config import LoopConfig, iteration_config
 from ..stage_table import STAGES, Stage, launch_command, prompt_source, stage_machines, starting_policy
 from .provenance import _Layers, _provenance, _stage_header
 from .resolve import (_LIBRARY_CHECKS, _check_ifeval_fields, _check_ifeval_prompts, _check_prompt_files,
-                      _check_verifier_fields, _eval_rows,
+                      _check_verifier_fields, _drawn_argument_warnings, _eval_rows,
                       _other_algorithm_warnings, _overlap_warnings, _prompt_key, resolve, stage_dict)
 
 
@@ -106,6 +106,7 @@ def plan(config_path: str | None, overrides: list[str], write: bool = True, shel
                 train_sets[src] = load_prompts(src, prompt_field=c.prompt_field)
             rows = _prompt_slice(train_sets[src], c, i)
             _check_verifier_fields(c, rows, f"train_prompts {src} (iteration {i}'s prompts)")
+            warnings += _drawn_argument_warnings(c, rows, f"train_prompts {src} (iteration {i}'s prompts)")
             files.add(it / "prompts.jsonl", _prompt_slice_text(rows))
             warnings += _overlap_warnings(rows, i, eval_ids, seen_train)
             for stage, d in prompt_checks:

@@ -320,6 +320,25 @@ def _check_verifier_fields(c: LoopConfig, rows: list[dict], what: str) -> None:
         "reward.judge_model=<name>.")
 
 
+def _drawn_argument_warnings(c: LoopConfig, rows: list[dict], what: str) -> list[str]:
+    """With ``reward.source=verifier``: one warning when IF records of ``rows`` leave an argument for
+    their checker to draw at random (:func:`online_rlhf.verifiers.drawn_arguments`), naming how many,
+    the first one's id, instruction and argument: the rewards stage counts them as
+    ``argument_drawn_by_checker`` and the update never sees them."""
+    if c.reward.source != "verifier" or c.reward.verifier == "math":
+        return []
+    from ..verifiers import drawn_arguments, drawn_text
+
+    drawn = [(r["id"], d) for r in rows if "instruction_id_list" in r and (d := drawn_arguments(r))]
+    if not drawn:
+        return []
+    rid, d = drawn[0]
+    return [f"{what}: {len(drawn)} of {len(rows)} prompts leave an argument for their checker to draw at random, so "
+            f"their K responses would not be judged against one constraint; the first, id {rid!r}: {drawn_text(d)}. "
+            "The rewards stage counts them as argument_drawn_by_checker and trains on none of them. Give every "
+            "argument a value the checker reads (scripts/build_if_prompts.py writes such prompts)."]
+
+
 def _check_instructions(rows: list[dict], what: str, then: str) -> None:
     """Every IF record of ``rows`` (fields present) names checkers of the registry and kwargs they
     take (:func:`online_rlhf.verifiers.instruction_problem`).
