@@ -6,6 +6,14 @@ Strategies (``PairsConfig.strategy``):
   RLHF recipe (Dong et al. 2024, "RLHF Workflow", github.com/RLHFlow/Online-RLHF).
 - ``max_random``: the best vs a random lower-rewarded response.
 - ``random``: a random pair of responses with different rewards, ordered by reward.
+- ``best_vs_rest``: several pairs per prompt, the best response against each lower-rewarded one
+  (worst first, so the first pair is ``max_min``'s): up to K-1 pairs from K samples instead of
+  one (the multi-pair construction of Iterative RPO, Pang et al. 2024, arXiv 2404.19733, and of
+  SimPO-style on-policy data, where every response below the best is a rejected one).
+- ``all_pairs``: every two responses whose rewards differ (by more than ``min_margin``), the higher
+  one chosen, largest margin first: up to K(K-1)/2 pairs.
+``max_pairs_per_prompt`` keeps the first N pairs of a prompt in that order. The pairs of one
+prompt share its ``id``.
 
 Before choosing, each response is checked: an empty (whitespace-only) response is invalid, and
 so is one the reward stage could not score (reward ``null``); a truncated one (``finish_reason ==
@@ -31,12 +39,14 @@ import math
 import random
 import statistics
 from collections import Counter
-from typing import Iterable
+from typing import Iterable, Literal, get_args
 
 from .jsonl import DataError
 from .records import validate_rewards
 
-STRATEGIES = ("max_min", "max_random", "random")
+Strategy = Literal["max_min", "max_random", "random", "best_vs_rest", "all_pairs"]
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+MULTI_PAIR = ("best_vs_rest", "all_pairs")  # the strategies that may give a prompt more than one pair
 MAX_EXAMPLES = 5  # example records kept per skip reason in the stats
 TRUNCATION = ("keep", "exclude", "penalize")
 
@@ -114,11 +124,17 @@ def low_diversity_warning(n_prompts: int, n_low: int, where: str) -> str | None:
 
 
 def choose(cands: list[tuple[int, float]], strategy: str = "max_min", min_margin: float = 0.0,
-           rng: random.Random | None = None) -> tuple[int, int] | str:
-    """Pick ``(chosen index, rejected index)`` from :func:`candidates`, or return the skip reason.
+           rng: random.Random | None = None) -> list[tuple[int, int]] | str:
+    """Pick ``[(chosen index, rejected index), ...]`` from :func:`candidates`, or return the skip reason.
 
-    Ties between equal best (or worst) rewards go to the lowest index. Reasons:
-    ``fewer_than_2_valid``, ``tie`` (no two rewards differ), ``margin_below_min``.
+    One pair for ``max_min``, ``max_random`` and ``random``; for ``best_vs_rest`` the best against
+    every candidate more than ``min_margin`` below it, worst first; for ``all_pairs`` every two
+    candidates more than ``min_margin`` apart, largest margin first (then by index). Ties between
+    equal best (or worst) rewards go to the lowest index. Reasons: ``fewer_than_2_valid``, ``tie``
+    (no two rewards differ), ``margin_below_min``.
+
+    Raises:
+        ValueError: an unknown ``strategy``.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -132,20 +148,28 @@ def choose(cands: list[tuple[int, float]], strategy: str = "max_min", min_margin
     if best[1] - worst[1] <= min_margin:
         return "margin_below_min"
     if strategy == "max_min":
-        return best[0], worst[0]
+        return [(best[0], worst[0])]
+    lower = sorted((c for c in cands if best[1] - c[1] > min_margin), key=lambda c: (c[1], c[0]))
     if strategy == "max_random":
-        lower = [c for c in cands if best[1] - c[1] > min_margin]
-        return best[0], rng.choice(lower)[0]
-    # random: any pair whose rewards differ by more than min_margin, ordered by reward
+        return [(best[0], rng.choice(lower)[0])]
+    if strategy == "best_vs_rest":
+        return [(best[0], c[0]) for c in lower]
+    # random / all_pairs: the pairs whose rewards differ by more than min_margin, ordered by reward
     pairs = [(a, b) for a in cands for b in cands if a[1] - b[1] > min_margin]
-    a, b = rng.choice(pairs)
-    return a[0], b[0]
+    if strategy == "random":
+        a, b = rng.choice(pairs)
+        return [(a[0], b[0])]
+    pairs.sort(key=lambda ab: (-(ab[0][1] - ab[1][1]), ab[0][0], ab[1][0]))
+    return [(a[0], b[0]) for a, b in pairs]
 
 
-def make_pair(rec: dict, where: str, strategy: str = "max_min", min_margin: float = 0.0, truncated: str = "exclude",
-              truncated_penalty: float = 1.0, seed: int = 42, counts: Counter | None = None) -> dict | str:
-    """One rewards record -> a pair ``{id, prompt, chosen, rejected, chosen_reward, rejected_reward}`` or a skip reason
-    (``identical_responses``, ``fewer_than_2_valid``, ``tie``, ``margin_below_min``: see the module docstring).
+def prompt_pairs(rec: dict, where: str, strategy: str = "max_min", min_margin: float = 0.0, truncated: str = "exclude",
+                 truncated_penalty: float = 1.0, seed: int = 42, counts: Counter | None = None,
+                 max_pairs_per_prompt: int | None = None) -> list[dict] | str:
+    """One rewards record -> its pairs ``[{id, prompt, chosen, rejected, chosen_reward, rejected_reward}]``
+    (one for ``max_min``/``max_random``/``random``; up to ``max_pairs_per_prompt`` for the multi-pair
+    strategies, all with the record's ``id``) or a skip reason (``identical_responses``,
+    ``fewer_than_2_valid``, ``tie``, ``margin_below_min``: see the module docstring).
 
     ``chosen``/``rejected`` are one-message lists ``[{"role": "assistant", "content": ...}]`` (TRL's
     conversational preference format).
@@ -162,15 +186,11 @@ def make_pair(rec: dict, where: str, strategy: str = "max_min", min_margin: floa
     if isinstance(picked, str):
         return picked
     eff = dict(cands)
-    c, r = picked
-    return {
-        "id": rec["id"],
-        "prompt": rec["prompt"],
-        "chosen": [{"role": "assistant", "content": rec["responses"][c]}],
-        "rejected": [{"role": "assistant", "content": rec["responses"][r]}],
-        "chosen_reward": eff[c],
-        "rejected_reward": eff[r],
-    }
+    return [{"id": rec["id"], "prompt": rec["prompt"],
+             "chosen": [{"role": "assistant", "content": rec["responses"][c]}],
+             "rejected": [{"role": "assistant", "content": rec["responses"][r]}],
+             "chosen_reward": eff[c], "rejected_reward": eff[r]}
+            for c, r in picked[:max_pairs_per_prompt]]
 
 
 def _summary(xs: list[float]) -> dict:
@@ -217,14 +237,16 @@ def no_pairs_warning(n_in: int, n_pairs: int, skipped: Counter, resp_counts: Cou
 
 
 def build_pairs(records: Iterable[tuple[str, dict]], strategy: str = "max_min", min_margin: float = 0.0,
-                truncated: str = "exclude", truncated_penalty: float = 1.0, seed: int = 42) -> tuple[list[dict], dict]:
+                truncated: str = "exclude", truncated_penalty: float = 1.0, seed: int = 42,
+                max_pairs_per_prompt: int | None = None) -> tuple[list[dict], dict]:
     """Pairs from ``(where, rewards record)`` items, and the stats of the selection.
 
     Records whose ``rewards`` is ``null`` (the reward stage could not score them) are skipped as
     ``unscored``; ``null`` entries inside ``rewards`` are unscored responses (left out, counted).
 
     Returns:
-        ``(pairs, stats)``; stats hold records in, pairs out, skipped by reason with up to
+        ``(pairs, stats)``; stats hold records in, pairs out, the prompts that gave a pair, skipped
+        by reason with up to
         ``MAX_EXAMPLES`` ``"<where> (id=...)"`` per reason (``skipped_examples``), per-response
         counts, prompts with fewer than 2 distinct responses, ``warnings`` (low diversity; no pair
         from a non-empty input, with the skip reasons and their fixes), the
@@ -237,7 +259,7 @@ def build_pairs(records: Iterable[tuple[str, dict]], strategy: str = "max_min", 
     skipped, resp_counts = Counter(), Counter()
     examples: dict[str, list[str]] = {}
     all_rewards: list[float] = []
-    n_in = sampled = low = 0
+    n_in = sampled = low = with_pairs = 0
     seen: dict = {}  # id -> where it was first seen
     for where, rec in records:
         n_in += 1
@@ -248,19 +270,22 @@ def build_pairs(records: Iterable[tuple[str, dict]], strategy: str = "max_min", 
             resp_counts["total"] += len(rec["responses"])
             sampled += len(rec["responses"]) >= 2
             low += len(rec["responses"]) >= 2 and distinct_texts(rec["responses"]) < 2
-            out = make_pair(rec, where, strategy, min_margin, truncated, truncated_penalty, seed, resp_counts)
+            out = prompt_pairs(rec, where, strategy, min_margin, truncated, truncated_penalty, seed, resp_counts,
+                               max_pairs_per_prompt)
         if isinstance(out, str):
             skipped[out] += 1
             if len(examples.setdefault(out, [])) < MAX_EXAMPLES:
                 examples[out].append(f"{where} (id={rec.get('id')!r})")
         else:
-            pairs.append(out)
+            pairs.extend(out)
+            with_pairs += 1
     warnings = [w for w in (low_diversity_warning(sampled, low, "make_pairs"),
                             no_pairs_warning(n_in, len(pairs), skipped, resp_counts, truncated, min_margin)) if w]
-    stats = {"records_in": n_in, "pairs_out": len(pairs), "skipped": dict(skipped), "skipped_examples": examples,
+    stats = {"records_in": n_in, "pairs_out": len(pairs), "prompts_with_pairs": with_pairs,
+             "skipped": dict(skipped), "skipped_examples": examples,
              "responses": dict(resp_counts), "prompts_fewer_than_2_distinct": low,
              "warnings": warnings, **_selection_stats(pairs, all_rewards),
-             "strategy": strategy, "min_margin": min_margin,
+             "strategy": strategy, "min_margin": min_margin, "max_pairs_per_prompt": max_pairs_per_prompt,
              "truncation": {"policy": truncated, "penalty": truncated_penalty if truncated == "penalize" else None},
              "seed": seed}
     return pairs, stats

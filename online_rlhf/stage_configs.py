@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import AfterValidator, ConfigDict, Field, model_validator
 
 from .config import StageConfig
+from .pairs import Strategy
 from .stats import stats_path
 
 # transformers' attention implementations the policy stages take by name (a Hub kernel is named
@@ -161,8 +162,9 @@ class PairsConfig(StageConfig):
 
     input: str = Field(..., description="rewards.jsonl")
     output: str = Field(..., description="pairs.jsonl")
-    strategy: Literal["max_min", "max_random", "random"] = Field("max_min", description="max_min: best vs worst (RLHFlow)")
-    min_margin: float = Field(0.0, ge=0.0, description="skip a prompt when chosen - rejected reward <= this (ties always skipped)")
+    strategy: Strategy = Field("max_min", description="max_min: best vs worst (RLHFlow); max_random: best vs a random lower one; random: a random pair that differs; best_vs_rest: the best vs each lower one (up to K-1 pairs per prompt); all_pairs: every two that differ (up to K(K-1)/2)")
+    min_margin: float = Field(0.0, ge=0.0, description="skip a prompt when chosen - rejected reward <= this (ties always skipped); the multi-pair strategies leave out each pair at or under it")
+    max_pairs_per_prompt: Optional[int] = Field(None, ge=1, description="best_vs_rest / all_pairs: keep at most this many pairs of a prompt, largest margin first (best_vs_rest: worst rejected first); null: all")
     truncated: Literal["keep", "exclude", "penalize"] = Field("exclude", description="responses with finish_reason 'length'")
     truncated_penalty: float = Field(1.0, ge=0.0, description="penalize: subtract this from a truncated response's reward")
     seed: int = Field(42, ge=0, le=SEED_MAX, description="seed of max_random / random")

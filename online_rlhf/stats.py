@@ -30,6 +30,7 @@ from typing import Any, ClassVar, Literal, Optional
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .jsonl import DataError, read_json, write_json
+from .pairs import Strategy
 
 STATS_SUFFIX = ".stats.json"
 
@@ -277,6 +278,8 @@ class PairsStats(StageStats):
     output: str
     records_in: int
     pairs_out: int
+    # prompts that gave at least one pair (pairs_out with a multi-pair strategy can be more); None in older stats
+    prompts_with_pairs: Optional[int] = None
     skipped: dict[str, int]
     skipped_examples: dict[str, list[str]]
     responses: dict[str, int]
@@ -286,8 +289,9 @@ class PairsStats(StageStats):
     chosen_reward_mean: Optional[float]
     rejected_reward_mean: Optional[float]
     margin_mean: Optional[float]
-    strategy: Literal["max_min", "max_random", "random"]
+    strategy: Strategy
     min_margin: float
+    max_pairs_per_prompt: Optional[int] = None  # the cap per prompt (multi-pair strategies); None: none, or older stats
     truncation: TruncationPolicy
     seed: int
     seconds: float

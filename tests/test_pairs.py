@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from online_rlhf.jsonl import DataError, write_jsonl
-from online_rlhf.pairs import build_pairs, make_pair
+from online_rlhf.pairs import build_pairs, prompt_pairs
 from online_rlhf.records import validate_pair
 from online_rlhf.stats import PairsStats, stats_path
 
@@ -30,11 +30,50 @@ def pairs_of(records, **kw):
 
 
 def test_max_min_picks_best_and_worst():
-    p = make_pair(rec([0.2, 0.9, -0.5, 0.1]), "mem:1")
+    (p,) = prompt_pairs(rec([0.2, 0.9, -0.5, 0.1]), "mem:1")
     assert p["chosen"] == [{"role": "assistant", "content": "response 1"}]
     assert p["rejected"] == [{"role": "assistant", "content": "response 2"}]
     assert (p["chosen_reward"], p["rejected_reward"]) == (0.9, -0.5)
     validate_pair(p, "mem:1")
+
+
+def _texts(pairs):
+    return [(p["chosen"][0]["content"][-1], p["rejected"][0]["content"][-1]) for p in pairs]
+
+
+def test_best_vs_rest_pairs_the_best_with_each_lower_one_worst_first():
+    # response 1 is the best, 2 the worst; 0 and 3 tie below it (ordered by index), 4 is just under the best
+    r = rec([0.5, 1.0, 0.0, 0.5, 0.9])
+    pairs = prompt_pairs(r, "mem:1", strategy="best_vs_rest")
+    assert _texts(pairs) == [("1", "2"), ("1", "0"), ("1", "3"), ("1", "4")]
+    assert pairs[0] == prompt_pairs(r, "mem:1")[0]  # the first is max_min's
+    assert {p["id"] for p in pairs} == {"p0"} and all(p["chosen_reward"] == 1.0 for p in pairs)
+    # min_margin leaves out each rejected one too close to the best; the cap keeps the worst ones
+    assert _texts(prompt_pairs(r, "mem:1", strategy="best_vs_rest", min_margin=0.2)) == [("1", "2"), ("1", "0"), ("1", "3")]
+    assert _texts(prompt_pairs(r, "mem:1", strategy="best_vs_rest", max_pairs_per_prompt=2)) == [("1", "2"), ("1", "0")]
+
+
+def test_all_pairs_takes_every_two_that_differ_largest_margin_first():
+    r = rec([0.5, 1.0, 0.0, 0.5])
+    pairs = prompt_pairs(r, "mem:1", strategy="all_pairs")
+    # margins: 1-2: 1.0; 0-2, 1-0, 1-3, 3-2: 0.5; the two 0.5s never pair (a tie)
+    assert _texts(pairs) == [("1", "2"), ("0", "2"), ("1", "0"), ("1", "3"), ("3", "2")]
+    assert all(p["chosen_reward"] > p["rejected_reward"] for p in pairs)
+    assert len(prompt_pairs(r, "mem:1", strategy="all_pairs", min_margin=0.5)) == 1
+
+
+def test_multi_pair_stats_count_pairs_and_the_prompts_they_came_from(tmp_path):
+    from online_rlhf.stage_configs import PairsConfig
+    from online_rlhf.stages import make_pairs
+
+    src = tmp_path / "rewards.jsonl"
+    write_jsonl(src, [rec([0.0, 1.0, 0.5, 0.25], rid="a"), rec([0.3, 0.3, 0.3, 0.3], rid="tie"), rec([1.0, 0.0], rid="b")])
+    stats = make_pairs.main(PairsConfig(input=str(src), output=str(tmp_path / "pairs.jsonl"), strategy="best_vs_rest"))
+    assert (stats.records_in, stats.pairs_out, stats.prompts_with_pairs, stats.skipped) == (3, 4, 2, {"tie": 1})
+    assert stats.margin_mean == pytest.approx((1.0 + 0.75 + 0.5 + 1.0) / 4)
+    capped = make_pairs.main(PairsConfig(input=str(src), output=str(tmp_path / "p2.jsonl"), strategy="all_pairs",
+                                         max_pairs_per_prompt=2))
+    assert (capped.pairs_out, capped.prompts_with_pairs, capped.max_pairs_per_prompt) == (3, 2, 2)
 
 
 def test_ties_are_skipped_and_counted():
@@ -110,7 +149,7 @@ def test_null_reward_leaves_out_that_response_only():
 
 
 def test_duplicate_texts_count_once_with_mean_reward():
-    p = make_pair(rec([1.0, 0.0, 0.2], responses=["a", "a ", "b"]), "mem:1")
+    (p,) = prompt_pairs(rec([1.0, 0.0, 0.2], responses=["a", "a ", "b"]), "mem:1")
     assert p["chosen"][0]["content"] == "a" and p["chosen_reward"] == 0.5
     assert p["rejected"][0]["content"] == "b"
 
@@ -247,7 +286,7 @@ def test_pairs_are_trl_conversational_preference_examples():
     trl_data = pytest.importorskip("trl.data_utils")
     from online_rlhf.testing import make_tiny_tokenizer
 
-    p = make_pair(rec([0.0, 1.0]), "mem:1")
+    (p,) = prompt_pairs(rec([0.0, 1.0]), "mem:1")
     pair = {k: p[k] for k in ("prompt", "chosen", "rejected")}
     assert trl_data.is_conversational(pair)
     text = trl_data.apply_chat_template(pair, make_tiny_tokenizer())

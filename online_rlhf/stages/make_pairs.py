@@ -1,7 +1,7 @@
 """Stage: rewards.jsonl -> pairs.jsonl (chosen/rejected per prompt) + stats JSON.
 
     python annotate_data/make_pairs.py input=runs/x/iter_1/rewards.jsonl output=runs/x/iter_1/pairs.jsonl \
-        [strategy=max_min|max_random|random] [min_margin=0.0] [truncated=exclude|keep|penalize] \
+        [strategy=max_min|max_random|random|best_vs_rest|all_pairs] [min_margin=0.0] [max_pairs_per_prompt=N] [truncated=exclude|keep|penalize] \
         [truncated_penalty=1.0] [seed=42] [--config FILE]
 
 Reads rewards records ``{id, prompt, responses: [K], finish_reasons: [K], rewards: [K], ...}``;
@@ -42,7 +42,8 @@ def main(cfg: PairsConfig) -> PairsStats:
     lines = iter_jsonl(cfg.input)
     records = ((f"{cfg.input}:{ln}", rec) for ln, rec in lines)
     pairs, stats = build_pairs(records, strategy=cfg.strategy, min_margin=cfg.min_margin, truncated=cfg.truncated,
-                               truncated_penalty=cfg.truncated_penalty, seed=cfg.seed)
+                               truncated_penalty=cfg.truncated_penalty, seed=cfg.seed,
+                               max_pairs_per_prompt=cfg.max_pairs_per_prompt)
     # the loop's stage YAML holds every key, so "set" means "not the default" here
     if cfg.truncated_penalty != type(cfg).model_fields["truncated_penalty"].default and cfg.truncated != "penalize":
         stats["warnings"].append(f"truncated_penalty={cfg.truncated_penalty} is not used with truncated={cfg.truncated} "
@@ -52,7 +53,8 @@ def main(cfg: PairsConfig) -> PairsStats:
                        seconds=round(time.time() - t0, 3), input_blank_lines=lines.blank_lines)
     stats.write(stats_path(cfg.output))
     skipped = ", ".join(f"{k} {v}" for k, v in sorted(stats.skipped.items())) or "none"
-    print(f"make_pairs: {stats.records_in} prompts -> {stats.pairs_out} pairs (skipped: {skipped}) -> {cfg.output}")
+    per = f" from {stats.prompts_with_pairs} prompts" if stats.pairs_out != stats.prompts_with_pairs else ""
+    print(f"make_pairs: {stats.records_in} prompts -> {stats.pairs_out} pairs{per} (skipped: {skipped}) -> {cfg.output}")
     for w in stats.warnings:
         print(f"WARNING: {w}", file=sys.stderr)
     if stats.pairs_out == 0:  # an empty result is a failure (exit 2), not a success DPO then trips over
