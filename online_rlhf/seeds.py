@@ -127,8 +127,12 @@ def seed_summary(run_dir: Path) -> dict[str, Any]:
     ins = [_instruction_rate(base, common), _instruction_rate(now, common)]
     length = [_instruction_rate(base, common, "length_constraints"), _instruction_rate(now, common, "length_constraints")]
     vs0 = rows[last].get("eval_reward_vs_0") or {}
+    lc0 = rows[last].get("eval_reward_lc_vs_0") or {}
     kl = (rows[last].get("kl") or {}).get("kl_mean")
     seconds = sum(v or 0.0 for r in rows.values() for v in (r.get("stage_seconds") or {}).values())
+    trained = [r.get("pairs", (r.get("grpo") or {}).get("groups_used")) for i, r in rows.items() if i >= 1]
+    pairs = None if not trained or None in trained else sum(trained)
+    diff_points = 100 * (ps[1] - ps[0])
     return {"run_dir": str(run_dir), "seed": None, "iteration": last, "prompts": len(common),
             "ifeval_prompt_strict": ps, "ifeval_prompt_strict_diff": ps[1] - ps[0],
             "ifeval_instruction_strict": ins, "ifeval_instruction_strict_diff": ins[1] - ins[0],
@@ -136,8 +140,25 @@ def seed_summary(run_dir: Path) -> dict[str, Any]:
             "length_constraints_strict": length,
             "heldout_reward": [rows[0].get("eval_reward_mean"), rows[last].get("eval_reward_mean")],
             "heldout_diff": vs0.get("diff"), "heldout_p": vs0.get("p_value"),
+            "heldout_lc_diff": lc0.get("diff"), "heldout_lc_p": lc0.get("p_value"),
             "median_tokens": [rows[0].get("eval_median_response_tokens"), rows[last].get("eval_median_response_tokens")],
-            "kl": kl, "stage_seconds": round(seconds, 1)}
+            "kl": kl, "stage_seconds": round(seconds, 1), "iteration_0_reused": _iteration_0_reused(run_dir),
+            "pairs": pairs,
+            "pairs_per_minute": None if pairs is None or not seconds else round(pairs / (seconds / 60), 2),
+            "points_per_100_pairs": None if not pairs else round(diff_points / pairs * 100, 3),
+            "points_per_stage_hour": None if not seconds else round(diff_points / (seconds / 3600), 3)}
+
+
+def _iteration_0_reused(run_dir: Path) -> bool:
+    """Whether iteration 0's evaluation answers came from the evaluation cache (its stage seconds are
+    then not in the run's), read from the ``reused_from`` of its generation stats."""
+    from .jsonl import read_json
+
+    for name in ("eval_generated.jsonl.stats.json", "ifeval_generated.jsonl.stats.json"):
+        path = run_dir / "iter_0" / name
+        if path.is_file() and read_json(path).get("reused_from"):
+            return True
+    return False
 
 
 def pooled(summaries: list[dict]) -> dict[str, Any]:
@@ -162,8 +183,11 @@ def pooled(summaries: list[dict]) -> dict[str, Any]:
     p = 1.0 if gained + lost == 0 else float(binomtest(gained, gained + lost, 0.5).pvalue)
     return {"seeds": len(summaries), "ifeval_prompt_strict_diff": ci("ifeval_prompt_strict_diff"),
             "ifeval_instruction_strict_diff": ci("ifeval_instruction_strict_diff"), "heldout_diff": ci("heldout_diff"),
+            "heldout_lc_diff": ci("heldout_lc_diff"),
             "length_constraints_diff": ci("length_constraints_diff"), "gained": gained, "lost": lost, "exact_p": p,
-            "seeds_up": sum(s["ifeval_prompt_strict_diff"] > 0 for s in summaries)}
+            "seeds_up": sum(s["ifeval_prompt_strict_diff"] > 0 for s in summaries),
+            "stage_seconds": ci("stage_seconds"), "pairs": ci("pairs"), "pairs_per_minute": ci("pairs_per_minute"),
+            "points_per_100_pairs": ci("points_per_100_pairs"), "points_per_stage_hour": ci("points_per_stage_hour")}
 
 
 def _pct(x: Optional[float], signed: bool = False) -> str:
@@ -183,15 +207,20 @@ def table(summaries: list[dict], pool: dict, title: str) -> str:
              "iteration minus iteration 0 of the same seed (paired). Held-out: the loop's held-out reward "
              "(paired bootstrap p).", "",
              "| seed | it. | IFEval prompt strict 0 → N (Δ) | gained / lost (McNemar p) | instr. strict 0 → N (Δ) | "
-             "length_constraints 0 → N | held-out Δ (p) | median tokens 0 → N | KL nats | stage s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "length_constraints 0 → N | held-out Δ (p) | length-controlled Δ (p) | median tokens 0 → N | KL nats | "
+             "stage s | pairs | pairs / min | points / 100 pairs | points / stage-hour |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
         ps, ins, lc, mt = s["ifeval_prompt_strict"], s["ifeval_instruction_strict"], s["length_constraints_strict"], s["median_tokens"]
+        cached = " (iteration 0 cached)" if s.get("iteration_0_reused") else ""
         lines.append(f"| {s['seed']} | {s['iteration']} | {_pct(ps[0])} → {_pct(ps[1])} ({_pct(s['ifeval_prompt_strict_diff'], True)}) | "
                      f"{s['gained']} / {s['lost']} ({_num(s['mcnemar_p'])}) | {_pct(ins[0])} → {_pct(ins[1])} "
                      f"({_pct(s['ifeval_instruction_strict_diff'], True)}) | {_pct(lc[0])} → {_pct(lc[1])} | "
-                     f"{_num(s['heldout_diff'], '+.3f')} ({_num(s['heldout_p'])}) | {mt[0]} → {mt[1]} | "
-                     f"{_num(s['kl'], '.2f')} | {s['stage_seconds']:.0f} |")
+                     f"{_num(s['heldout_diff'], '+.3f')} ({_num(s['heldout_p'])}) | "
+                     f"{_num(s.get('heldout_lc_diff'), '+.3f')} ({_num(s.get('heldout_lc_p'))}) | {mt[0]} → {mt[1]} | "
+                     f"{_num(s['kl'], '.2f')} | {s['stage_seconds']:.0f}{cached} | {_num(s.get('pairs'), 'd')} | "
+                     f"{_num(s.get('pairs_per_minute'), '.2f')} | {_num(s.get('points_per_100_pairs'), '+.2f')} | "
+                     f"{_num(s.get('points_per_stage_hour'), '+.2f')} |")
 
     def ci(d: dict, scale: float = 100, fmt: str = "+.1f") -> str:
         if d["mean"] is None:
@@ -201,7 +230,11 @@ def table(summaries: list[dict], pool: dict, title: str) -> str:
 
     lines += ["", f"**Pooled over {pool['seeds']} seeds**: IFEval prompt strict Δ {ci(pool['ifeval_prompt_strict_diff'])} "
               f"points; instruction strict Δ {ci(pool['ifeval_instruction_strict_diff'])}; length_constraints strict Δ "
-              f"{ci(pool['length_constraints_diff'])}; held-out reward Δ {ci(pool['heldout_diff'], 1, '+.3f')}. "
+              f"{ci(pool['length_constraints_diff'])}; held-out reward Δ {ci(pool['heldout_diff'], 1, '+.3f')}, "
+              f"length-controlled {ci(pool['heldout_lc_diff'], 1, '+.3f')}. Per seed, mean: {ci(pool['pairs'], 1, '.0f')} "
+              f"pairs in {ci(pool['stage_seconds'], 1, '.0f')} stage s; {ci(pool['pairs_per_minute'], 1, '.2f')} pairs / min; "
+              f"IFEval {ci(pool['points_per_100_pairs'], 1, '+.2f')} points / 100 pairs, "
+              f"{ci(pool['points_per_stage_hour'], 1, '+.2f')} points / stage-hour. "
               f"Exact test on all discordant IFEval prompts: {pool['gained']} gained, {pool['lost']} lost, "
               f"p = {pool['exact_p']:.3g}. IFEval up in {pool['seeds_up']} of {pool['seeds']} seeds."]
     return "\n".join(lines) + "\n"

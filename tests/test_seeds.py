@@ -23,9 +23,11 @@ def _run(root: Path, seed: int, base_pass: list[bool], last_pass: list[bool], la
                       "prompt_loose": p} for k, n, p in zip(ids, names, passes)])
     rows = [{"iteration": 0, "eval_reward_mean": 0.1, "eval_median_response_tokens": 200, "kl": {"kl_mean": 0.0},
              "stage_seconds": {"eval_generate": 10.0}},
+            *({"iteration": i, "pairs": 12, "stage_seconds": {"generate": 10.0}} for i in range(1, last)),
             {"iteration": last, "eval_reward_mean": 0.1 + heldout_diff, "eval_median_response_tokens": 150,
              "eval_reward_vs_0": {"diff": heldout_diff, "p_value": 0.04}, "kl": {"kl_mean": 1.5},
-             "stage_seconds": {"generate": 100.0, "dpo": 50.0}}]
+             "eval_reward_lc_vs_0": {"diff": heldout_diff / 2, "p_value": 0.2}, "pairs": 18,
+             "stage_seconds": {"generate": 90.0, "dpo": 50.0}}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return run
 
@@ -40,7 +42,12 @@ def test_one_seed_is_paired_against_its_own_iteration_0(tmp_path):
     # length constraints are the even prompts: 0, 2, 4 -> passed 2 of 3 before (0, 4), 2 of 3 after (0, 2)
     assert s["length_constraints_strict"] == pytest.approx([2 / 3, 2 / 3])
     assert s["heldout_diff"] == 0.05 and s["kl"] == 1.5 and s["median_tokens"] == [200, 150]
-    assert s["stage_seconds"] == 160.0
+    assert s["stage_seconds"] == 160.0 and not s["iteration_0_reused"]
+    # the pairs of every training iteration, and the yardsticks: +16.7 points from 30 pairs in 160 s
+    assert (s["pairs"], s["heldout_lc_diff"], s["heldout_lc_p"]) == (30, 0.025, 0.2)
+    assert s["pairs_per_minute"] == pytest.approx(30 / (160 / 60), abs=0.01)
+    assert s["points_per_100_pairs"] == pytest.approx(100 / 6 / 30 * 100, abs=1e-3)
+    assert s["points_per_stage_hour"] == pytest.approx(100 / 6 / (160 / 3600), abs=1e-3)
 
 
 def test_pooled_interval_and_one_exact_test_over_all_discordant_prompts(tmp_path):
@@ -62,6 +69,8 @@ def test_pooled_interval_and_one_exact_test_over_all_discordant_prompts(tmp_path
     assert pool["seeds_up"] == 3
     text = seeds.table(rows, pool, "rec")
     assert "16 gained, 1 lost" in text and text.count("\n| ") == 4  # header + 3 seeds (the separator has no space)
+    assert pool["pairs"]["mean"] == 30 and "30 (95% CI 30..30) pairs in 160" in text
+    assert "| 30 | 11.25 |" in text  # pairs and pairs per minute of a seed
 
 
 def test_a_run_without_ifeval_is_refused_naming_the_file(tmp_path):
