@@ -196,3 +196,4 @@ for ((i = 0; i <= ITERATIONS; i++)); do
 done
 REPORT="$("$TRAIN" -m online_rlhf.loop report "$RUN_DIR")"
 say "done in $(clock). Report: $REPORT and ${REPORT%.md}.png"
+say "$("$TRAIN" -m online_rlhf.loop verdict "$RUN_DIR")"   # the last line: did IFEval rise, and is it significant?

@@ -431,6 +431,51 @@ def test_metrics_compare_with_iteration_0_and_warn_on_kl(cfg_args, capsys):
     assert not math.isnan(rows[1]["eval_distinct_1"])
 
 
+def test_report_shows_what_flipped_and_the_console_ends_with_the_ifeval_verdict(cfg_args, capsys):
+    from online_rlhf.loop.report import verdict
+
+    run_dir = loop.plan(None, cfg_args)
+    answers = lambda it, tag, n: write_jsonl(run_dir / f"iter_{it}" / "ifeval_generated.jsonl", [  # noqa: E731
+        {"id": f"f{j}", "prompt": [{"role": "user", "content": f"prompt {j}"}], "responses": [f"{tag} answer {j} <<t>>"],
+         "finish_reasons": ["stop"]} for j in range(n)])
+    _eval_file(run_dir / "iter_0" / "eval.jsonl", [0.0, 0.5, 0.5, 1.0], [100, 80, 60, 40])
+    _ifeval_file(run_dir / "iter_0" / "ifeval.jsonl", [False] * 10 + [True])
+    answers(0, "old", 11)
+    _stats(run_dir / "iter_0", 0)
+    scored = lambda it, n: example_stats(IFEvalStats, prompt_strict=n / 11, instruction_strict=n / 11,  # noqa: E731
+                                         records_scored=11).write(run_dir / f"iter_{it}" / "ifeval.jsonl.stats.json")
+    scored(0, 1)
+    loop.metrics(run_dir, 0)
+    assert verdict(run_dir) == "iteration 0: nothing to compare with iteration 0 yet."
+    _eval_file(run_dir / "iter_1" / "eval.jsonl", [0.0, 0.5, 0.5, 1.0], [100, 80, 60, 40])
+    _stats(run_dir / "iter_1", 1)
+    loop.metrics(run_dir, 1)
+    _eval_file(run_dir / "iter_2" / "eval.jsonl", [1.0, 0.5, 0.0, 1.0], [100, 80, 60, 40])
+    _ifeval_file(run_dir / "iter_2" / "ifeval.jsonl", [True] * 8 + [False] * 3)  # 8 gained, f10 lost
+    answers(2, "new", 11)
+    _stats(run_dir / "iter_2", 2)
+    scored(2, 8)
+    loop.metrics(run_dir, 2)
+    capsys.readouterr()
+    assert loop.main(["verdict", str(run_dir)]) == 0
+    # 1/11 -> 8/11; exact McNemar on 8 gained vs 1 lost: 2 x (1 + 9) / 2^9
+    assert capsys.readouterr().out.strip() == (
+        "IFEval prompt-level strict 9.1 -> 72.7 at iteration 2 (+63.6 points, up; 8 prompts gained, 1 lost; exact "
+        "McNemar p = 0.039: significant at 0.05); instruction-level 9.1 -> 72.7; 11 prompts.")
+    text = loop.report(run_dir).read_text()
+    assert "## What changed: IFEval prompts that flipped (iteration 0 vs 2)" in text and "8 prompts gained, 1 lost" in text
+    assert "| f0 (gained) | prompt 0 |" in text and "| f10 (lost) |" in text and "| f3 (gained)" not in text  # 3 shown
+    assert "✗<br>old answer 0 &lt;&lt;t&gt;&gt; | ✓<br>new answer 0 &lt;&lt;t&gt;&gt; |" in text
+    assert "## What changed: held-out prompts whose reward moved most (iteration 0 vs 2)" in text
+    assert "| e0 (+1.00) | q | 0.00<br>answer 0 words | 1.00<br>answer 0 words |" in text and "| e2 (-0.50) |" in text
+    # without IFEval at the last iteration the verdict is the held-out reward's
+    (run_dir / "iter_2" / "ifeval.jsonl").unlink()
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    rows[-1]["ifeval_vs_0"] = None
+    write_jsonl(run_dir / "metrics.jsonl", rows)
+    assert verdict(run_dir).startswith("held-out reward 0.5000 -> 0.6250 at iteration 2 (+0.1250, paired bootstrap p=")
+
+
 def test_metrics_line_shows_the_kl_with_its_standard_error():
     from online_rlhf import loop
 

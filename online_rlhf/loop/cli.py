@@ -18,6 +18,7 @@
     python -m online_rlhf.loop output-hint RUN_DIR MESSAGE    # which stage wrote a run file MESSAGE names, how to regenerate it
     python -m online_rlhf.loop metrics RUN_DIR ITER           # one row of metrics.jsonl
     python -m online_rlhf.loop report RUN_DIR                 # report.md + report.png (+ wandb)
+    python -m online_rlhf.loop verdict RUN_DIR                # one line: IFEval at the last iteration vs 0, significant or not
 
     python -m online_rlhf.loop -h                             # every loop config key, sections included
 
@@ -44,7 +45,7 @@ from ..loop_config import LoopConfig
 from ..stage_table import STAGES, no_pairs_stop
 from .metrics import metrics
 from .plan import fresh_refusal, plan, _stdout_to_stderr
-from .report import metrics_line, report
+from .report import metrics_line, report, verdict
 from .resolve import resolve
 from .run import after_line, co_decoded_note, dry_run, exec_stage, mark, output_hint, stage_lines, stale_reason
 
@@ -169,6 +170,9 @@ def main(argv: list[str]) -> int:
                 print(f"WARNING: {w}")
         elif cmd == "report":
             print(report(Path(args[0])))
+        elif cmd == "verdict":
+            _needs(cmd, args, "RUN_DIR")
+            print(verdict(Path(args[0])))
         else:
             print(f"unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
             return 2

@@ -15,8 +15,10 @@ from ..stage_table import STAGES
 
 
 def report(run_dir: Path) -> Path:
-    """Write ``report.md`` (a table per iteration) and ``report.png`` (held-out reward with 95%
-    intervals; stage seconds per iteration); log the rows to wandb when the config asks."""
+    """Write ``report.md`` (a table per iteration, the prompts whose outcome flipped between
+    iteration 0 and the last) and ``report.png`` (held-out reward with 95% intervals, its paired
+    change, IFEval per iteration, stage seconds per iteration); log the rows to wandb when the
+    config asks."""
     rows = read_jsonl(run_dir / "metrics.jsonl")
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
     lines = [f"# Run `{run_dir.name}`", "",
@@ -34,6 +36,7 @@ def report(run_dir: Path) -> Path:
     lines += ["", f"Held-out: greedy responses to the eval prompts after the iteration's {cfg.get('algorithm', 'dpo').upper()}. Rollout: mean reward "
               "of the iteration's K samples per train prompt, drawn from the previous iteration's policy."]
     lines += _quality_lines(rows, cfg)
+    lines += _flip_lines(run_dir, rows)
     lines += ["", "Stage seconds per iteration:", ""]
     for r in rows:
         lines.append(f"- iteration {r['iteration']}: " + ", ".join(f"{k} {v:.0f}" for k, v in r["stage_seconds"].items() if v))
@@ -46,6 +49,35 @@ def report(run_dir: Path) -> Path:
     if cfg.get("wandb"):
         _log_wandb(rows, run_dir, cfg)
     return run_dir / "report.md"
+
+
+def verdict(run_dir: Path) -> str:
+    """The run's answer in one line, for the console's last line: IFEval prompt-level strict at the
+    last iteration against iteration 0 (points, gained/lost, the exact McNemar p, and whether that is
+    significant at 0.05), or, when IFEval did not score the last iteration, the held-out reward's
+    paired difference and bootstrap p.
+
+    Raises:
+        FileNotFoundError / DataError: no ``metrics.jsonl`` (the run has not finished an iteration).
+    """
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    first, last = rows[0], rows[-1]
+    n = last["iteration"]
+    t, f0, fn = last.get("ifeval_vs_0"), first.get("ifeval"), last.get("ifeval")
+    if n >= 1 and t and f0 and fn and f0.get("prompt_strict") is not None:
+        diff, p = 100 * t["prompt_strict_diff"], t["p_value"]
+        word = "up" if diff > 0 else "down" if diff < 0 else "unchanged"
+        sig = "significant" if p < 0.05 else "not significant"
+        return (f"IFEval prompt-level strict {100 * f0['prompt_strict']:.1f} -> {100 * fn['prompt_strict']:.1f} at iteration "
+                f"{n} ({diff:+.1f} points, {word}; {t['new_only']} prompts gained, {t['base_only']} lost; exact McNemar "
+                f"p = {p:.2g}: {sig} at 0.05); instruction-level {100 * f0['instruction_strict']:.1f} -> "
+                f"{100 * fn['instruction_strict']:.1f}; {fn['records_scored']} prompts.")
+    h = last.get("eval_reward_vs_0")
+    if n >= 1 and h:
+        sig = "significant" if h["p_value"] < 0.05 else "not significant"
+        return (f"held-out reward {first['eval_reward_mean']:.4f} -> {last['eval_reward_mean']:.4f} at iteration {n} "
+                f"({h['diff']:+.4f}, paired bootstrap {_p(h)}: {sig} at 0.05); IFEval did not score iteration {n}.")
+    return f"iteration {n}: nothing to compare with iteration 0 yet."
 
 
 def metrics_line(row: dict) -> str:
@@ -152,6 +184,70 @@ def _quality_lines(rows: list[dict], cfg: dict) -> list[str]:
     return lines
 
 
+FLIPS_SHOWN = (3, 2)  # prompts shown that improved, and that got worse, per evaluation
+ANSWER_CHARS = 600  # characters of an answer shown in report.md
+
+
+def _cell(text: str, limit: int = ANSWER_CHARS) -> str:
+    """Text for one markdown table cell: cut to ``limit`` characters, HTML-escaped (an answer's
+    ``<<title>>`` is text), pipes escaped, newlines as <br>."""
+    import html
+
+    text = text if len(text) <= limit else text[:limit].rstrip() + " …"
+    return html.escape(text, quote=False).replace("|", "\\|").replace("\r", "").replace("\n", "<br>") or "(empty)"
+
+
+def _last_user(prompt: list[dict]) -> str:
+    return next((m["content"] for m in reversed(prompt) if m.get("role") == "user"), "")
+
+
+def _flip_lines(run_dir: Path, rows: list[dict]) -> list[str]:
+    """report.md's "What changed" section: a few IFEval prompts whose prompt-level strict outcome
+    flipped between iteration 0 and the last (gained first, then lost), and the held-out prompts whose
+    reward rose and fell most, each with both answers side by side. Empty when the files are not there
+    (e.g. IFEval did not score the last iteration)."""
+    n = rows[-1]["iteration"]
+    if n < 1:
+        return []
+    it0, itn = run_dir / "iter_0", run_dir / f"iter_{n}"
+    out: list[str] = []
+    if all((d / f).is_file() for d in (it0, itn) for f in ("ifeval.jsonl", "ifeval_generated.jsonl")):
+        outcome = [{str(r["id"]): r for r in read_jsonl(d / "ifeval.jsonl")} for d in (it0, itn)]
+        answers = [{str(r["id"]): r for r in read_jsonl(d / "ifeval_generated.jsonl")} for d in (it0, itn)]
+        common = [k for k in outcome[0] if k in outcome[1] and k in answers[0] and k in answers[1]]
+        gained = [k for k in common if not outcome[0][k]["prompt_strict"] and outcome[1][k]["prompt_strict"]]
+        lost = [k for k in common if outcome[0][k]["prompt_strict"] and not outcome[1][k]["prompt_strict"]]
+        shown = [("gained", k) for k in gained[:FLIPS_SHOWN[0]]] + [("lost", k) for k in lost[:FLIPS_SHOWN[1]]]
+        if shown:
+            out += ["", f"## What changed: IFEval prompts that flipped (iteration 0 vs {n})", "",
+                    f"{len(gained)} prompts gained, {len(lost)} lost (prompt-level strict); the first "
+                    f"{FLIPS_SHOWN[0]} and {FLIPS_SHOWN[1]} in file order, answers cut at {ANSWER_CHARS} characters. "
+                    "Per instruction: strict pass (✓) or fail (✗).", "",
+                    "| id | prompt | instructions | iteration 0 | iteration %d |" % n, "|---|---|---|---|---|"]
+            for how, k in shown:
+                marks = [" ".join("✓" if x else "✗" for x in o[k]["strict"]) for o in outcome]
+                out.append(f"| {k} ({how}) | {_cell(_last_user(answers[1][k]['prompt']), 300)} | "
+                           f"{_cell(', '.join(outcome[1][k].get('instruction_id_list') or []))} | "
+                           f"{marks[0]}<br>{_cell(answers[0][k]['responses'][0])} | "
+                           f"{marks[1]}<br>{_cell(answers[1][k]['responses'][0])} |")
+    if (it0 / "eval.jsonl").is_file() and (itn / "eval.jsonl").is_file():
+        recs = [{str(r["id"]): r for r in read_jsonl(d / "eval.jsonl") if r.get("rewards") and r["rewards"][0] is not None}
+                for d in (it0, itn)]
+        deltas = sorted(((recs[1][k]["rewards"][0] - recs[0][k]["rewards"][0], k) for k in recs[0] if k in recs[1]),
+                        key=lambda dk: (-dk[0], dk[1]))
+        up = [dk for dk in deltas if dk[0] > 0][:FLIPS_SHOWN[0]]
+        down = [dk for dk in reversed(deltas) if dk[0] < 0][:FLIPS_SHOWN[1]]
+        if up or down:
+            out += ["", f"## What changed: held-out prompts whose reward moved most (iteration 0 vs {n})", "",
+                    "| id | prompt | iteration 0 (reward) | iteration %d (reward) |" % n, "|---|---|---|---|"]
+            for d, k in up + down:
+                a, b = recs[0][k], recs[1][k]
+                out.append(f"| {k} ({d:+.2f}) | {_cell(_last_user(b['prompt']), 300)} | "
+                           f"{a['rewards'][0]:.2f}<br>{_cell(a['responses'][0])} | "
+                           f"{b['rewards'][0]:.2f}<br>{_cell(b['responses'][0])} |")
+    return out
+
+
 def _grpo_lines(rows: list[dict]) -> list[str]:
     """Report lines of the GRPO iterations (none for DPO runs)."""
     lines = []
@@ -183,6 +279,11 @@ def _hardware_lines(rows: list[dict]) -> list[str]:
 
 
 def _plot(rows: list[dict], out: Path) -> None:
+    """report.png, four panels: the held-out reward per iteration (95% CI); its paired change against
+    iteration 0 (raw and length-controlled); IFEval prompt- and instruction-level strict per iteration,
+    each later point labelled with its change, gained/lost prompts and McNemar p against iteration 0;
+    and the stage seconds per iteration (stacked; the legend beside the axes, the axis up to the
+    tallest bar)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -192,7 +293,7 @@ def _plot(rows: list[dict], out: Path) -> None:
     means = [r["eval_reward_mean"] for r in rows]
     err = [[m - r["eval_reward_ci95"][0] for m, r in zip(means, rows)],
            [r["eval_reward_ci95"][1] - m for m, r in zip(means, rows)]]
-    fig, (a, c, b) = plt.subplots(1, 3, figsize=(16, 4))
+    fig, ((a, c), (f, b)) = plt.subplots(2, 2, figsize=(15, 9))
     a.errorbar(its, means, yerr=err, marker="o", capsize=4)
     a.set_xticks(its)
     a.set_xlabel("iteration (0 = starting policy)")
@@ -207,9 +308,10 @@ def _plot(rows: list[dict], out: Path) -> None:
     c.set_xticks(its)
     c.set_xlabel("iteration")
     c.set_ylabel("difference vs iteration 0 (paired 95% CI)")
-    c.set_title("Paired change vs the starting policy")
+    c.set_title("Held-out reward: paired change vs the starting policy")
     if any(r.get("eval_reward_vs_0") for r in rows):
         c.legend(fontsize=8)
+    _plot_ifeval(f, rows)
     stages = [s for s in STAGES if any(r["stage_seconds"].get(s) for r in rows)]
     bottom = [0.0] * len(rows)
     for s in stages:
@@ -219,13 +321,43 @@ def _plot(rows: list[dict], out: Path) -> None:
     b.set_xticks(its)
     b.set_xlabel("iteration")
     b.set_ylabel("seconds")
-    b.set_title("Stage wall time")
+    b.set_ylim(0, 1.08 * max(bottom + [1.0]))
+    b.set_title(f"Stage wall time ({sum(bottom):.0f} s in all)")
     if stages:
-        b.legend(fontsize=8)
+        b.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
-    with atomic_open(out, "wb") as f:
-        fig.savefig(f, format="png", dpi=100)
+    with atomic_open(out, "wb") as fh:
+        fig.savefig(fh, format="png", dpi=100)
     plt.close(fig)
+
+
+def _plot_ifeval(ax, rows: list[dict]) -> None:
+    """The IFEval panel: prompt- and instruction-level strict (percent) at each iteration IFEval scored,
+    later points labelled ``+x.x (g/l, p=...)`` from the McNemar test against iteration 0."""
+    pts = [(r["iteration"], r["ifeval"], r.get("ifeval_vs_0")) for r in rows
+           if r.get("ifeval") and r["ifeval"].get("prompt_strict") is not None]
+    ax.set_title("IFEval strict (greedy) per iteration")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("percent")
+    ax.set_xticks([r["iteration"] for r in rows])
+    if not pts:
+        ax.text(0.5, 0.5, "IFEval not run (ifeval.when=never)", ha="center", va="center", transform=ax.transAxes)
+        return
+    x = [i for i, _, _ in pts]
+    prompt = [100 * f["prompt_strict"] for _, f, _ in pts]
+    instr = [100 * f["instruction_strict"] for _, f, _ in pts]
+    ax.plot(x, prompt, marker="o", label="prompt-level strict")
+    ax.plot(x, instr, marker="s", label="instruction-level strict")
+    for i, f, t in pts:
+        if t:
+            sig = "*" if t["p_value"] < 0.05 else ""
+            ax.annotate(f"{100 * t['prompt_strict_diff']:+.1f}{sig} ({t['new_only']}/{t['base_only']}, p={t['p_value']:.2g})",
+                        (i, 100 * f["prompt_strict"]), textcoords="offset points", xytext=(0, -16), ha="center", fontsize=8)
+    lo, hi = min(prompt + instr), max(prompt + instr)
+    ax.set_ylim(max(0.0, lo - 6), min(100.0, hi + 6))
+    ax.legend(fontsize=8, loc="upper left")
+    ax.text(0.99, 0.02, f"{pts[-1][1]['records_scored']} prompts; labels: Δ prompt strict vs 0 (gained/lost, exact "
+            "McNemar p; * p<0.05)", ha="right", va="bottom", transform=ax.transAxes, fontsize=7, color="grey")
 
 
 def _log_wandb(rows: list[dict], run_dir: Path, cfg: dict) -> None:
