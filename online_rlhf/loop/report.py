@@ -340,6 +340,7 @@ def _plot_ifeval(ax, rows: list[dict]) -> None:
     ax.set_xlabel("iteration")
     ax.set_ylabel("percent")
     ax.set_xticks([r["iteration"] for r in rows])
+    ax.set_xlim(rows[0]["iteration"] - 0.4, rows[-1]["iteration"] + 0.4)  # room for the last point's label
     if not pts:
         ax.text(0.5, 0.5, "IFEval not run (ifeval.when=never)", ha="center", va="center", transform=ax.transAxes)
         return
