@@ -15,7 +15,7 @@ predicts a completion token (the
 model's ``logits_to_keep``, a transformers causal-LM argument). Everything TRL computes from those
 positions is then the same numbers: per-token log-probs (``trl.trainer.utils.selective_log_softmax``,
 float32), their per-sequence sums, and the losses and metrics of :func:`dpo_loss`; only the
-positions TRL masks out are never computed. tests/test_dpo_fast.py checks loss, log-probs and
+positions TRL masks out are never computed. tests/test_completion_logps.py checks loss, log-probs and
 gradients against TRL's own ``_compute_loss`` on one batch.
 """
 
