@@ -14,8 +14,9 @@ attending only to itself: :func:`packed_sdpa_attention`), and the LM head runs o
 predicts a completion token (the
 model's ``logits_to_keep``, a transformers causal-LM argument). Everything TRL computes from those
 positions is then the same numbers: per-token log-probs (``trl.trainer.utils.selective_log_softmax``,
-float32), their per-sequence sums, and the losses and metrics of :func:`dpo_loss`; only the
-positions TRL masks out are never computed. tests/test_completion_logps.py checks loss, log-probs and
+float32), their per-sequence sums, TRL's metrics, and the loss: each ``loss_type`` is one function of
+:mod:`online_rlhf.dpo_loss`, the same for every layout; only the positions TRL masks out are never
+computed. tests/test_completion_logps.py checks loss, log-probs and
 gradients against TRL's own ``_compute_loss`` on one batch.
 """
 
@@ -25,8 +26,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
-# TRL loss types this path computes (trl.DPOConfig.loss_type); any other runs TRL's own code.
-FAST_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "sft")
+from .dpo_loss import LOSSES, PairLogps, combined
+
 LAYOUTS = ("sequence", "side", "packed")
 # the attention implementation a packed forward runs under (transformers AttentionInterface name)
 PACKED_ATTENTION = "sdpa_packed"
@@ -259,7 +260,7 @@ def fast_path_refusal(trainer) -> Optional[str]:
         return "a mixture-of-experts auxiliary loss"
     if trainer.f_divergence_type != "reverse_kl":
         return f"f_divergence_type={trainer.f_divergence_type}"
-    other = [t for t in trainer.loss_types if t not in FAST_LOSS_TYPES]
+    other = [t for t in trainer.loss_types if t not in LOSSES]
     if other:
         return f"loss_type {', '.join(other)}"
     model = trainer.accelerator.unwrap_model(trainer.model)
@@ -268,49 +269,6 @@ def fast_path_refusal(trainer) -> Optional[str]:
     if "logits_to_keep" not in inspect.signature(type(base).forward).parameters:
         return f"{type(base).__name__}.forward has no logits_to_keep"
     return None
-
-
-def dpo_loss(trainer, chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_tokens,
-             rejected_tokens, chosen_token_logps):
-    """The weighted sum of ``trainer.loss_types`` (TRL's definitions, ``trl.DPOConfig``), from
-    per-sequence log-probs.
-
-    Args:
-        chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps: (B,) summed completion
-            log-probs (nats) of the policy and the reference.
-        chosen_tokens, rejected_tokens: (B,) completion token counts.
-        chosen_token_logps: (Mc,) the policy's log-probs of every chosen completion token of the batch.
-    Returns:
-        scalar loss. Per loss type, with ``d = (chosen_logps - ref_chosen_logps) - (rejected_logps -
-        ref_rejected_logps)``, the mean over the B pairs of:
-        ``sigmoid``: ``-log sigmoid(beta d)`` (Rafailov et al. 2023, DPO, eq. 7);
-        ``hinge``: ``max(0, 1 - beta d)`` (Zhao et al. 2023, SLiC-HF);
-        ``ipo``: ``(d' - 1/(2 beta))^2`` with each side's log-ratio divided by its token count
-        (Azar et al. 2023, eq. 17, length-normalised as TRL does); and ``sft``: the mean negative
-        log-likelihood over all chosen completion tokens of the batch (TRL's cross-entropy term).
-    Raises:
-        ValueError: a loss type outside :data:`FAST_LOSS_TYPES`.
-    """
-    import torch.nn.functional as F
-
-    chosen_ratio, rejected_ratio = chosen_logps - ref_chosen_logps, rejected_logps - ref_rejected_logps
-    delta = chosen_ratio - rejected_ratio
-    beta = trainer.beta
-    loss = 0.0
-    for loss_type, weight in zip(trainer.loss_types, trainer.loss_weights, strict=True):
-        if loss_type == "sigmoid":
-            term = (-F.logsigmoid(beta * delta)).mean()
-        elif loss_type == "hinge":
-            term = (1 - beta * delta).clamp(min=0).mean()
-        elif loss_type == "ipo":
-            norm = chosen_ratio / chosen_tokens.clamp(min=1) - rejected_ratio / rejected_tokens.clamp(min=1)
-            term = ((norm - 1 / (2 * beta)) ** 2).mean()
-        elif loss_type == "sft":
-            term = -chosen_token_logps.mean()
-        else:
-            raise ValueError(f"loss_type {loss_type!r} is not computed here; use TRL's DPOTrainer._compute_loss")
-        loss = loss + weight * term
-    return loss
 
 
 def _row_counts(completion_mask):
@@ -378,8 +336,9 @@ def compute_loss(trainer, model, inputs, layout: str):
     counts = _row_counts(inputs["completion_mask"])
     half = counts.shape[0] // 2
     is_chosen = c.rows < half  # (M,)
-    loss = dpo_loss(trainer, chosen_logps, rejected_logps, ref_chosen, ref_rejected, counts[:half], counts[half:],
-                    token_logps[is_chosen])
+    pairs = PairLogps(chosen_logps, rejected_logps, ref_chosen, ref_rejected, counts[:half], counts[half:],
+                      token_logps[is_chosen])
+    loss = combined(trainer.loss_types, trainer.loss_weights, pairs, trainer.beta)  # online_rlhf/dpo_loss.py
 
     m = trainer._metrics[mode]
     with torch.no_grad():

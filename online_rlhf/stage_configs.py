@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import AfterValidator, ConfigDict, Field, model_validator
 
 from .config import StageConfig
+from .dpo_loss import project_only_loss_types
 from .pairs import Strategy
 from .stats import stats_path
 
@@ -190,7 +191,7 @@ class DPOStageConfig(StageConfig):
     lora: Optional[dict[str, Any]] = Field(None, description="peft.LoraConfig fields; merged into the saved checkpoint")
     attn_implementation: AttnImplementation = Field("sdpa", description="sdpa (CPU/GPU), eager, flex_attention, or flash_attention_2 (GPU with flash-attn; without a GPU or the package it is refused before any weight is loaded)")
     torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="policy/reference load dtype (auto: fp32 on CPU, each checkpoint's stored dtype on GPU; float16 vs bfloat16 checkpoints are refused)")
-    log_probs: Literal["auto", "sequence", "side", "packed", "trl"] = Field("auto", description="how the DPO log-probs are computed: LM head and log-softmax only at completion positions (online_rlhf/completion_logps.py), each sequence unpadded (sequence), chosen and rejected padded separately (side) or all sequences of a micro-batch in one unpadded row, each attending to itself (packed; attention computed with sdpa per sequence, so only for sdpa or eager models); auto = packed on CPU with sdpa or eager attention, else side; trl = TRL's own computation (full logits, chosen and rejected padded to each other). Settings it does not cover (e.g. loss types other than sigmoid, hinge, ipo, sft) use TRL's, named in the stats")
+    log_probs: Literal["auto", "sequence", "side", "packed", "trl"] = Field("auto", description="how the DPO log-probs are computed: LM head and log-softmax only at completion positions (online_rlhf/completion_logps.py), each sequence unpadded (sequence), chosen and rejected padded separately (side) or all sequences of a micro-batch in one unpadded row, each attending to itself (packed; attention computed with sdpa per sequence, so only for sdpa or eager models); auto = packed on CPU with sdpa or eager attention, else side; trl = TRL's own computation (full logits, chosen and rejected padded to each other). The loss of every layout but trl is online_rlhf/dpo_loss.py's; settings it does not cover (e.g. a TRL loss type not registered there, ld_alpha) use TRL's, named in the stats")
     num_processes: Optional[int] = Field(None, ge=1, description=_PROCESSES_DOC)
     launch_profile: LaunchProfile = Field("cpu", description=_PROFILE_DOC)
     dry_run: bool = Field(False, description="memory check instead of training: load policy and reference as usual, run one optimizer step (forward + backward + optimizer step, reference log-probs included) on dummy pairs of training.max_length tokens (chosen and rejected) at the real per-device batch and accumulation, and write only <output_dir>.dry_run.json (peak memory, seconds per step); the pairs file is not read, output_dir is not touched")
@@ -201,6 +202,10 @@ class DPOStageConfig(StageConfig):
     @model_validator(mode="after")
     def _output_is_not_a_model(self):
         check_machines(self.num_machines, self.num_processes, self.main_process_ip)
+        only_here = project_only_loss_types(self.training.get("loss_type", []))
+        if self.log_probs == "trl" and only_here:
+            raise ValueError(f"training.loss_type {', '.join(only_here)} is computed only by online_rlhf/dpo_loss.py, "
+                             "which log_probs=trl (TRL's own _compute_loss) does not run; set log_probs=auto")
         out = Path(self.output_dir).expanduser().resolve()
         for name in ("policy", "reference"):
             src = getattr(self, name)

@@ -17,6 +17,7 @@ import dataclasses
 import io
 
 from .config import ConfigError, did_you_mean
+from .dpo_loss import LOSSES, TRL_LOSS_TYPES, unknown_loss_types
 
 # DPOConfig fields the stage sets itself; a user value for them is refused with the fix.
 STAGE_OWNED = {
@@ -77,7 +78,8 @@ def check_dpo_training(training: dict, where: str = "training") -> dict:
         where: prefix naming the section in error messages, e.g. ``"loop.yaml, iteration 2: dpo.training"``.
     Raises:
         ConfigError: a key that is not a DPOConfig field (with the closest field name), a key the
-            stage sets itself, or a value of the wrong type: text that is not a number for a float
+            stage sets itself, a ``loss_type`` name neither TRL nor :mod:`online_rlhf.dpo_loss`
+            computes, or a value of the wrong type: text that is not a number for a float
             field, a non-integer for an int field, a non-boolean for a bool field (``None`` is
             accepted where the field is optional); or a value that cannot train: learning_rate,
             beta or num_train_epochs <= 0 (epochs may be 0 when max_steps > 0), a batch size or
@@ -113,6 +115,12 @@ def dpo_training_problems(training: dict, where: str = "training") -> tuple[dict
                 out[key] = _checked_value(f"{where}.{key}", str(fields[key].type), value)
             except ConfigError as e:
                 problems.append(str(e))
+    unknown = unknown_loss_types(out.get("loss_type", []))
+    if unknown:
+        problems.append(f"{where}.loss_type: {', '.join(map(repr, unknown))} is neither a loss TRL computes "
+                        f"({', '.join(TRL_LOSS_TYPES)}) nor one of online_rlhf/dpo_loss.py ({', '.join(LOSSES)}). "
+                        "Fix the name, or add the loss there: one function with @register(name) "
+                        "(docs/dpo.md, \"Change the loss\").")
     for key, (low, strict) in _LOWER_BOUNDS.items():
         v = out.get(key)
         if isinstance(v, (int, float)) and (v <= low if strict else v < low):

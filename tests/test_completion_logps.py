@@ -79,6 +79,14 @@ def _loss_and_grads(trainer, fn, batch):
     return loss.detach(), grads, metrics
 
 
+def test_every_built_in_loss_is_compared_with_trl():
+    """The loss functions of online_rlhf/dpo_loss.py that TRL also computes are each checked against
+    TRL below (a loss added to the registry is added to LOSS_CASES too)."""
+    from online_rlhf.dpo_loss import LOSSES, TRL_LOSS_TYPES
+
+    assert {name for names, _ in LOSS_CASES for name in names} == set(LOSSES) & set(TRL_LOSS_TYPES)
+
+
 @pytest.mark.parametrize("loss_type,loss_weights", LOSS_CASES)
 @pytest.mark.parametrize("layout", ["sequence", "side", "packed"])
 def test_loss_logps_and_gradients_equal_trl(tmp_path, models, loss_type, loss_weights, layout):

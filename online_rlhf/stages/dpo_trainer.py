@@ -12,6 +12,7 @@ from pathlib import Path
 
 from online_rlhf.checkpoint import finish_checkpoint, restore_input_config
 from online_rlhf.completion_logps import PACKED_FOR
+from online_rlhf.dpo_loss import project_only_loss_types
 
 
 def log_probs_layout(log_probs: str, on_gpu: bool, attn: str = "sdpa") -> str | None:
@@ -145,7 +146,11 @@ def timed_trainer_class(layout: str | None = "sequence"):
         def completion_layout(self) -> str | None:
             """The layout :mod:`online_rlhf.completion_logps` runs in for this trainer, or None when
             TRL's ``_compute_loss`` runs (the request was None, or ``fast_path_refusal`` named a
-            reason, kept in ``completion_logps_refused``). Decided once, at the first batch."""
+            reason, kept in ``completion_logps_refused``). Decided once, at the first batch.
+
+            Raises:
+                ConfigError: a loss type only :mod:`online_rlhf.dpo_loss` computes, with a setting
+                    that needs TRL's code."""
             if not self._completion_layout_resolved:
                 from online_rlhf.completion_logps import fast_path_refusal
 
@@ -153,6 +158,13 @@ def timed_trainer_class(layout: str | None = "sequence"):
                     self.completion_logps_refused = "turned off"
                 else:
                     self.completion_logps_refused = fast_path_refusal(self)
+                only_here = project_only_loss_types(self.loss_types)
+                if self.completion_logps_refused and only_here:
+                    from online_rlhf.config import ConfigError
+
+                    raise ConfigError(f"training.loss_type {', '.join(only_here)} is computed only by "
+                                      f"online_rlhf/dpo_loss.py in the stage's own log-prob layouts, and "
+                                      f"{self.completion_logps_refused} needs TRL's own computation; drop one of them")
                 self._completion_layout = None if self.completion_logps_refused else self.completion_logps_request
                 self._completion_layout_resolved = True
             return self._completion_layout
