@@ -219,6 +219,31 @@ def processes_here(num_processes: int, env: Optional[dict] = None) -> int:
     return int(local) if local.isdigit() and int(local) > 0 else num_processes
 
 
+def launch_world_size() -> int:
+    """The processes ``accelerate launch`` started over all machines (``WORLD_SIZE``; 1 without it)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_process_count(planned: Optional[int], where: str) -> None:
+    """Refuse a stage started with another process count than its config was planned for (the
+    count changes how a batch is split and summed, so a rerun must train the same numbers).
+
+    Args:
+        planned: the config's ``num_processes`` (None: any count).
+        where: the stage, for the message.
+    Raises:
+        ConfigError: ``WORLD_SIZE`` (:func:`launch_world_size`) differs from ``planned``.
+    """
+    actual = launch_world_size()
+    if planned is not None and planned != actual:
+        from .config import ConfigError
+
+        how = (f"accelerate launch --num_processes {planned} ..." if planned > 1 else "one process (plain python)")
+        raise ConfigError(f"{where}: the config says num_processes={planned}, but this run has {actual} process(es). "
+                          f"Start it with {how} (the command on top of the loop's stage YAML), or set "
+                          f"num_processes={actual} (or null) to train with this count.")
+
+
 def describe(device_type: str, dtype: str, threads: Optional[int] = None, processes: int = 1) -> dict:
     """What a stage records in its stats (and benchmarks print): device, dtype, threads (per
     process), processes, CPU model and capability, and whether bf16 is native there."""

@@ -65,14 +65,14 @@ def check_sft_keys(cfg: LoopConfig, i: int, d: dict, sft: StageConfig, where: st
 
 def check_sft_data(sft: StageConfig) -> None:
     """With SFT on, every row of ``sft.dataset`` as the stage checks it before Axolotl starts
-    (:func:`online_rlhf.stages.run_sft.validate_sft_dataset`, with the dataset entry's message field).
+    (:func:`online_rlhf.sft_dataset.validate_sft_dataset`, with the dataset entry's message field).
 
     Raises:
         ConfigError: the file does not exist (naming ``sft.dataset``, the path and the fix).
         DataError: a malformed row or an empty file (naming ``sft.dataset``, the file and the line).
     """
     from .jsonl import DataError
-    from .stages.run_sft import dataset_entry, validate_sft_dataset
+    from .sft_dataset import dataset_entry, validate_sft_dataset
 
     path = Path(sft.dataset)
     if not path.is_file():

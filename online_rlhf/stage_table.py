@@ -38,26 +38,6 @@ if TYPE_CHECKING:  # online_rlhf.loop_config builds the loop config's sections f
     from .loop_config import LoopConfig
 
 
-def check_process_count(planned: Optional[int], where: str) -> None:
-    """Refuse a stage started with another process count than its config was planned for (the
-    count changes how a batch is split and summed, so a rerun must train the same numbers).
-
-    Args:
-        planned: the config's ``num_processes`` (None: any count).
-        where: the stage, for the message.
-    Raises:
-        ConfigError: ``WORLD_SIZE`` (set by ``accelerate launch``; 1 without it) differs from ``planned``.
-    """
-    import os
-
-    actual = int(os.environ.get("WORLD_SIZE", "1"))
-    if planned is not None and planned != actual:
-        how = (f"accelerate launch --num_processes {planned} ..." if planned > 1 else "one process (plain python)")
-        raise ConfigError(f"{where}: the config says num_processes={planned}, but this run has {actual} process(es). "
-                          f"Start it with {how} (the command on top of the loop's stage YAML), or set "
-                          f"num_processes={actual} (or null) to train with this count.")
-
-
 def section(c: LoopConfig, name: str) -> dict:
     """The keys a user set in the loop's ``name`` section (defaults left to the stage class)."""
     return getattr(c, name).model_dump(exclude_unset=True)

@@ -497,7 +497,7 @@ def test_loop_commands_refuse_bad_arguments_in_one_line(small_cfg, capsys):
 
 
 def test_stage_refuses_another_process_count_than_planned(monkeypatch):
-    from online_rlhf.stage_table import check_process_count
+    from online_rlhf.hardware import check_process_count
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     check_process_count(None, "dpo")

@@ -16,6 +16,7 @@ from online_rlhf.stats import SFTDataStats, SFTStats, stats_path
 from online_rlhf.testing import make_tiny_policy
 
 ROOT = Path(__file__).resolve().parent.parent
+from online_rlhf import sft_dataset
 from online_rlhf.stages import build_sft_data, run_sft
 
 
@@ -44,19 +45,19 @@ GOOD = _conv(1)
 def test_bad_row_is_named_by_file_and_line(tmp_path, bad, expected):
     path = _write(tmp_path / "sft.jsonl", [GOOD, GOOD, bad, GOOD])
     with pytest.raises(DataError) as e:
-        run_sft.validate_sft_dataset(path)
+        sft_dataset.validate_sft_dataset(path)
     assert f"{path}:3:" in str(e.value)
     assert expected in str(e.value)
 
 
 def test_valid_rows_are_counted_and_extra_columns_allowed(tmp_path):
     path = _write(tmp_path / "sft.jsonl", [GOOD, {**_conv(2), "id": "a", "reward": 1.0}, ""])
-    assert run_sft.validate_sft_dataset(path) == 2
+    assert sft_dataset.validate_sft_dataset(path) == 2
 
 
 def test_empty_dataset_is_refused(tmp_path):
     with pytest.raises(DataError, match="empty"):
-        run_sft.validate_sft_dataset(_write(tmp_path / "sft.jsonl", [""]))
+        sft_dataset.validate_sft_dataset(_write(tmp_path / "sft.jsonl", [""]))
 
 
 def test_cli_stops_on_bad_row_before_axolotl_runs(tmp_path):
@@ -79,8 +80,8 @@ def test_rows_with_special_token_strings_are_counted_by_role(tmp_path):
             {"messages": [{"role": "system", "content": "<|im_start|>"}, {"role": "user", "content": "a <| b |>"},
                           {"role": "assistant", "content": "ok"}]}]
     path = _write(tmp_path / "sft.jsonl", rows)
-    assert run_sft.validate_sft_dataset(path) == 3
-    assert run_sft.special_text_rows(path, make_tiny_tokenizer()) == {
+    assert sft_dataset.validate_sft_dataset(path) == 3
+    assert sft_dataset.special_text_rows(path, make_tiny_tokenizer()) == {
         "rows": 2, "messages": {"system": 1, "user": 1, "assistant": 1}}
 
 
@@ -97,7 +98,7 @@ def test_known_axolotl_keys_pass():
 
 
 def test_dataset_template_gets_the_stage_dataset_path(tmp_path):
-    entry = run_sft.dataset_entry([{"type": "chat_template", "roles_to_train": ["assistant"]}], "d.jsonl")
+    entry = sft_dataset.dataset_entry([{"type": "chat_template", "roles_to_train": ["assistant"]}], "d.jsonl")
     assert entry["path"] == str(Path("d.jsonl").absolute()) and entry["ds_type"] == "json"
     assert entry["field_messages"] == "messages" and entry["roles_to_train"] == ["assistant"]
 
@@ -109,7 +110,7 @@ def test_dataset_template_gets_the_stage_dataset_path(tmp_path):
 ])
 def test_dataset_template_refusals(datasets, expected):
     with pytest.raises(ConfigError, match=expected):
-        run_sft.dataset_entry(datasets, "d.jsonl")
+        sft_dataset.dataset_entry(datasets, "d.jsonl")
 
 
 def test_lora_adapter_is_refused(tmp_path):
@@ -246,7 +247,7 @@ def test_build_sft_data_keeps_best_and_counts_drops(tmp_path):
     assert stats.dropped == {"below_min_reward": 1, "no_eligible_response": 1}
     assert stats.responses_excluded == {"truncated": 2, "empty": 2}
     assert SFTDataStats.read(stats_path(out)) == stats
-    assert run_sft.validate_sft_dataset(out) == 2  # the output is valid SFT input
+    assert sft_dataset.validate_sft_dataset(out) == 2  # the output is valid SFT input
 
 
 def test_build_sft_data_keeps_truncated_when_asked(tmp_path):

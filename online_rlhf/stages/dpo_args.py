@@ -9,18 +9,13 @@ import os
 from pathlib import Path
 
 from online_rlhf.config import ConfigError
-from online_rlhf.hardware import compute_dtype
+from online_rlhf.hardware import compute_dtype, launch_world_size
 from online_rlhf.stage_configs import DPOStageConfig
 from online_rlhf.trl_args import check_dpo_training, check_lora
 from online_rlhf.trl_args import per_device_batch as split_batch
 
 
 _HALF = {"float16", "bfloat16"}
-
-
-def launch_world_size() -> int:
-    """The processes ``accelerate launch`` started over all machines (``WORLD_SIZE``; 1 without it)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _under_deepspeed() -> bool:

@@ -40,7 +40,7 @@ from online_rlhf.memory import PeakMemory
 from online_rlhf.paths import setup_cache_env
 from online_rlhf.records import validate_generated
 from online_rlhf.stage_configs import RewardConfig
-from online_rlhf.stage_table import check_process_count
+from online_rlhf.hardware import check_process_count
 from online_rlhf.stats import DryRunStats, RewardStats, RewardSummary, ScoreResult, stats_path
 
 SOURCES = {

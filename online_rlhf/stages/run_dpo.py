@@ -58,14 +58,13 @@ from typing import Any, Optional
 from online_rlhf.checkpoint import publish, rmtree
 from online_rlhf.config import ConfigError, run_main
 from online_rlhf.dry_run import dummy_ids, exit_if_out_of_memory, finish, is_main_rank, out_of_memory_errors
-from online_rlhf.hardware import describe, processes_here, stage_threads
+from online_rlhf.hardware import check_process_count, describe, launch_world_size, processes_here, stage_threads
 from online_rlhf.jsonl import DataError, write_jsonl
 from online_rlhf.memory import PeakMemory
 from online_rlhf.paths import resolve_model, setup_cache_env
 from online_rlhf.stage_configs import DPOStageConfig
-from online_rlhf.stage_table import check_process_count
 from online_rlhf.stats import DPOStats, DryRunStats, PairsStats, stats_path
-from online_rlhf.stages.dpo_args import (launch_world_size, training_defaults, per_device_batch, build_dpo_args,
+from online_rlhf.stages.dpo_args import (training_defaults, per_device_batch, build_dpo_args,
                                          build_lora_config, stored_dtype,
                                          resolve_load_dtypes)  # noqa: F401 (re-exported)
 from online_rlhf.stages.dpo_data import load_pairs, tokenize_pairs, special_text_counts, check_lengths

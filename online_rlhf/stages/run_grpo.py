@@ -66,15 +66,15 @@ from typing import Any, Optional
 from online_rlhf.checkpoint import finish_checkpoint, publish, restore_input_config, rmtree
 from online_rlhf.config import ConfigError, run_main
 from online_rlhf.dry_run import dummy_ids, exit_if_out_of_memory, finish, out_of_memory_errors
-from online_rlhf.hardware import compute_dtype, describe, processes_here, stage_threads
+from online_rlhf.hardware import (check_process_count, compute_dtype, describe, launch_world_size, processes_here,
+                                  stage_threads)
 from online_rlhf.jsonl import DataError
 from online_rlhf.memory import PeakMemory
 from online_rlhf.paths import resolve_model, setup_cache_env
 from online_rlhf.stage_configs import GRPOStageConfig
 from online_rlhf.chat_tokens import prompt_response_ids  # noqa: F401 (re-exported: tests tokenize as the stage does)
-from online_rlhf.stages.dpo_args import launch_world_size, stored_dtype
+from online_rlhf.stages.dpo_args import stored_dtype
 from online_rlhf.stages.dpo_trainer import load_causal_lm, prepared_forward
-from online_rlhf.stage_table import check_process_count
 from online_rlhf.stats import DryRunStats, GRPOStats, stats_path
 from online_rlhf.stages.grpo_data import load_groups, group_advantages, build_completions, data_warnings
 from online_rlhf.stages.grpo_objective import (collate, completion_log_probs, grpo_loss, old_log_probs,

@@ -61,18 +61,17 @@ import yaml
 # by-hand run never tries to reach the telemetry host, whichever module imports Axolotl first.
 os.environ.setdefault("AXOLOTL_DO_NOT_TRACK", "1")
 
-from online_rlhf.chat_tokens import has_special_text  # noqa: E402
 from online_rlhf.config import ConfigError, run_main  # noqa: E402
 from online_rlhf.dry_run import dummy_ids, exit_if_out_of_memory, finish, out_of_memory_errors  # noqa: E402
 from online_rlhf.hardware import describe, stage_threads  # noqa: E402
-from online_rlhf.jsonl import DataError, iter_jsonl, read_json  # noqa: E402
+from online_rlhf.jsonl import DataError, read_json  # noqa: E402
 from online_rlhf.memory import PeakMemory  # noqa: E402
 from online_rlhf.paths import PROJECT_ROOT, resolve_model, setup_cache_env  # noqa: E402
-from online_rlhf.records import ROLES, check_messages  # noqa: E402
 from online_rlhf.stage_configs import SFTStageConfig  # noqa: E402
 from online_rlhf.stats import DryRunStats, SFTStats, stats_path  # noqa: E402
+from online_rlhf.sft_dataset import dataset_entry, special_text_rows, validate_sft_dataset  # noqa: E402
 from online_rlhf.stages.sft_axolotl_config import (PLUGIN, AXOLOTL_TRAIN, TRAIN_LOG, cuda_available,  # noqa: E402
-                                                    dataset_entry, check_axolotl_keys, turn_end_tokens,
+                                                    check_axolotl_keys, turn_end_tokens,
                                                     axolotl_config)  # noqa: F401 (re-exported)
 
 # Files of an HF checkpoint; everything else Axolotl leaves in its output_dir is removed.
@@ -87,58 +86,6 @@ _DROP_PATTERNS = {
 }
 _DEDUP = re.compile(r"Deduplication complete for train dataset\. New size: (\d+)")
 _DEDUP_START = re.compile(r"Starting deduplication for train dataset\. Original size: (\d+)")
-
-
-def validate_sft_dataset(path: str | os.PathLike, field: str = "messages") -> int:
-    """Check every row of an SFT JSONL file; return the number of rows.
-
-    A row is ``{field: [{"role": "system"|"user"|"assistant", "content": str}, ...], ...}`` with at
-    least one assistant turn and no assistant turn that is empty (or only whitespace). Other
-    columns (``id``, ``reward``) are allowed and ignored.
-
-    Raises:
-        FileNotFoundError: ``path`` does not exist.
-        DataError: the first bad row, naming ``path:line`` and the fix; also an empty file.
-    """
-    path = Path(path)
-    n = 0
-    for lineno, rec in iter_jsonl(path):
-        where = f"{path}:{lineno}"
-        if field not in rec:
-            raise DataError(f"{where}: no {field!r} column (columns: {', '.join(rec) or 'none'}). Each line must be "
-                            f'{{"{field}": [{{"role": "user", "content": "..."}}, {{"role": "assistant", "content": "..."}}]}}.')
-        messages = check_messages(rec[field], where)
-        assistant = [j for j, m in enumerate(messages) if m["role"] == "assistant"]
-        if not assistant:
-            raise DataError(f"{where}: no assistant turn, so nothing to train on. Add the response as "
-                            f"{{\"role\": \"assistant\", ...}} or remove the row (roles: {', '.join(ROLES)}).")
-        for j in assistant:
-            if not messages[j]["content"].strip():
-                raise DataError(f"{where}: message {j} (assistant) is empty; training on it teaches the model to "
-                                "stop at once. Remove the row or give the turn its text.")
-        n += 1
-    if n == 0:
-        raise DataError(f"{path}: the SFT data set is empty.")
-    return n
-
-
-def special_text_rows(path: str | os.PathLike, tokenizer, field: str = "messages") -> dict:
-    """Rows of an SFT JSONL file whose messages hold a special-token string of ``tokenizer``.
-
-    Axolotl parses such strings as special tokens (module docstring); this only counts them. Call
-    it on a file :func:`validate_sft_dataset` accepted.
-
-    Returns:
-        ``{"rows": n rows with at least one, "messages": {"system": n, "user": n, "assistant": n}}``
-        (messages per role that hold one).
-    """
-    rows, by_role = 0, dict.fromkeys(ROLES, 0)
-    for _, rec in iter_jsonl(path):
-        hits = [m["role"] for m in rec[field] if has_special_text(tokenizer, m["content"])]
-        rows += bool(hits)
-        for role in hits:
-            by_role[role] += 1
-    return {"rows": rows, "messages": by_role}
 
 
 def _precision(ax: dict) -> str:

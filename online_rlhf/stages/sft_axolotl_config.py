@@ -12,6 +12,7 @@ from online_rlhf.chat_tokens import turn_terminator
 from online_rlhf.config import ConfigError
 from online_rlhf.hardware import compute_dtype
 from online_rlhf.paths import PROJECT_ROOT
+from online_rlhf.sft_dataset import dataset_entry
 from online_rlhf.stage_configs import SFTStageConfig
 from online_rlhf.trl_args import check_axolotl_keys as _check_axolotl_keys
 
@@ -31,31 +32,6 @@ def cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def dataset_entry(datasets, dataset: str) -> dict:
-    """The Axolotl ``datasets`` entry for ``dataset``, from the config's one-entry template.
-
-    The template (``datasets: [{type: chat_template, field_messages: messages, ...}]``) gives the
-    format options; its ``path`` is set here. Raises ConfigError on more than one entry, a ``path``
-    in the template, or a type other than ``chat_template``.
-    """
-    if datasets is None:
-        datasets = [{"type": "chat_template", "field_messages": "messages"}]
-    if not isinstance(datasets, list) or len(datasets) != 1 or not isinstance(datasets[0], dict):
-        raise ConfigError("datasets: give exactly one entry with the format options (type: chat_template, "
-                          "field_messages, roles_to_train, ...); the stage trains on one file, `dataset`. "
-                          "Concatenate several SFT files into one JSONL first.")
-    entry = dict(datasets[0])
-    if entry.get("path") not in (None, dataset):
-        raise ConfigError(f"datasets[0].path={entry['path']!r}: set the stage's `dataset=` instead of the path "
-                          "inside `datasets` (the stage validates that file before Axolotl runs).")
-    if entry.get("type", "chat_template") != "chat_template":
-        raise ConfigError(f"datasets[0].type={entry['type']!r}: this stage trains on conversational "
-                          "`messages` rows; use type: chat_template.")
-    entry.update(type="chat_template", path=str(Path(dataset).absolute()), ds_type="json")
-    entry.setdefault("field_messages", "messages")
-    return entry
 
 
 def check_axolotl_keys(keys: dict) -> None:
