@@ -295,6 +295,19 @@ class StageConfig(BaseModel):
         return value
 
     @classmethod
+    def dry_run_advice(cls, settings: dict, device: str, prefix: str) -> list[str]:
+        """The settings to lower (or raise) when the stage's dry run does not fit, most effective
+        first: one short line each, naming the key (``prefix`` + key: the loop section's name, e.g.
+        ``dpo.``) with its current value in ``settings`` (:attr:`online_rlhf.stats.DryRunStats.settings`,
+        which the stage's ``dry_run`` writes). ``device``: ``cpu`` or ``cuda``. A stage with a dry run
+        overrides this (tests/test_stage_table.py checks that every row with one does).
+
+        Raises:
+            NotImplementedError: the stage has no dry run.
+        """
+        raise NotImplementedError(f"{cls.__name__} has no dry run, so no advice for one")
+
+    @classmethod
     def from_dict(cls, data: dict, source: str = "<dict>"):
         """Validate ``data``; raise :class:`ConfigError` naming ``source`` and each bad key."""
         try:

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from .config import ConfigError, did_you_mean, validation_problems
 from .loop_config import LOOP_OWNED, SECTION_CLASSES, LoopConfig
+from .stage_table import stage_file
 from .stage_configs import SFTStageConfig
 from .trl_args import check_axolotl_keys, check_lora, dpo_training_problems
 
@@ -72,6 +73,25 @@ _SFT_LOOP_KEYS = {"enabled", "config"}
 _SFT_OWNED = {"base_model": "set policy= at the top level", "output_dir": "the loop writes it to <run>/sft/model",
               "dry_run": _DRY}
 _PLACEHOLDER = "<set by the loop>"
+
+
+def check_section_file(path: str | None, key: str, section: str) -> None:
+    """The stage YAML a loop section is layered on (``dpo_config``, ``grpo_config``: the row's
+    ``stage_file_key``) must not hold the keys the loop sets itself for that section
+    (:data:`SECTIONS`): the loop would silently replace them (or, for the GRPO keys it copies from
+    the generation section, the file would silently replace the loop's). The plan checks it before it
+    builds the stage (``online_rlhf.loop.resolve``).
+
+    Raises:
+        ConfigError: no such file; or a loop-owned key in it, naming the file, the key and what to
+            set instead.
+    """
+    data = stage_file(path, key)
+    owned = SECTIONS[section][1]
+    bad = [k for k in data if k in owned]
+    if bad:
+        raise ConfigError(f"{key}={path}: " + " ".join(f"{k}: cannot be set in this file; {owned[k]} (and remove "
+                                                       f"{k} from {path})." for k in bad))
 
 
 def section_problems(cls: type[BaseModel], owned: dict[str, str], section: Any, path: str) -> list[str]:

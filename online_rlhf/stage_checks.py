@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 from .config import ConfigError, StageConfig
 from .paths import default_model_dir
 from .trl_args import check_axolotl_keys, check_dpo_training, check_lora, per_device_batch
 
-if TYPE_CHECKING:  # the loop config imports the stage table, which imports this module
-    from .loop_config import LoopConfig
+# ``LoopConfig`` in the annotations below is ``online_rlhf.loop_config.LoopConfig``, which is built
+# from the stage table, which imports this module: the name stays text, never imported here.
 
 SFT_CONFIG = "configs/sft.yaml"  # the Axolotl stage file of sft.config when the loop config names none
 
@@ -126,10 +126,8 @@ def check_grpo_length(cfg: LoopConfig, i: int, d: dict, grpo: StageConfig, where
         origin = f"per_iteration.{i}.grpo.max_length"
     elif "max_length" in cfg.grpo.model_dump(exclude_unset=True):
         origin = "the grpo section"
-    else:
-        from .loop_config import iteration_config
-
-        origin = f"grpo_config={iteration_config(cfg, i).grpo_config}"
+    else:  # the iteration's grpo_config: per_iteration.<i> over the run's
+        origin = f"grpo_config={(cfg.per_iteration.get(i) or {}).get('grpo_config', cfg.grpo_config)}"
     raise ConfigError(f"{where}: grpo.max_length={L} ({origin}) is not above generation.max_tokens={T}: a completion "
                       "of max_tokens would leave no room for its prompt, so every group is dropped or cut. Set "
                       f"grpo.max_length above the longest prompt + generation.max_tokens (e.g. {T + 512}), lower "

@@ -66,6 +66,24 @@ def check_machines(num_machines: int, num_processes: Optional[int], main_process
                          f"must be a multiple of num_machines={num_machines} (each machine runs the same number)")
 
 
+def _now(settings: dict, prefix: str, key: str) -> str:
+    """``<prefix><key> (now <value>)``: one setting of a dry run's advice, as the loop names it."""
+    return f"{prefix}{key} (now {settings.get(key)})"
+
+
+def _checkpointing_advice(key: str) -> str:
+    """The advice line for a stage whose gradient checkpointing is off (``key``: its full name)."""
+    return f"{key}=true: recompute activations in the backward pass"
+
+
+def _zero3_advice(settings: dict, device: str) -> list[str]:
+    """ZeRO-3 for a training stage on GPUs that does not use it yet; nothing on CPU."""
+    if device != "cuda" or settings.get("launch_profile") == "zero3":
+        return []
+    return [f"launch_profile=zero3 (now {settings.get('launch_profile')}): shard weights, gradients and optimizer "
+            "state over the GPUs"]
+
+
 class GenerateConfig(StageConfig):
     """generation/generate.py: K responses per prompt for one shard, with vLLM."""
 
@@ -108,6 +126,19 @@ class GenerateConfig(StageConfig):
         if self.temperature == 0 and self.k > 1:
             raise ValueError(f"temperature=0 (greedy) gives {self.k} identical responses and vLLM refuses n>1: set k=1 or temperature>0")
         return self
+
+    @classmethod
+    def dry_run_advice(cls, settings: dict, device: str, prefix: str) -> list[str]:
+        """The engine's context and KV cache first, then samples and new tokens (:meth:`StageConfig.dry_run_advice`)."""
+        out = [f"{_now(settings, prefix, 'max_model_len')}: the longest prompt + response the engine must hold",
+               f"{_now(settings, prefix, 'k')}: samples per prompt, each with its own KV cache"]
+        if device == "cuda":
+            out.append(f"{_now(settings, prefix, 'gpu_memory_utilization')}: vLLM's share of the GPU (lower it when "
+                       "another process shares the device; raise it when the engine cannot fit its KV cache)")
+        else:
+            out.append(f"{_now(settings, prefix, 'kv_cache_gb')}: the KV cache vLLM reserves on CPU")
+        out.append(f"{_now(settings, prefix, 'max_tokens')}: new tokens per response")
+        return out
 
 
 class RewardConfig(StageConfig):
@@ -156,6 +187,12 @@ class RewardConfig(StageConfig):
                              "only source=reward_model runs over several machines")
         check_machines(self.num_machines, self.num_processes, self.main_process_ip)
         return self
+
+    @classmethod
+    def dry_run_advice(cls, settings: dict, device: str, prefix: str) -> list[str]:
+        """The reward model's batch and input length (:meth:`StageConfig.dry_run_advice`)."""
+        return [f"{_now(settings, prefix, 'batch_size')}: inputs per forward pass",
+                f"{_now(settings, prefix, 'max_length')}: tokens per input"]
 
 
 class PairsConfig(StageConfig):
@@ -214,6 +251,21 @@ class DPOStageConfig(StageConfig):
                                  "Write the trained policy to another folder")
         return self
 
+    @classmethod
+    def dry_run_advice(cls, settings: dict, device: str, prefix: str) -> list[str]:
+        """The per-device batch and length first, then activations, LoRA and ZeRO-3
+        (:meth:`StageConfig.dry_run_advice`)."""
+        p, s = prefix, settings
+        out = [f"{_now(s, p, 'training.per_device_train_batch_size')}: the pairs on a device per forward pass; raise "
+               f"{p}training.gradient_accumulation_steps (now {s.get('training.gradient_accumulation_steps')}) to keep "
+               f"{p}train_batch_size (now {s.get('train_batch_size')}), or lower {p}train_batch_size",
+               f"{_now(s, p, 'training.max_length')}: tokens of prompt + response"]
+        if not s.get("training.gradient_checkpointing"):
+            out.append(_checkpointing_advice(f"{p}training.gradient_checkpointing"))
+        if not s.get("lora"):
+            out.append(f"{p}lora: train LoRA adapters instead of every weight (no full-size optimizer state)")
+        return out + _zero3_advice(s, device)
+
 
 class GRPOStageConfig(StageConfig):
     """grpo_iteration/run_grpo.py: group-relative policy optimization on rewards.jsonl; saves an HF checkpoint.
@@ -268,6 +320,20 @@ class GRPOStageConfig(StageConfig):
                 raise ValueError(f"output_dir={self.output_dir} is the {name} checkpoint; saving there would replace it. "
                                  "Write the trained policy to another folder")
         return self
+
+    @classmethod
+    def dry_run_advice(cls, settings: dict, device: str, prefix: str) -> list[str]:
+        """The per-device batch and length first, then activations, the reference and ZeRO-3
+        (:meth:`StageConfig.dry_run_advice`)."""
+        p, s = prefix, settings
+        out = [f"{_now(s, p, 'per_device_train_batch_size')}: the completions on a device per forward pass; raise "
+               f"{p}gradient_accumulation_steps (now {s.get('gradient_accumulation_steps')}) to keep the optimizer step",
+               f"{_now(s, p, 'max_length')}: tokens of prompt + completion (the completion is generation.max_tokens)"]
+        if not s.get("gradient_checkpointing"):
+            out.append(_checkpointing_advice(f"{p}gradient_checkpointing"))
+        if s.get("beta"):
+            out.append(f"{_now(s, p, 'beta')}: 0 drops the KL term, and the reference model with it")
+        return out + _zero3_advice(s, device)
 
 
 class IFEvalScoreConfig(StageConfig):
@@ -331,6 +397,17 @@ class SFTStageConfig(StageConfig):
         if self.launcher == "python" and (self.num_processes or 1) > 1:
             raise ValueError(f"num_processes={self.num_processes} needs launcher=accelerate")
         return self
+
+    @classmethod
+    def dry_run_advice(cls, settings: dict, device: str, prefix: str) -> list[str]:
+        """Axolotl's micro-batch and sequence length, then activations (:meth:`StageConfig.dry_run_advice`)."""
+        p, s = prefix, settings
+        out = [f"{_now(s, p, 'micro_batch_size')}: rows per forward pass (raise {p}gradient_accumulation_steps, now "
+               f"{s.get('gradient_accumulation_steps')}, to keep the batch)",
+               f"{_now(s, p, 'sequence_len')}: tokens per row"]
+        if not s.get("gradient_checkpointing"):
+            out.append(_checkpointing_advice(f"{p}gradient_checkpointing"))
+        return out
 
 
 class SFTDataConfig(StageConfig):

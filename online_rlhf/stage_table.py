@@ -23,7 +23,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 from .config import ConfigError, deep_merge, load_yaml
 from .paths import PROJECT_ROOT, default_data_dir, default_model_dir
@@ -34,8 +34,9 @@ from .stage_configs import (DPOStageConfig, GenerateConfig, GRPOStageConfig, IFE
 from .stats import (DPOStats, GenerateStats, GRPOStats, IFEvalStats, KLStats, PairsStats, RewardStats, SFTStats,
                     StageStats, stats_path)
 
-if TYPE_CHECKING:  # online_rlhf.loop_config builds the loop config's sections from this table
-    from .loop_config import LoopConfig
+# ``LoopConfig`` in the annotations below is the loop config (``online_rlhf.loop_config.LoopConfig``) of
+# one iteration. That module types its sections from this table's rows, so the table does not import
+# it, not even for type checking: the name stays text (``from __future__ import annotations``).
 
 
 def section(c: LoopConfig, name: str) -> dict:
@@ -56,27 +57,6 @@ def stage_file(path: str | None, key: str = "dpo_config") -> dict:
         raise ConfigError(f"{key}={path}: no such file (looked at {p}; a relative path is taken from the project "
                           f"root {PROJECT_ROOT}). Give an absolute path or one relative to the project root.")
     return load_yaml(p)
-
-
-def section_file(path: str | None, key: str, section: str) -> dict:
-    """The stage YAML a loop section is layered on (``dpo_config``, ``grpo_config``), refusing the
-    keys the loop sets itself for that section (``online_rlhf.loop_keys.SECTIONS``): the loop would
-    silently replace them (or, for the GRPO keys it copies from the generation section, the file
-    would silently replace the loop's).
-
-    Raises:
-        ConfigError: no such file; or a loop-owned key in it, naming the file, the key and what to
-            set instead.
-    """
-    from .loop_keys import SECTIONS
-
-    data = stage_file(path, key)
-    owned = SECTIONS[section][1]
-    bad = [k for k in data if k in owned]
-    if bad:
-        raise ConfigError(f"{key}={path}: " + " ".join(f"{k}: cannot be set in this file; {owned[k]} (and remove "
-                                                       f"{k} from {path})." for k in bad))
-    return data
 
 
 def prompt_source(name: str, split: str) -> str:
@@ -210,7 +190,7 @@ def _pairs(c: LoopConfig, run_dir: Path, i: int) -> dict:
 
 def _dpo(c: LoopConfig, run_dir: Path, i: int) -> dict:
     own = section(c, "dpo")
-    dpo = deep_merge(section_file(c.dpo_config, "dpo_config", "dpo"), own)
+    dpo = deep_merge(stage_file(c.dpo_config, "dpo_config"), own)
     # the loop's seed beats the stage file's; the loop's own dpo.training beats both
     training = {**dpo.pop("training", {}), "seed": c.seed, **own.get("training", {})}
     ref = starting_policy(c, run_dir) if c.ref_model == "initial" else None
@@ -226,7 +206,7 @@ def _grpo(c: LoopConfig, run_dir: Path, i: int) -> dict:
     ref = starting_policy(c, run_dir) if c.ref_model == "initial" else None
     # the stage file, the loop's seed, the loop's own grpo keys; then the rollouts' max_tokens and
     # temperature, which only the generation section sets (the file and the section refuse them)
-    return {**section_file(c.grpo_config, "grpo_config", "grpo"), "seed": c.seed, **own,
+    return {**stage_file(c.grpo_config, "grpo_config"), "seed": c.seed, **own,
             "max_completion_length": sampled["max_tokens"], "temperature": sampled["temperature"] or 1.0,
             "policy": policy_of(c, run_dir, i), "reference": ref, "rewards": str(run_dir / f"iter_{i}" / "rewards.jsonl"),
             "output_dir": str(run_dir / f"iter_{i}" / "model"), "num_processes": _processes(c),
@@ -285,6 +265,34 @@ def _always_enabled(c: LoopConfig) -> bool:
 
 
 @dataclass(frozen=True)
+class DryRun:
+    """How the loop's dry run (``loop dry-run``, ``online_rlhf.loop.memory_check``) measures a stage:
+    the stage's own ``dry_run=true`` (its module's ``dry_run``; its config class's
+    ``dry_run_advice`` names what to lower) on the planned config of one iteration.
+
+    Attributes:
+        iteration: the iteration whose planned config it runs on (0: before the loop).
+        policy_keys: the config keys naming the model it samples from or trains (and its reference).
+            When SFT runs first, that model is SFT's output, which a dry run does not make: each of
+            these keys that is set is given the SFT base model instead.
+        base_model_key: the key naming the model this stage starts from, when its output is the
+            later stages' starting policy (SFT's ``base_model``): they are measured on that model.
+        skip: ``resolved config -> why not, or None``: a stage whose config loads no model is left
+            out of the measurement with that note (rewards from a verifier).
+    """
+
+    iteration: int
+    policy_keys: tuple[str, ...] = ()
+    base_model_key: Optional[str] = None
+    skip: Optional[Callable[[dict], Optional[str]]] = None
+
+
+def _no_reward_model(d: dict) -> Optional[str]:
+    """Rewards load a model only from ``source=reward_model``."""
+    return None if d.get("source") == "reward_model" else f"source={d.get('source')} loads no model"
+
+
+@dataclass(frozen=True)
 class Stage:
     """One row of the stage table.
 
@@ -315,10 +323,10 @@ class Stage:
             line stops the loop with that reason (pairs: 0 pairs, :func:`no_pairs_stop`).
         cache_iteration_0: its iteration-0 output depends only on the starting policy, the prompts
             and its settings, so ``loop exec`` reuses it from an earlier run (``online_rlhf.eval_cache``).
-        dry_run_iteration: the iteration whose planned config the loop's dry run runs the stage on
-            with ``dry_run=true`` (its module's ``dry_run``: the stage's set-up and one step at the
-            largest shapes); None: the loop's dry run leaves it out (it loads no model, or it is an
-            evaluation twin lighter than the training stage that is measured).
+        dry_run: how the loop's dry run measures the stage (:class:`DryRun`: its module's
+            ``dry_run``, the stage's set-up and one step at the largest shapes); None: the loop's
+            dry run leaves it out (it loads no model, or it is an evaluation twin lighter than the
+            training stage that is measured). Its name is in ``DryRunStats.stage``.
         every_machine: ``d -> bool``: whether the stage of resolved config ``d`` runs on every machine
             of a multi-machine run (its processes or shards span them; ``loop exec ... machine_rank=k``
             takes part), else on machine 0 only (:func:`stage_machines`).
@@ -356,7 +364,7 @@ class Stage:
     runs: Optional[Callable[[LoopConfig, int], bool]] = None
     after: Optional[Callable[[Path, int], Optional[str]]] = None
     cache_iteration_0: bool = False
-    dry_run_iteration: Optional[int] = None
+    dry_run: Optional[DryRun] = None
     every_machine: Callable[[dict], bool] = field(default=lambda d: False)
     checks: PlanChecks = PlanChecks()
     stage_file_default: Optional[str] = None
@@ -407,25 +415,25 @@ _TOP_LEVEL_PROMPTS = ("prompt_field", "limit")
 STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("sft", "train", "sft/run_sft.py", "python", SFTStageConfig, ("base_model", "dataset"), ("output_dir",),
           SFTStats, "start", _sft, ("sft",), "sft.config", enabled=_sft_enabled,
-          checks=SFT_CHECKS, stage_file_default=SFT_CONFIG, dry_run_iteration=0,
+          checks=SFT_CHECKS, stage_file_default=SFT_CONFIG, dry_run=DryRun(0, base_model_key="base_model"),
           set_by_plan={"base_model": "loop key policy (SFT starts from the policy)"}),
     Stage("generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"), ("output",),
           GenerateStats, "train", _generate, ("generation",), every_machine=_always, checks=GENERATE_CHECKS,
-          seed_offset="+ 1000 x iteration", dry_run_iteration=1, loop_owned=_TOP_LEVEL_PROMPTS, page="docs/generation.md"),
+          seed_offset="+ 1000 x iteration", dry_run=DryRun(1, policy_keys=("model",)), loop_owned=_TOP_LEVEL_PROMPTS, page="docs/generation.md"),
     Stage("rewards", "train", "annotate_data/get_rewards.py", "accelerate", RewardConfig, ("input", "reward_model"),
           ("output",), RewardStats, "train", _rewards, ("reward",), every_machine=_reward_model_scores,
-          dry_run_iteration=1, section_inputs=("reward_model",), page="docs/rewards.md"),
+          dry_run=DryRun(1, skip=_no_reward_model), section_inputs=("reward_model",), page="docs/rewards.md"),
     Stage("pairs", "train", "annotate_data/make_pairs.py", "python", PairsConfig, ("input",), ("output",),
           PairsStats, "train", _pairs, ("pairs",), enabled=_dpo_run, after=no_pairs_stop, seed_offset="+ iteration"),
     Stage("dpo", "train", "dpo_iteration/run_dpo.py", "accelerate", DPOStageConfig, ("policy", "pairs", "reference"),
           ("output_dir",), DPOStats, "train", _dpo, ("dpo",), "dpo_config", enabled=_dpo_run, every_machine=_always,
-          checks=DPO_CHECKS, dry_run_iteration=1),
+          checks=DPO_CHECKS, dry_run=DryRun(1, policy_keys=("policy", "reference"))),
     Stage("grpo", "train", "grpo_iteration/run_grpo.py", "accelerate", GRPOStageConfig,
           ("policy", "rewards", "reference"), ("output_dir",), GRPOStats, "train", _grpo, ("grpo",), "grpo_config",
           enabled=_grpo_run, every_machine=_always, checks=GRPO_CHECKS,
           set_by_plan={"temperature": "loop key generation.temperature (the rollouts' sampling temperature)",
                        "max_completion_length": "loop key generation.max_tokens (the rollouts' max new tokens)"},
-          dry_run_iteration=1),
+          dry_run=DryRun(1, policy_keys=("policy", "reference"))),
     Stage("eval_generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"),
           ("output",), GenerateStats, "every", _eval_generate, ("evaluation", "generation"), cache_iteration_0=True,
           every_machine=_always, derived_from={"prompts": "eval_prompts"}, loop_owned=_TOP_LEVEL_PROMPTS, page="docs/generation.md"),

@@ -577,7 +577,8 @@ class DryRunStats(StageStats):
 
     Memory is in GiB (2**30 bytes), time in seconds. ``peak_memory_gib`` is what the stage used at
     its peak, ``memory_limit_gib`` what it may use (see ``memory_measure``); the loop's dry run
-    compares the two (:func:`online_rlhf.dry_run.assess`).
+    compares the two (:func:`online_rlhf.loop.memory_check.verdict`). ``stage`` names the stage table's rows
+    with a dry run (``Stage.dry_run``; tests/test_stage_table.py ties the two).
     """
 
     WRITTEN_BY: ClassVar[str] = "a stage run with dry_run=true (its module's dry_run)"

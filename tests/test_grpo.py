@@ -461,7 +461,8 @@ def test_warnings_name_the_reason_a_group_or_tokens_were_left_out(tmp_path):
 
 
 def test_dry_run_is_one_optimizer_step_at_max_length_and_writes_nothing_else(tmp_path, policy):
-    from online_rlhf.dry_run import advice, dry_run_path
+    from online_rlhf.dry_run import dry_run_path
+    from online_rlhf.loop.memory_check import advice
     from online_rlhf.stats import DryRunStats
 
     cfg = _cfg(tmp_path, policy, tmp_path / "no_rewards.jsonl", dry_run=True, max_length=24, max_completion_length=16,

@@ -807,7 +807,7 @@ def _dry(stage: str, peak: float | None, limit: float | None, device: str = "cpu
 
 
 def test_dry_run_verdicts_against_the_limit():
-    from online_rlhf.dry_run import verdict
+    from online_rlhf.loop.memory_check import verdict
 
     assert verdict(10.0, 24.0) == "ok"
     assert verdict(22.0, 24.0) == "tight"  # within 10% of the limit
@@ -818,7 +818,7 @@ def test_dry_run_verdicts_against_the_limit():
 
 
 def test_dry_run_report_names_the_stage_that_does_not_fit_and_what_to_lower():
-    from online_rlhf.dry_run import Row, report
+    from online_rlhf.loop.memory_check import Row, report
 
     rows = [Row("generate", 1, result=_dry("generate", 3.0, 20.0, max_model_len=2048, k=4, kv_cache_gb=2.0,
                                              max_tokens=256)),
@@ -851,7 +851,7 @@ def test_dry_run_report_names_the_stage_that_does_not_fit_and_what_to_lower():
 
 
 def test_dry_run_gpu_advice_names_gpu_settings():
-    from online_rlhf.dry_run import advice
+    from online_rlhf.loop.memory_check import advice
 
     gen = " ".join(advice("generate", {"gpu_memory_utilization": 0.9}, "cuda"))
     assert "generation.gpu_memory_utilization (now 0.9)" in gen and "kv_cache_gb" not in gen

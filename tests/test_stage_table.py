@@ -46,6 +46,25 @@ def test_every_row_names_what_exists(name, tmp_path):
     assert s.stats.read(path) == example_stats(s.stats)
 
 
+def test_the_dry_run_stages_are_the_rows_with_a_dry_run():
+    """One list: the rows with a ``DryRun`` are the loop's dry-run stages, ``DryRunStats.stage``
+    names exactly those, and each one's config class has the ``dry_run`` key and advice of its own
+    (so a stage over its limit is never left without one)."""
+    from typing import get_args
+
+    from online_rlhf.loop.memory_check import DRY_RUN_STAGES, advice
+    from online_rlhf.stats import DryRunStats
+
+    rows = [n for n, s in STAGES.items() if s.dry_run is not None]
+    assert [n for _, n in DRY_RUN_STAGES] == rows and len(rows) >= 5
+    assert set(get_args(DryRunStats.model_fields["stage"].annotation)) == set(rows)
+    for n in rows:
+        cls = STAGES[n].config
+        assert "dry_run" in cls.model_fields and "dry_run_advice" in vars(cls), n
+        lines = advice(n, {}, "cuda")
+        assert lines and all(line.startswith((STAGES[n].section + ".", "launch_profile=")) for line in lines), n
+
+
 @pytest.mark.parametrize("name", [n for n, s in STAGES.items() if s.section in LOOP_OWNED])
 def test_the_plan_owns_the_files_of_every_row_in_its_section(name):
     """A stage's outputs (and inputs, but for a reward model, the one input a section names

@@ -6,7 +6,8 @@ One module per concern, each importing only those before it:
 - :mod:`.resolve`: the loop config resolved and checked (:func:`resolve`, :func:`stage_dict`);
 - :mod:`.provenance`: where each value of a stage YAML came from (its comment block);
 - :mod:`.plan`: the run directory's files (:func:`plan`, :func:`fresh_refusal`);
-- :mod:`.run`: freshness, ``exec``, ``mark``, ``stages``/``after`` and the dry run;
+- :mod:`.run`: freshness, ``exec``, ``mark``, ``stages``/``after``;
+- :mod:`.memory_check`: the dry run (each model stage once at its largest shapes);
 - :mod:`.metrics`: one row of ``metrics.jsonl`` per iteration;
 - :mod:`.report`: ``report.md``, ``report.png``, wandb and the live metrics line;
 - :mod:`.cli`: the command line.
@@ -23,8 +24,9 @@ from .metrics import grpo_metrics, iteration_stats, mean_ci95, metrics
 from .plan import RUN_CONFIG_HEADER, fresh_refusal, plan, run_config_dict
 from .report import metrics_line, report
 from .resolve import auto_processes, resolve, sft_dict, stage_dict
-from .run import (DRY_RUN_STAGES, after_line, check, dry_run, exec_stage, mark, output_hint, previous_stage, stage_hash,
-                  stage_lines, stale_reason)
+from .memory_check import DRY_RUN_STAGES, dry_run
+from .run import (after_line, check, exec_stage, mark, output_hint, previous_stage, stage_hash, stage_lines,
+                  stale_reason)
 from .run import _output_present, _reuse_cached, _stage_entry, _wait_for_previous_stage  # noqa: F401 (tests use loop._name)
 
 __all__ = ["ConfigError", "DataError", "STAGES", "DRY_RUN_STAGES", "RUN_CONFIG_HEADER", "after_line", "auto_processes",

@@ -47,7 +47,8 @@ from .metrics import metrics
 from .plan import fresh_refusal, plan, _stdout_to_stderr
 from .report import metrics_line, report, verdict
 from .resolve import resolve
-from .run import after_line, co_decoded_note, dry_run, exec_stage, mark, output_hint, stage_lines, stale_reason
+from .memory_check import dry_run
+from .run import after_line, co_decoded_note, exec_stage, mark, output_hint, stage_lines, stale_reason
 
 
 def _iteration(text: str) -> int:

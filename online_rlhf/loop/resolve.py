@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..config import ConfigError, apply_overrides, load_yaml
-from ..loop_keys import check_loop_keys
+from ..loop_keys import SECTIONS, check_loop_keys, check_section_file
 from ..paths import PROJECT_ROOT, local_folder_prefix, resolve_model
 from ..loop_config import LoopConfig, iteration_config
 from ..stage_configs import DPOStageConfig, GenerateConfig
@@ -66,6 +66,9 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
         for stage in STAGES.values():
             if not stage.runs_in(cfg, i):
                 continue
+            if stage.stage_file_key and stage.section in SECTIONS:  # its recipe file holds no loop-owned key
+                check_section_file(getattr(iteration_config(cfg, i), stage.stage_file_key), stage.stage_file_key,
+                                   stage.section)
             d = stage_dict(cfg, Path("/dry-run"), i, stage.name)
             at = f"{src}, stage {stage.name}" if stage.when == "start" else f"{src}, iteration {i}, stage {stage.name}"
             stage_cfg = stage.config.from_dict(d, at)

@@ -1,5 +1,5 @@
-"""Running the planned stages: ``loop check``, ``exec``, ``mark``, ``stages``, ``after``,
-``output-hint`` and ``dry-run``.
+"""Running the planned stages: ``loop check``, ``exec``, ``mark``, ``stages``, ``after`` and
+``output-hint`` (``dry-run``: :mod:`.memory_check`).
 
 A stage is done and fresh when its ``.done`` records the hash of its config and inputs as they are
 now and its outputs are the ones it wrote (:func:`stale_reason`); ``exec`` starts it from its YAML
@@ -12,7 +12,6 @@ import json
 import os
 import re
 import shlex
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from ..jsonl import DataError, read_json, write_json
 from ..paths import PROJECT_ROOT
 from ..rundir import changed_outputs, fingerprint, is_done, mark_done
 from ..stage_table import STAGES, launch_command, stage_machines
-from ..stats import DryRunStats, stats_path
+from ..stats import stats_path
 
 
 def _stage_entry(run_dir: Path, i: int, stage: str) -> dict:
@@ -618,73 +617,3 @@ def after_line(run_dir: Path, i: int, stage: str) -> str | None:
     row's ``after`` hook (e.g. pairs: 0 pairs made); None to go on (or the row has no hook)."""
     hook = STAGES[stage].after
     return hook(run_dir, i) if hook is not None else None
-
-# The stages the loop's dry run checks, in order: (iteration, stage), the table's rows with a dry_run_iteration.
-DRY_RUN_STAGES = tuple((s.dry_run_iteration, s.name) for s in STAGES.values() if s.dry_run_iteration is not None)
-
-
-def dry_run(run_dir: Path) -> int:
-    """The loop's dry run (``bash run_loop.sh ... dry_run=true``, after the plan): run each stage of
-    :data:`DRY_RUN_STAGES` that the plan holds (``dpo`` or ``grpo``, as ``algorithm`` says) once with ``dry_run=true`` (``loop exec RUN_DIR I STAGE
-    dry_run=true``, the stage's own command; log ``iter_<i>/logs/<stage>.dry_run.log``), read what
-    each measured (:class:`~online_rlhf.stats.DryRunStats`) and print the table and advice of
-    :func:`online_rlhf.dry_run.report`; also written to ``<run>/dry_run.json``.
-
-    Pairs and verifier/remote/judge rewards load no model and are skipped. When SFT is enabled, the
-    later stages' policy (the SFT model) does not exist yet: they are measured on the SFT base model
-    (same architecture). Nothing is trained or marked done; stages' outputs are not written.
-
-    Returns:
-        the exit code: 0 when every measured stage fits, 1 when one would not (or its dry run failed).
-    """
-    import subprocess
-
-    from ..dry_run import Row, dry_run_path, report
-
-    rows: list[Row] = []
-    sft_base = None
-    for i, stage in DRY_RUN_STAGES:
-        plan_path = run_dir / f"iter_{i}" / "plan.json"
-        entries = read_json(plan_path) if plan_path.is_file() else {}
-        if stage not in entries:
-            continue
-        e = entries[stage]
-        d = yaml.safe_load(Path(e["config"]).read_text(encoding="utf-8"))
-        if stage == "sft":
-            sft_base = d.get("base_model")
-        if stage == "rewards" and d.get("source") != "reward_model":
-            rows.append(Row(stage, i, note=f"source={d.get('source')} loads no model"))
-            continue
-        extra, note = ["dry_run=true"], ""
-        if sft_base is not None and stage in ("generate", "dpo", "grpo"):  # the SFT model is not trained yet
-            extra += [f"model={sft_base}"] if stage == "generate" else [f"policy={sft_base}"]
-            if stage in ("dpo", "grpo") and d.get("reference"):
-                extra.append(f"reference={sft_base}")
-            note = "measured on the SFT base model"
-        out = dry_run_path(e["outputs"][0])
-        out.unlink(missing_ok=True)  # never report an earlier dry run's figures
-        log = run_dir / f"iter_{i}" / "logs" / f"{stage}.dry_run.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        print(f"[dry run] {stage} (iteration {i}) · log {log}", flush=True)
-        with open(log, "w", encoding="utf-8") as f:
-            rc = subprocess.run([sys.executable, "-m", "online_rlhf.loop", "exec", str(run_dir), str(i), stage, *extra],
-                                stdout=f, stderr=subprocess.STDOUT, cwd=PROJECT_ROOT).returncode
-        result = DryRunStats.read(out) if out.is_file() else None
-        if result is None:
-            why = ("killed (exit %d; on CPU often the kernel's out-of-memory killer)" % rc if rc < 0 or rc in (137, 9)
-                   else f"exit {rc}, no result written")
-            errors = [ln[7:].strip() for ln in log.read_text(encoding="utf-8", errors="replace").splitlines()
-                      if ln.startswith("error: ")]
-            if errors:  # the stage's own one-line reason (e.g. a config it refused), not a memory verdict
-                why += f": {errors[-1][:200]}"
-            rows.append(Row(stage, i, note=why, log=str(log), failed=True))
-        else:
-            rows.append(Row(stage, i, result=result, note=note, log=str(log)))
-    text, code = report(rows)
-    print(text, flush=True)
-    write_json(run_dir / "dry_run.json", [{"stage": r.stage, "iteration": r.iteration, "verdict": r.verdict,
-                                           "note": r.note, "log": r.log,
-                                           "result": r.result.model_dump(mode="json") if r.result else None}
-                                          for r in rows])
-    return code
-
