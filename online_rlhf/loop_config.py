@@ -20,6 +20,13 @@ from .stage_configs import (SEED_MAX, DPOStageConfig, GenerateConfig, GRPOStageC
                             PairsConfig, RewardConfig, check_machines)
 from .stage_table import STAGES
 
+# The loop keys that name a file or folder: run_loop.sh takes a relative one from where it runs when
+# the file is there, else from the project root (also under per_iteration.<i>.; output_root= always
+# from where it runs). run_loop.sh's `case` line and header list them too, and docs/custom.md:
+# tests/test_config.py ties the copies to this one.
+PATH_KEYS = ("train_prompts", "eval_prompts", "ifeval.prompts", "policy", "sft.dataset", "reward.reward_model",
+             "dpo_config", "grpo_config", "sft.config")
+
 # The keys of a stage config that describe how the loop launches it (shards, processes, machines,
 # the dry run): the plan sets each of them that the stage's class has.
 LAUNCH_KEYS = ("shards_dir", "shard_index", "num_shards", "num_processes", "launch_profile", "num_machines",

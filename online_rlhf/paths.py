@@ -70,7 +70,7 @@ def resolve_model(name: str, hint: str = POLICY_HINT) -> str:
                 f"the default policy is not prepared at {d}. Run: .venv-train/bin/python scripts/prepare_default.py"
             )
         return str(d)
-    if looks_like_path(name) or local_folder_prefix(name):
+    if is_local_model(name):
         p = Path(name).expanduser()
         if not p.exists():
             why = (f" ({local_folder_prefix(name)!r} is a folder here, so it is taken as a local path, not a Hub id)"
@@ -82,9 +82,44 @@ def resolve_model(name: str, hint: str = POLICY_HINT) -> str:
     return name
 
 
+# --- local path or Hugging Face Hub id: the one place that decides it -------------------------------
+# A name that exists here is a local path. For one that does not, the rules below say whether it is
+# meant as a local path (then it is missing: an error that names the path) or as a Hub id (left to the
+# library that loads it). A Hub id has the shape owner/name (:func:`hub_id_shaped`). Models and data
+# files are told apart by different signs, on purpose: a model folder has no suffix, but may sit beside
+# ``./``, ``~`` or a local folder of its first part (:func:`is_local_model`); a data file is known by
+# its suffix (:func:`is_local_data`). tests/test_records.py pins each rule on the same names.
+
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")  # the local prompt-file types the loaders read
+
+
+def hub_id_shaped(name: str) -> bool:
+    """Whether ``name`` has the shape of a Hub id: ``owner/name`` (one slash, not starting with ``.``
+    or ``/``)."""
+    return name.count("/") == 1 and not name.startswith((".", "/"))
+
+
 def looks_like_path(name: str) -> bool:
     """True for strings that can only be local paths: absolute, ./ or ../, ~, or 2+ slashes."""
     return name.startswith(("/", "./", "../", "~")) or name.count("/") >= 2 or os.sep + os.sep in name
+
+
+def is_local_model(name: str) -> bool:
+    """Whether a model ``name`` (not ``default``) is meant as a local folder: :func:`looks_like_path`,
+    or the shape ``first/rest`` of a Hub id with a folder ``first`` here (:func:`local_folder_prefix`).
+    The rule of :func:`resolve_model` and the plan's model checks."""
+    return looks_like_path(name) or local_folder_prefix(name) is not None
+
+
+def is_local_data(source: str, bare_name_is_hub: bool = True) -> bool:
+    """Whether a data ``source`` (a prompt set) that does not exist is meant as a local file: it has a
+    data file's suffix (:data:`DATA_SUFFIXES`), or a path separator without the shape of a Hub id
+    (:func:`hub_id_shaped`). A bare name (no slash) is a Hub id (``gsm8k``) unless
+    ``bare_name_is_hub`` is False (``ifeval.prompts``, whose Hub ids are ``owner/name`` only). The rule
+    of :func:`online_rlhf.records.load_prompts` and the plan's prompt-file checks."""
+    if Path(source).suffix in DATA_SUFFIXES or os.sep in source and not hub_id_shaped(source):
+        return True
+    return not bare_name_is_hub and "/" not in source
 
 
 def local_folder_prefix(name: str) -> str | None:

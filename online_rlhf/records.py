@@ -16,9 +16,16 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal, get_args
 
 from .jsonl import DataError, check_finite, iter_jsonl
+from .paths import is_local_data
+
+# Where a rewards record's rewards came from (its ``reward_source``; the rewards stage's ``source``
+# and its stats' ``source``): the one list of reward sources. Each has a scoring module,
+# ``online_rlhf.stages.get_rewards.SOURCES``, which tests/test_stage_table.py ties to it.
+RewardSource = Literal["reward_model", "verifier", "remote", "judge"]
+REWARD_SOURCES: tuple[str, ...] = get_args(RewardSource)
 
 ROLES = ("system", "user", "assistant")
 # Fields a prompt record may carry that are not task fields.
@@ -194,7 +201,7 @@ def load_prompt_set(source: str | os.PathLike, split: str = "train", prompt_fiel
             if kind is None:
                 raise DataError(f"{path}: unsupported prompt file type {path.suffix!r}; use .jsonl, .json or .parquet.")
             ds = datasets.load_dataset(kind, data_files=str(path), split="train")
-        elif is_local_source(source):
+        elif is_local_data(source):
             raise FileNotFoundError(f"{source}: no such prompt file.")
         else:
             ds = _load_hub_prompts(datasets, source, split)
@@ -273,17 +280,6 @@ def _load_hub_prompts(datasets, source: str, split: str):
                         f"Face Hub dataset id it could not be loaded ({type(e).__name__}: {str(e)[:200]}); {hint} "
                         "A local file needs its suffix (.jsonl, .json, .parquet, .csv). Download it where there is network (or give a local .jsonl "
                         "of {id, prompt} rows) and point train_prompts/eval_prompts at it.") from None
-
-
-def _hub_like(s: str) -> bool:
-    return s.count("/") == 1 and not s.startswith((".", "/"))
-
-
-def is_local_source(source: str) -> bool:
-    """Whether a prompt ``source`` that does not exist is meant as a local file (a missing file, not
-    an HF Hub dataset id): it has a data file's suffix, or a path separator without the shape of
-    ``owner/name``. The rule :func:`load_prompts` applies."""
-    return Path(source).suffix in (".jsonl", ".json", ".parquet", ".csv") or os.sep in source and not _hub_like(source)
 
 
 def validate_generated(rec: dict, where: str) -> None:

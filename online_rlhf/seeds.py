@@ -34,6 +34,7 @@ from typing import Any, Optional
 
 from .config import ConfigError
 from .jsonl import DataError, read_jsonl, write_json
+from .loop_config import PATH_KEYS
 from .paths import PROJECT_ROOT
 
 
@@ -282,14 +283,10 @@ def check_run_config(run_dir: Path, config: str, seed: int, overrides: list[str]
                         "rerun what changed, or give the overrides the run was made with.")
 
 
-# The keys whose relative path run_loop.sh takes from where it runs when the file is there (also
-# under per_iteration.<i>.); output_root= always from there.
-RUN_LOOP_PATH_KEYS = ("train_prompts", "eval_prompts", "ifeval.prompts", "policy", "sft.dataset", "reward.reward_model",
-                      "dpo_config", "grpo_config", "sft.config")
-
-
 def _as_run_loop_takes(override: str) -> str:
-    """``key=value`` with a relative path made absolute as ``run_loop.sh`` makes it, so that the run's
+    """``key=value`` with a relative path made absolute as ``run_loop.sh`` makes it (the keys of
+    :data:`online_rlhf.loop_config.PATH_KEYS`, also under ``per_iteration.<i>.``; ``output_root=``
+    always), so that the run's
     ``config.yaml`` and the recipe resolved here (:func:`check_run_config`) hold the same path."""
     import re
 
@@ -299,7 +296,7 @@ def _as_run_loop_takes(override: str) -> str:
         return override
     if leaf == "output_root" and key.strip() == "output_root":
         return f"{key}={Path.cwd() / val}"
-    if leaf in RUN_LOOP_PATH_KEYS and val and (Path.cwd() / val).exists():
+    if leaf in PATH_KEYS and val and (Path.cwd() / val).exists():
         return f"{key}={Path.cwd() / val}"
     return override
 

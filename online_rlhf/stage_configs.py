@@ -13,6 +13,7 @@ from pydantic import AfterValidator, ConfigDict, Field, model_validator
 from .config import StageConfig
 from .dpo_loss import project_only_loss_types
 from .pairs import Strategy
+from .records import RewardSource
 from .stats import stats_path
 
 # transformers' attention implementations the policy stages take by name (a Hub kernel is named
@@ -43,6 +44,19 @@ _PROCESSES_DOC = ("processes the stage runs as (`accelerate launch --num_process
 _PROFILE_DOC = ("how the loop launches the stage: configs/accelerate/<profile>.yaml (cpu: plain processes over gloo; "
                 "zero2/zero3: DeepSpeed on GPUs). Ignored when you start the script yourself")
 
+# The five launch fields of a stage started by `accelerate launch` (rewards, DPO, GRPO), each declared
+# once: type, default, bounds and description. Each such class names all five (a base class would put
+# them first in its stage YAML, whose key order is the class's field order), checks them with
+# :func:`check_machines`, and may add to a description (rewards: "reward_model: ...");
+# tests/test_stage_table.py checks that every class with one has all five, as declared here.
+NumProcesses = Annotated[Optional[int], Field(None, ge=1, description=_PROCESSES_DOC)]
+LaunchProfileKey = Annotated[LaunchProfile, Field("cpu", description=_PROFILE_DOC)]
+NumMachines = Annotated[int, Field(1, ge=1, description=_MACHINES_DOC)]
+MainProcessIp = Annotated[Optional[str], Field(None, description=_IP_DOC)]
+MainProcessPort = Annotated[Optional[int], Field(None, ge=1, le=65535, description=_PORT_DOC)]
+LAUNCH_FIELDS = {"num_processes": NumProcesses, "launch_profile": LaunchProfileKey, "num_machines": NumMachines,
+                 "main_process_ip": MainProcessIp, "main_process_port": MainProcessPort}
+
 
 def check_machines(num_machines: int, num_processes: Optional[int], main_process_ip: Optional[str]) -> None:
     """The multi-machine settings of an ``accelerate launch`` stage (or of the loop), checked together.
@@ -64,6 +78,22 @@ def check_machines(num_machines: int, num_processes: Optional[int], main_process
     if num_processes is not None and num_processes % num_machines:
         raise ValueError(f"num_processes={num_processes} is the process count over all {num_machines} machines and "
                          f"must be a multiple of num_machines={num_machines} (each machine runs the same number)")
+
+
+def check_output_is_not_a_model(output_dir: str, **models: Optional[str]) -> None:
+    """A trained policy is never saved over the checkpoint it was trained from (the DPO and GRPO
+    stages' ``output_dir`` against their ``policy`` and ``reference``).
+
+    Args:
+        output_dir: where the stage saves.  models: ``{key: checkpoint path or None}``, in message order.
+    Raises:
+        ValueError: ``output_dir`` is an existing one of ``models``, naming its key.
+    """
+    out = Path(output_dir).expanduser().resolve()
+    for name, src in models.items():
+        if src and Path(src).expanduser().exists() and Path(src).expanduser().resolve() == out:
+            raise ValueError(f"output_dir={output_dir} is the {name} checkpoint; saving there would replace it. "
+                             "Write the trained policy to another folder")
 
 
 def _now(settings: dict, prefix: str, key: str) -> str:
@@ -146,7 +176,7 @@ class RewardConfig(StageConfig):
 
     input: str = Field(..., description="generated.jsonl")
     output: str = Field(..., description="rewards.jsonl")
-    source: Literal["reward_model", "verifier", "remote", "judge"] = Field("verifier", description="where rewards come from")
+    source: RewardSource = Field("verifier", description="where rewards come from")
     # reward_model
     reward_model: Optional[str] = Field(None, description="source=reward_model: AutoModelForSequenceClassification dir or Hub id (one label)")
     batch_size: int = Field(8, ge=1, description="reward_model: inputs per forward pass (sorted by length); remote: (prompt, response) items per request")
@@ -164,12 +194,12 @@ class RewardConfig(StageConfig):
     retry_backoff_s: float = Field(1.0, ge=0, description="remote/judge: first retry waits this long, then 2x, 4x, ...")
     judge_max_tokens: int = Field(256, ge=1, description="judge: max tokens of the judge's reply (short reasoning + [[A]]/[[B]])")
     judge_concurrency: int = Field(8, ge=1, description="judge: requests in flight at once (the server batches them)")
-    num_processes: Optional[int] = Field(None, ge=1, description="reward_model: " + _PROCESSES_DOC + "; other sources run in one process")
-    launch_profile: LaunchProfile = Field("cpu", description="reward_model: " + _PROFILE_DOC)
+    num_processes: NumProcesses = Field(description="reward_model: " + _PROCESSES_DOC + "; other sources run in one process")
+    launch_profile: LaunchProfileKey = Field(description="reward_model: " + _PROFILE_DOC)
     dry_run: bool = Field(False, description="memory check instead of the stage (source=reward_model): load the model, score one batch of batch_size dummy inputs of max_length tokens, write only <output>.dry_run.json (peak memory, seconds); the input is not read. Other sources: nothing to check")
-    num_machines: int = Field(1, ge=1, description="reward_model: " + _MACHINES_DOC)
-    main_process_ip: Optional[str] = Field(None, description="reward_model: " + _IP_DOC)
-    main_process_port: Optional[int] = Field(None, ge=1, le=65535, description="reward_model: " + _PORT_DOC)
+    num_machines: NumMachines = Field(description="reward_model: " + _MACHINES_DOC)
+    main_process_ip: MainProcessIp = Field(description="reward_model: " + _IP_DOC)
+    main_process_port: MainProcessPort = Field(description="reward_model: " + _PORT_DOC)
 
     @model_validator(mode="after")
     def _check(self):
@@ -229,12 +259,12 @@ class DPOStageConfig(StageConfig):
     attn_implementation: AttnImplementation = Field("sdpa", description="sdpa (CPU/GPU), eager, flex_attention, or flash_attention_2 (GPU with flash-attn; without a GPU or the package it is refused before any weight is loaded)")
     torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="policy/reference load dtype (auto: fp32 on CPU, each checkpoint's stored dtype on GPU; float16 vs bfloat16 checkpoints are refused)")
     log_probs: Literal["auto", "sequence", "side", "packed", "trl"] = Field("auto", description="how the DPO log-probs are computed: LM head and log-softmax only at completion positions (online_rlhf/completion_logps.py), each sequence unpadded (sequence), chosen and rejected padded separately (side) or all sequences of a micro-batch in one unpadded row, each attending to itself (packed; attention computed with sdpa per sequence, so only for sdpa or eager models); auto = packed on CPU with sdpa or eager attention, else side; trl = TRL's own computation (full logits, chosen and rejected padded to each other). The loss of every layout but trl is online_rlhf/dpo_loss.py's; settings it does not cover (e.g. a TRL loss type not registered there, ld_alpha) use TRL's, named in the stats")
-    num_processes: Optional[int] = Field(None, ge=1, description=_PROCESSES_DOC)
-    launch_profile: LaunchProfile = Field("cpu", description=_PROFILE_DOC)
+    num_processes: NumProcesses
+    launch_profile: LaunchProfileKey
     dry_run: bool = Field(False, description="memory check instead of training: load policy and reference as usual, run one optimizer step (forward + backward + optimizer step, reference log-probs included) on dummy pairs of training.max_length tokens (chosen and rejected) at the real per-device batch and accumulation, and write only <output_dir>.dry_run.json (peak memory, seconds per step); the pairs file is not read, output_dir is not touched")
-    num_machines: int = Field(1, ge=1, description=_MACHINES_DOC)
-    main_process_ip: Optional[str] = Field(None, description=_IP_DOC)
-    main_process_port: Optional[int] = Field(None, ge=1, le=65535, description=_PORT_DOC)
+    num_machines: NumMachines
+    main_process_ip: MainProcessIp
+    main_process_port: MainProcessPort
 
     @model_validator(mode="after")
     def _output_is_not_a_model(self):
@@ -243,12 +273,7 @@ class DPOStageConfig(StageConfig):
         if self.log_probs == "trl" and only_here:
             raise ValueError(f"training.loss_type {', '.join(only_here)} is computed only by online_rlhf/dpo_loss.py, "
                              "which log_probs=trl (TRL's own _compute_loss) does not run; set log_probs=auto")
-        out = Path(self.output_dir).expanduser().resolve()
-        for name in ("policy", "reference"):
-            src = getattr(self, name)
-            if src and Path(src).expanduser().exists() and Path(src).expanduser().resolve() == out:
-                raise ValueError(f"output_dir={self.output_dir} is the {name} checkpoint; saving there would replace it. "
-                                 "Write the trained policy to another folder")
+        check_output_is_not_a_model(self.output_dir, policy=self.policy, reference=self.reference)
         return self
 
     @classmethod
@@ -300,11 +325,11 @@ class GRPOStageConfig(StageConfig):
     max_length: Optional[int] = Field(None, ge=2, description="prompt + completion token budget: longer completions lose their last tokens (counted), prompts that fill it drop their group (counted); null = no cap")
     attn_implementation: AttnImplementation = Field("sdpa", description="sdpa (CPU/GPU), eager, flex_attention, or flash_attention_2 (GPU with flash-attn; without a GPU or the package it is refused before any weight is loaded)")
     torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="load dtype of policy and reference (auto: fp32 on CPU, the checkpoint's stored dtype on GPU)")
-    num_processes: Optional[int] = Field(None, ge=1, description=_PROCESSES_DOC)
-    launch_profile: LaunchProfile = Field("cpu", description=_PROFILE_DOC)
-    num_machines: int = Field(1, ge=1, description=_MACHINES_DOC)
-    main_process_ip: Optional[str] = Field(None, description=_IP_DOC)
-    main_process_port: Optional[int] = Field(None, ge=1, le=65535, description=_PORT_DOC)
+    num_processes: NumProcesses
+    launch_profile: LaunchProfileKey
+    num_machines: NumMachines
+    main_process_ip: MainProcessIp
+    main_process_port: MainProcessPort
     dry_run: bool = Field(False, description="memory check instead of training: load policy (and reference when beta > 0) as usual, compute the old log-probs and run one optimizer step (forward + backward of every micro-batch + AdamW step) on per_device_train_batch_size x gradient_accumulation_steps x processes dummy completions whose prompt + completion is exactly max_length tokens (completion: max_completion_length), and write only <output_dir>.dry_run.json (peak memory, seconds per step); the rewards file is not read, output_dir is not touched")
 
     @model_validator(mode="after")
@@ -313,12 +338,7 @@ class GRPOStageConfig(StageConfig):
         if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
             raise ValueError(f"epsilon_high={self.epsilon_high} is below epsilon={self.epsilon}; the upper clipping "
                              "bound is 1 + epsilon_high, set it >= epsilon (or null)")
-        out = Path(self.output_dir).expanduser().resolve()
-        for name in ("policy", "reference"):
-            src = getattr(self, name)
-            if src and Path(src).expanduser().exists() and Path(src).expanduser().resolve() == out:
-                raise ValueError(f"output_dir={self.output_dir} is the {name} checkpoint; saving there would replace it. "
-                                 "Write the trained policy to another folder")
+        check_output_is_not_a_model(self.output_dir, policy=self.policy, reference=self.reference)
         return self
 
     @classmethod

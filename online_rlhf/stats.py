@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .jsonl import DataError, read_json, write_json
 from .pairs import Strategy
+from .records import RewardSource
 
 STATS_SUFFIX = ".stats.json"
 
@@ -243,7 +244,7 @@ class RewardStats(StageStats):
     stage: Literal["get_rewards"]
     input: str
     output: str
-    source: Literal["reward_model", "verifier", "remote", "judge"]
+    source: RewardSource
     records_in: int
     records_scored: int
     records_skipped: int

@@ -221,3 +221,24 @@ def test_run_loop_takes_per_iteration_paths_from_where_it_runs_and_refuses_odd_w
     assert out.returncode == 2 and "unknown option '-x'" in out.stderr
     out = args_loop("configs/loop.yaml", "configs/if_dpo.yaml")
     assert out.returncode == 2 and "two config files given" in out.stderr
+
+
+def test_the_path_keys_run_loop_sh_makes_absolute_are_one_list():
+    """run_loop.sh's `case` line, its header and docs/custom.md name the loop keys whose relative
+    path is taken from where you run it: the same keys as online_rlhf.loop_config.PATH_KEYS (which
+    online_rlhf.seeds applies as run_loop.sh does)."""
+    import re
+    from pathlib import Path
+
+    from online_rlhf.loop_config import PATH_KEYS
+
+    root = Path(__file__).resolve().parent.parent
+    script = (root / "run_loop.sh").read_text(encoding="utf-8")
+    (case,) = re.findall(r"^\s+(train_prompts\|[\w.|]+)\)", script, flags=re.M)
+    assert tuple(case.split("|")) == PATH_KEYS
+    header = re.search(r"Relative paths you pass \(CONFIG, (.*?)\) are taken", script, flags=re.S).group(1)
+    assert tuple(re.findall(r"([\w.]+)=", header)) == PATH_KEYS
+    custom = (root / "docs" / "custom.md").read_text(encoding="utf-8")
+    listed = re.search(r"Relative paths given to `run_loop.sh`\s+\(`CONFIG`, (.*?), and the same keys", custom,
+                       flags=re.S).group(1)
+    assert tuple(re.findall(r"`([\w.]+)=`", listed)) == PATH_KEYS

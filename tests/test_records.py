@@ -221,3 +221,28 @@ def test_blank_lines_of_a_prompt_file_are_counted(tmp_path, capsys):
     rows, counts = load_prompt_set(p, limit=1)  # stopped before the end of the file: still said
     assert len(rows) == 1 and counts.blank_lines == 1
     assert capsys.readouterr().err == f"note: skipped 1 blank line(s) in {p} (line 2), in the rows read up to limit=1\n"
+
+
+@pytest.mark.parametrize("name, model, data, ifeval", [
+    ("owner/name", False, False, False),  # a Hub id, whatever it names
+    ("gsm8k", False, False, True),  # a bare name: a Hub dataset, but IFEval's prompts take owner/name ids only
+    ("default", False, False, True),
+    ("data.jsonl", False, True, True),  # a data file is known by its suffix
+    ("owner/data.parquet", False, True, True),
+    ("a/b/c", True, True, True),  # two slashes: a path
+    ("./model", True, True, True),
+    ("../x/y", True, True, True),
+    ("/abs/model", True, True, True),
+    ("~/model", True, False, False),  # ~ marks a model folder; a data file is known by its suffix
+    ("here/mine", True, False, False),  # here/ is a folder in the current directory: a model folder
+])
+def test_local_path_or_hub_id_is_decided_in_one_place(tmp_path, monkeypatch, name, model, data, ifeval):
+    """online_rlhf.paths decides whether a missing name is a local path or a Hub id, for models
+    (resolve_model and the plan's checks), prompt files (load_prompts and the plan's checks) and
+    IFEval's prompts (the plan's check); the differences between them are these, on purpose."""
+    from online_rlhf.paths import is_local_data, is_local_model
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "here").mkdir()
+    assert (is_local_model(name), is_local_data(name), is_local_data(name, bare_name_is_hub=False)) == \
+        (model, data, ifeval)

@@ -46,6 +46,40 @@ def test_every_row_names_what_exists(name, tmp_path):
     assert s.stats.read(path) == example_stats(s.stats)
 
 
+def test_every_reward_source_has_its_scoring_module():
+    """records.RewardSource is the one list of reward sources (the rewards stage's config and stats
+    type their `source` with it); the rewards stage has a scoring module for each."""
+    import importlib
+
+    from online_rlhf.records import REWARD_SOURCES
+    from online_rlhf.stage_configs import RewardConfig
+    from online_rlhf.stages.get_rewards import SOURCES
+
+    assert tuple(SOURCES) == REWARD_SOURCES == ("reward_model", "verifier", "remote", "judge")
+    assert RewardConfig.model_fields["source"].annotation == stats.RewardStats.model_fields["source"].annotation
+    for name, module in SOURCES.items():
+        assert importlib.util.find_spec(module) is not None, (name, module)
+
+
+def test_the_launch_fields_are_declared_once():
+    """Every row started by `accelerate launch` has the five launch fields of
+    online_rlhf.stage_configs.LAUNCH_FIELDS as declared there (type, default, bounds; a description
+    may add to it), and the plan sets them (loop_config.LAUNCH_KEYS)."""
+    from typing import get_args
+
+    from online_rlhf.loop_config import LAUNCH_KEYS
+    from online_rlhf.stage_configs import LAUNCH_FIELDS
+
+    assert set(LAUNCH_FIELDS) <= set(LAUNCH_KEYS)
+    rows = [s for s in STAGES.values() if s.launcher == "accelerate"]
+    assert {s.config.__name__ for s in rows} == {"RewardConfig", "DPOStageConfig", "GRPOStageConfig"}
+    for s in rows:
+        for name, declared in LAUNCH_FIELDS.items():
+            f, (kind, info) = s.config.model_fields[name], get_args(declared)
+            assert (f.annotation, f.default, f.metadata) == (kind, info.default, info.metadata), (s.name, name)
+            assert info.description in f.description, (s.name, name)
+
+
 def test_the_dry_run_stages_are_the_rows_with_a_dry_run():
     """One list: the rows with a ``DryRun`` are the loop's dry-run stages, ``DryRunStats.stage``
     names exactly those, and each one's config class has the ``dry_run`` key and advice of its own

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from ..jsonl import atomic_open, json_text
-from ..loop_config import LoopConfig, iteration_config
+from ..loop_config import SECTION_CLASSES, LoopConfig, iteration_config
 from ..stage_table import STAGES, Stage, launch_command, prompt_source, stage_machines, starting_policy
 from .provenance import _Layers, _provenance, _stage_header
 from .resolve import (_LIBRARY_CHECKS, _check_ifeval_fields, _check_ifeval_prompts, _check_prompt_files,
@@ -168,7 +168,7 @@ def run_config_dict(cfg: LoopConfig) -> dict:
     stage's default, and the seeds their per-iteration offsets), so the file given back to
     ``run_loop.sh`` resolves to the same stage configs. ``dry_run`` is left out."""
     d = cfg.model_dump(mode="json", exclude={"dry_run"})
-    for name in ("generation", "evaluation", "reward", "pairs", "dpo", "grpo"):
+    for name in SECTION_CLASSES:  # every stage section typed by its stage's config class
         d[name] = getattr(cfg, name).model_dump(mode="json", exclude_unset=True)
     return d
 

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from ..config import ConfigError, apply_overrides, load_yaml
 from ..loop_keys import SECTIONS, check_loop_keys, check_section_file
-from ..paths import PROJECT_ROOT, local_folder_prefix, resolve_model
+from ..paths import PROJECT_ROOT, is_local_data, local_folder_prefix, resolve_model
 from ..loop_config import LoopConfig, iteration_config
 from ..stage_configs import DPOStageConfig, GenerateConfig
 from ..stage_table import STAGES, Stage, prompt_source
@@ -216,9 +216,7 @@ def _check_ifeval_prompts(cfg: LoopConfig) -> None:
     from ..paths import default_data_dir
 
     given, path = _ifeval_prompts_path(cfg)
-    local = (given == "default" or path.suffix in (".jsonl", ".json", ".parquet", ".csv") or path.is_absolute()
-             or given.startswith(".") or given.count("/") != 1)
-    if local and not path.exists():
+    if is_local_data(given, bare_name_is_hub=False) and not path.exists():
         raise ConfigError(f"ifeval.prompts={given}: no such file ({path}); ifeval.when={cfg.ifeval.when} runs IFEval on "
                           "it. Prepare the default with `.venv-train/bin/python scripts/prepare_default.py` (writes "
                           f"{default_data_dir() / 'ifeval.jsonl'}), point ifeval.prompts at a JSONL file of IFEval "
@@ -268,8 +266,6 @@ def _check_prompt_files(cfg: LoopConfig) -> None:
     Raises:
         FileNotFoundError: naming every missing file with its key (and iteration), and the fix.
     """
-    from ..records import is_local_source
-
     wanted = [("eval_prompts", prompt_source(cfg.eval_prompts, "eval"))]
     for i in range(1, cfg.iterations + 1):
         key = "train_prompts" if i not in cfg.per_iteration else f"train_prompts (iteration {i})"
@@ -278,7 +274,7 @@ def _check_prompt_files(cfg: LoopConfig) -> None:
     for key, src in wanted:
         p = Path(src)
         entry = f"{key}={src}: no such file (looked at {p.absolute()})"
-        if is_local_source(src) and not p.exists() and entry not in missing:
+        if is_local_data(src) and not p.exists() and entry not in missing:
             missing.append(entry)
     if missing:
         raise FileNotFoundError(f"{len(missing)} prompt file(s) missing: " + "; ".join(missing) + ". Fix the paths (an "

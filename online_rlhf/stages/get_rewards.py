@@ -43,11 +43,12 @@ from online_rlhf.stage_configs import RewardConfig
 from online_rlhf.hardware import check_process_count
 from online_rlhf.stats import DryRunStats, RewardStats, RewardSummary, ScoreResult, stats_path
 
+# The scoring module of each reward source (online_rlhf.records.REWARD_SOURCES, in that order).
 SOURCES = {
     "reward_model": "online_rlhf.reward_model",
+    "verifier": "online_rlhf.verifiers",
     "remote": "online_rlhf.remote",
     "judge": "online_rlhf.judge",
-    "verifier": "online_rlhf.verifiers",
 }
 
 
