@@ -254,7 +254,7 @@ def check_run_config(run_dir: Path, config: str, seed: int, overrides: list[str]
 
     from .loop import resolve
     from .loop.plan import run_config_dict
-    from .loop.run import UNSET, config_differences
+    from .loop.freshness import UNSET, config_differences
 
     path = run_dir / "config.yaml"
     if not path.is_file():

@@ -23,7 +23,7 @@ import yaml
 
 from online_rlhf import co_decode, loop
 from online_rlhf.jsonl import read_json, read_jsonl, write_jsonl
-from online_rlhf.loop import run as loop_run
+from online_rlhf.loop import co_decoding
 from online_rlhf.stages.generate import config_groups
 from online_rlhf.stats import GenerateStats, stats_path
 from online_rlhf.testing import constraint_prompts, example_stats, make_tiny_policy
@@ -174,7 +174,7 @@ def run1(tmp_path, cache, monkeypatch):
 
 def test_held_out_generation_takes_kl_and_ifeval_along(run1, capsys):
     run = run1.run
-    assert loop_run.co_decode_companions(run, 1, "eval_generate") == [(1, "kl_generate"), (1, "ifeval_generate")]
+    assert co_decoding.co_decode_companions(run, 1, "eval_generate") == [(1, "kl_generate"), (1, "ifeval_generate")]
     _run_stage(run, 1, "eval_generate")
     assert [Path(c).name for c in run1.fake.calls[0]] == ["eval_generate.yaml", "kl_generate.yaml",
                                                            "ifeval_generate.yaml"]
@@ -187,7 +187,7 @@ def test_held_out_generation_takes_kl_and_ifeval_along(run1, capsys):
     assert "already decoded (co-decoded in the engine start of stage eval_generate of iteration 1)" in checked
     said = _run_loop_says(checked)  # run_loop.sh's console line: the note alone, not "runs again: not run yet"
     assert said.startswith("kl_generate: its output is already decoded") and "runs again" not in said
-    assert loop_run.co_decoded_note(run, 1, "eval_generate") is None
+    assert co_decoding.co_decoded_note(run, 1, "eval_generate") is None
     for stage in ("kl_generate", "ifeval_generate"):  # their turn: nothing runs, then marked as usual
         _run_stage(run, 1, stage)
         assert "nothing to run" in capsys.readouterr().out
@@ -216,7 +216,7 @@ def test_a_rerun_of_fresh_stages_launches_nothing(run1):
         _run_stage(run, 1, stage)
     _plan(run1.tmp)  # the same command again
     assert all(loop.check(run, 1, s) for s in STAGES3)
-    assert loop_run.co_decode_companions(run, 1, "eval_generate") == []
+    assert co_decoding.co_decode_companions(run, 1, "eval_generate") == []
     assert len(run1.fake.calls) == 1
 
 
@@ -266,29 +266,29 @@ def test_a_record_for_another_config_or_an_edited_output_counts_for_nothing(run1
 def test_co_decode_false_or_a_missing_input_or_other_engine_settings_launch_alone(run1, capsys):
     run, tmp = run1.run, run1.tmp
     _plan(tmp, "co_decode=false")
-    assert loop_run.co_decode_companions(run, 1, "eval_generate") == []
+    assert co_decoding.co_decode_companions(run, 1, "eval_generate") == []
     _plan(tmp, "ifeval.max_tokens=99")
     shutil.rmtree(run / "iter_1" / "model")
-    assert loop_run.co_decode_companions(run, 1, "eval_generate") == []
+    assert co_decoding.co_decode_companions(run, 1, "eval_generate") == []
     assert "its input" in capsys.readouterr().out
     _fake_model(run / "iter_1" / "model", b"w1")
     _plan(tmp, "generation.max_model_len=1024", "ifeval.max_tokens=99")  # all three change alike: still together
-    assert loop_run.co_decode_companions(run, 1, "eval_generate") == [(1, "kl_generate"), (1, "ifeval_generate")]
+    assert co_decoding.co_decode_companions(run, 1, "eval_generate") == [(1, "kl_generate"), (1, "ifeval_generate")]
     _plan(tmp, "generation_shards=2")  # a sampled stage cannot join an engine in processes of its own
-    assert loop_run.co_decode_companions(run, 1, "eval_generate") == [(1, "ifeval_generate")]
+    assert co_decoding.co_decode_companions(run, 1, "eval_generate") == [(1, "ifeval_generate")]
     assert "kl_generate of iteration 1 runs with its own engine start: it samples" in capsys.readouterr().out
 
 
 def test_iteration_0_takes_along_only_what_the_evaluation_cache_does_not_hold(run1, capsys):
     run = run1.run
     # no KL at iteration 0; iteration 1's rollouts sample from the same starting policy
-    assert loop_run.co_decode_companions(run, 0, "eval_generate") == [(0, "ifeval_generate"), (1, "generate")]
+    assert co_decoding.co_decode_companions(run, 0, "eval_generate") == [(0, "ifeval_generate"), (1, "generate")]
     for stage in ("eval_generate", "ifeval_generate"):
         _run_stage(run, 0, stage)
     _run_stage(run, 1, "generate")
     assert len(run1.fake.calls) == 1
     other = _plan(run1.tmp, "seed=5", name="r2")  # another seed of the same starting policy
-    assert loop_run.co_decode_companions(other, 0, "eval_generate") == []  # both from the cache
+    assert co_decoding.co_decode_companions(other, 0, "eval_generate") == []  # both from the cache
     loop.exec_stage(other, 0, "eval_generate")
     assert "reused" in capsys.readouterr().out and len(run1.fake.calls) == 1
 
@@ -302,7 +302,7 @@ def test_the_next_iterations_rollouts_join_the_evaluation_of_the_policy_they_sam
     monkeypatch.setattr("online_rlhf.procs.start_guarded", fake)
     monkeypatch.setattr(os, "execve", lambda path, argv, env: fake(argv))
     # iteration 2 samples from iteration 1's model, the one iteration 1 evaluates
-    assert loop_run.co_decode_companions(run, 1, "eval_generate") == [(1, "kl_generate"), (1, "ifeval_generate"),
+    assert co_decoding.co_decode_companions(run, 1, "eval_generate") == [(1, "kl_generate"), (1, "ifeval_generate"),
                                                                        (2, "generate")]
     _run_stage(run, 1, "eval_generate")
     assert "also decodes kl_generate, ifeval_generate of iteration 1 and generate of iteration 2" in \

@@ -8,6 +8,8 @@ import pytest
 import yaml
 
 from online_rlhf import eval_cache, loop
+from online_rlhf.loop import freshness
+from online_rlhf.loop import run as loop_run
 from online_rlhf.jsonl import write_jsonl
 from online_rlhf.stats import GenerateStats, stats_path
 from online_rlhf.testing import example_stats
@@ -92,9 +94,9 @@ def test_a_second_seed_reuses_iteration_0s_evaluation_and_says_where_it_came_fro
     assert len(list(cache.iterdir())) == 1  # stored when marked done
 
     second = _plan(tmp_path, "s2", "seed=2")
-    e = loop._stage_entry(second, 0, "eval_generate")
+    e = freshness.stage_entry(second, 0, "eval_generate")
     d = yaml.safe_load(Path(e["config"]).read_text())
-    assert loop._reuse_cached(second, 0, "eval_generate", e, d)
+    assert loop_run.reuse_cached(second, 0, "eval_generate", e, d)
     out = second / "iter_0" / "eval_generated.jsonl"
     assert out.read_bytes() == decoded.read_bytes()
     st = GenerateStats.read(stats_path(out))
@@ -103,25 +105,25 @@ def test_a_second_seed_reuses_iteration_0s_evaluation_and_says_where_it_came_fro
     loop.mark(second, 0, "eval_generate", 0.1)
     assert loop.check(second, 0, "eval_generate")
     # iteration 1's evaluation (a trained policy) is never taken from the cache
-    e1 = loop._stage_entry(second, 1, "eval_generate")
-    assert not loop._reuse_cached(second, 1, "eval_generate", e1, yaml.safe_load(Path(e1["config"]).read_text()))
+    e1 = freshness.stage_entry(second, 1, "eval_generate")
+    assert not loop_run.reuse_cached(second, 1, "eval_generate", e1, yaml.safe_load(Path(e1["config"]).read_text()))
 
 
 def test_another_starting_policy_or_eval_cache_false_decodes_afresh(tmp_path, cache, monkeypatch):
     _model(tmp_path / "start")
     _finish_eval(_plan(tmp_path, "s1"))
     off = _plan(tmp_path, "no_cache", "eval_cache=false")
-    e = loop._stage_entry(off, 0, "eval_generate")
-    assert not loop._reuse_cached(off, 0, "eval_generate", e, yaml.safe_load(Path(e["config"]).read_text()))
+    e = freshness.stage_entry(off, 0, "eval_generate")
+    assert not loop_run.reuse_cached(off, 0, "eval_generate", e, yaml.safe_load(Path(e["config"]).read_text()))
     monkeypatch.setenv("ONLINE_RLHF_EVAL_CACHE", "0")
     on = _plan(tmp_path, "env_off")
-    e = loop._stage_entry(on, 0, "eval_generate")
-    assert not loop._reuse_cached(on, 0, "eval_generate", e, yaml.safe_load(Path(e["config"]).read_text()))
+    e = freshness.stage_entry(on, 0, "eval_generate")
+    assert not loop_run.reuse_cached(on, 0, "eval_generate", e, yaml.safe_load(Path(e["config"]).read_text()))
     monkeypatch.delenv("ONLINE_RLHF_EVAL_CACHE")
     (tmp_path / "start" / "model.safetensors").write_bytes(b"other weights")
     changed = _plan(tmp_path, "changed")
-    e = loop._stage_entry(changed, 0, "eval_generate")
-    assert not loop._reuse_cached(changed, 0, "eval_generate", e, yaml.safe_load(Path(e["config"]).read_text()))
+    e = freshness.stage_entry(changed, 0, "eval_generate")
+    assert not loop_run.reuse_cached(changed, 0, "eval_generate", e, yaml.safe_load(Path(e["config"]).read_text()))
 
 
 def test_a_stale_entry_is_removed_with_a_clear_error(tmp_path, cache):
@@ -130,9 +132,9 @@ def test_a_stale_entry_is_removed_with_a_clear_error(tmp_path, cache):
     entry = next(cache.iterdir())
     (entry / "stats.json").write_text('{"stage": "generate"}')
     run = _plan(tmp_path, "s2")
-    e = loop._stage_entry(run, 0, "eval_generate")
+    e = freshness.stage_entry(run, 0, "eval_generate")
     with pytest.raises(loop.DataError, match="cached evaluation .* removed it"):
-        loop._reuse_cached(run, 0, "eval_generate", e, yaml.safe_load(Path(e["config"]).read_text()))
+        loop_run.reuse_cached(run, 0, "eval_generate", e, yaml.safe_load(Path(e["config"]).read_text()))
     assert not entry.exists()
 
 
@@ -145,10 +147,10 @@ def test_a_reused_evaluation_names_this_runs_model_and_prompts(tmp_path, cache):
     shutil.copytree(tmp_path / "start", tmp_path / "copy")
     shutil.rmtree(tmp_path / "start")
     second = _plan(tmp_path, "s2", policy="copy")
-    e = loop._stage_entry(second, 0, "eval_generate")
+    e = freshness.stage_entry(second, 0, "eval_generate")
     d = yaml.safe_load(Path(e["config"]).read_text())
     assert d["model"] == str(tmp_path / "copy")
-    assert loop._reuse_cached(second, 0, "eval_generate", e, d)
+    assert loop_run.reuse_cached(second, 0, "eval_generate", e, d)
     st = GenerateStats.read(stats_path(second / "iter_0" / "eval_generated.jsonl"))
     assert (st.model, st.prompts) == (d["model"], d["prompts"])
     assert st.reused_from == str(first / "iter_0" / "eval_generated.jsonl")

@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from online_rlhf import loop
+from online_rlhf.loop import freshness
 from online_rlhf.config import ConfigError
 from online_rlhf.jsonl import read_json, read_jsonl, write_json, write_jsonl
 from online_rlhf.stats import DPOStats, GenerateStats, IFEvalStats, KLStats, PairsStats, RewardStats, stats_path
@@ -774,9 +775,9 @@ def test_a_checkpoint_without_weights_is_not_a_finished_output(tmp_path):
     ckpt = tmp_path / "model"
     ckpt.mkdir()
     (ckpt / "config.json").write_text("{}")
-    assert not loop._output_present(ckpt)  # weights deleted: DPO must run again on resume
+    assert not freshness.output_present(ckpt)  # weights deleted: DPO must run again on resume
     (ckpt / "model.safetensors").write_bytes(b"x")
-    assert loop._output_present(ckpt) and loop._output_present(tmp_path) and not loop._output_present(tmp_path / "no")
+    assert freshness.output_present(ckpt) and freshness.output_present(tmp_path) and not freshness.output_present(tmp_path / "no")
 
 
 def test_both_dpo_batch_sizes_are_refused_at_plan_time(small_cfg):

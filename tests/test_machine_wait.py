@@ -10,6 +10,7 @@ import time
 import pytest
 
 from online_rlhf import loop
+from online_rlhf.loop import run as loop_run
 
 
 @pytest.fixture
@@ -52,6 +53,6 @@ def test_a_stage_log_that_grows_keeps_machine_k_waiting(two_machine_run, monkeyp
     t0 = time.monotonic()
     writer.start()
     with pytest.raises(TimeoutError, match=r"has written nothing in .* for 1 s"):
-        loop._wait_for_previous_stage(two_machine_run, 1, "dpo", poll_s=0.05)
+        loop_run.wait_for_previous_stage(two_machine_run, 1, "dpo", poll_s=0.05)
     writer.join()
     assert time.monotonic() - t0 >= 2.5  # not before machine 0 stopped writing

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from online_rlhf import loop
+from online_rlhf.loop import freshness
 from online_rlhf.jsonl import read_json, write_jsonl
 from online_rlhf.stats import PairsStats, stats_path
 from online_rlhf.testing import example_stats
@@ -108,7 +109,7 @@ def test_a_changed_key_is_named_and_an_old_marker_keeps_the_plain_reason(done_pa
     """``.done`` keeps the config values and one digest per input, so the reason names the key with
     its old and new value; a marker written before that record gives the reason without the list."""
     run_dir, _ = done_pairs
-    config = Path(loop.run._stage_entry(run_dir, 1, "pairs")["config"])
+    config = Path(freshness.stage_entry(run_dir, 1, "pairs")["config"])
     text = config.read_text()
     assert "\nmin_margin: " in text  # a top-level key of the pairs stage YAML
     changed = "\n".join("min_margin: 0.25" if line.startswith("min_margin: ") else line for line in text.splitlines())

@@ -6,7 +6,9 @@ One module per concern, each importing only those before it:
 - :mod:`.resolve`: the loop config resolved and checked (:func:`resolve`, :func:`stage_dict`);
 - :mod:`.provenance`: where each value of a stage YAML came from (its comment block);
 - :mod:`.plan`: the run directory's files (:func:`plan`, :func:`fresh_refusal`);
-- :mod:`.run`: freshness, ``exec``, ``mark``, ``stages``/``after``;
+- :mod:`.freshness`: whether a stage is done and fresh (``check``), and why not;
+- :mod:`.co_decoding`: the later generation stages a launch decodes with the same engine start;
+- :mod:`.run`: ``exec``, ``mark``, ``stages``/``after``;
 - :mod:`.memory_check`: the dry run (each model stage once at its largest shapes);
 - :mod:`.metrics`: one row of ``metrics.jsonl`` per iteration;
 - :mod:`.report`: ``report.md``, ``report.png``, wandb and the live metrics line;
@@ -24,10 +26,9 @@ from .metrics import grpo_metrics, iteration_stats, mean_ci95, metrics
 from .plan import RUN_CONFIG_HEADER, fresh_refusal, plan, run_config_dict
 from .report import metrics_line, report
 from .resolve import auto_processes, resolve, sft_dict, stage_dict
+from .freshness import check, stage_hash, stale_reason
 from .memory_check import DRY_RUN_STAGES, dry_run
-from .run import (after_line, check, exec_stage, mark, output_hint, previous_stage, stage_hash, stage_lines,
-                  stale_reason)
-from .run import _output_present, _reuse_cached, _stage_entry, _wait_for_previous_stage  # noqa: F401 (tests use loop._name)
+from .run import after_line, exec_stage, mark, output_hint, previous_stage, stage_lines
 
 __all__ = ["ConfigError", "DataError", "STAGES", "DRY_RUN_STAGES", "RUN_CONFIG_HEADER", "after_line", "auto_processes",
            "check", "dry_run", "exec_stage", "fresh_refusal", "grpo_metrics", "iteration_config", "iteration_stats",

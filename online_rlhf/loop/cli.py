@@ -48,7 +48,9 @@ from .plan import fresh_refusal, plan, _stdout_to_stderr
 from .report import metrics_line, report, verdict
 from .resolve import resolve
 from .memory_check import dry_run
-from .run import after_line, co_decoded_note, exec_stage, mark, output_hint, stage_lines, stale_reason
+from .co_decoding import co_decoded_note
+from .freshness import stale_reason
+from .run import after_line, exec_stage, mark, output_hint, stage_lines
 
 
 def _iteration(text: str) -> int:

@@ -10,7 +10,7 @@ from typing import Any
 from ..jsonl import read_json, read_jsonl, write_json, write_jsonl
 from ..stage_table import STAGES
 from ..stats import DPOStats, GRPOStats, PairsStats, RewardStats, StageStats, stats_path
-from .run import _marker, _run_config
+from .freshness import done_marker, run_config
 
 
 def mean_ci95(xs: list[float]) -> tuple[float, float, float]:
@@ -80,8 +80,8 @@ def metrics(run_dir: Path, i: int) -> dict:
     # One stats.json per iteration: every stage's counts.
     write_json(it / "stats.json", {name: st.model_dump(mode="json") for name, st in stats.items()})
     # Markers exist only for stages that ran (no train stages in iteration 0).
-    row["stage_seconds"] = {s: read_json(_marker(run_dir, i, s)).get("seconds") for s in STAGES
-                            if _marker(run_dir, i, s).exists()}
+    row["stage_seconds"] = {s: read_json(done_marker(run_dir, i, s)).get("seconds") for s in STAGES
+                            if done_marker(run_dir, i, s).exists()}
     row["hardware"] = _hardware(stats)
     rows = [r for r in (read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else [])
             if r["iteration"] != i]
@@ -142,7 +142,7 @@ def _eval_quality(run_dir: Path, i: int, evals: list[dict], stats: dict[str, Sta
     elif "kl.jsonl" in stats:
         st = stats["kl.jsonl"]
         out["kl"] = {"kl_mean": st.kl_mean, "kl_se": st.kl_se, "samples": st.samples}
-        warn = _run_config(run_dir).get("kl_warn")
+        warn = run_config(run_dir).get("kl_warn")
         if warn is not None and st.kl_mean is not None and st.kl_mean > warn:
             out["warnings"].append(f"iteration {i}: KL(policy || starting policy) = {st.kl_mean:.2f} nats per response "
                                    f"exceeds kl_warn={warn}: the policy has drifted far from where it started; check "
