@@ -26,7 +26,8 @@ from pydantic import Field
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from online_rlhf.stages.generate import build_engine, prompt_token_ids, stop_token_ids
+from online_rlhf.stages.generate import prompt_token_ids, stop_token_ids
+from online_rlhf.stages.vllm_engine import build_engine
 from online_rlhf.config import StageConfig, run_main
 from online_rlhf.jsonl import write_json
 from online_rlhf.paths import default_data_dir, resolve_model, setup_cache_env

