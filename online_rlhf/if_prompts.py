@@ -151,9 +151,9 @@ def registry() -> tuple[dict, dict[str, set[str]]]:
     """IFEval's checker classes and their conflicts, as if-verifiable ships them: ``(INSTRUCTION_DICT,
     conflicts)`` where ``conflicts[a]`` holds every id that may not be combined with ``a`` (made
     symmetric and reflexive, as the registry's ``conflict_make`` does; the module's dict is not changed)."""
-    from .verifiers import _nltk_offline
+    from .verifiers import nltk_offline
 
-    _nltk_offline()
+    nltk_offline()
     from if_verifiable.ifeval.instructions_registry import INSTRUCTION_CONFLICTS, INSTRUCTION_DICT
 
     conflicts = {k: set(v) | {k} for k, v in INSTRUCTION_CONFLICTS.items()}

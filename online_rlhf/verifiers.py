@@ -17,7 +17,7 @@ a record that cannot be scored, with the reason counted in the returned
 
 Offline NLTK: ``if-verifiable`` calls ``nltk.download`` when imported (refused here) and some
 checkers need NLTK data (``punkt_tab``, ``stopwords``, ``averaged_perceptron_tagger_eng``).
-Before importing it, :func:`_nltk_offline` adds ``$NLTK_DATA`` (``<cache>/nltk_data``, filled by
+Before importing it, :func:`nltk_offline` adds ``$NLTK_DATA`` (``<cache>/nltk_data``, filled by
 ``scripts/prepare_default.py``) to NLTK's search path and replaces ``nltk.download`` with a stub
 that downloads nothing. A checker whose data is missing raises ``LookupError``: its record is
 counted as ``checker_error:LookupError``.
@@ -48,10 +48,10 @@ def _refuse_download(info_or_id: Any = None, *args: Any, **kwargs: Any) -> bool:
     return False
 
 
-_nltk_dirs_added: list[str] = []  # what _nltk_offline put on NLTK's search path last time
+_nltk_dirs_added: list[str] = []  # what nltk_offline put on NLTK's search path last time
 
 
-def _nltk_offline() -> None:
+def nltk_offline() -> None:
     """Make NLTK look in ``$NLTK_DATA``, then in ``<cache>/nltk_data``, and never download.
 
     Called before every scoring, not once per process: the folders follow the settings in force
@@ -81,7 +81,7 @@ def _nltk_offline() -> None:
 @functools.lru_cache(maxsize=1)
 def _registry() -> dict[str, Any]:
     """Instruction id -> checker class, IFEval's and IFBench's ids together (they do not overlap)."""
-    _nltk_offline()
+    nltk_offline()
     import langdetect
 
     from if_verifiable.ifbench.instructions_registry import INSTRUCTION_DICT as IFBENCH
@@ -246,7 +246,7 @@ def _ifeval_fields(record: dict) -> tuple[list[str], list[dict], str, dict]:
         Unscorable: a missing/bad field or an unknown instruction id.
     """
     registry = _registry()
-    _nltk_offline()
+    nltk_offline()
     ids, kwargs = record.get("instruction_id_list"), record.get("kwargs")
     if not isinstance(ids, list) or not ids:
         raise Unscorable("missing_field:instruction_id_list")

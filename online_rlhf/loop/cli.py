@@ -44,7 +44,7 @@ from ..paths import setup_cache_env
 from ..loop_config import LoopConfig
 from ..stage_table import STAGES, no_pairs_stop
 from .metrics import metrics
-from .plan import fresh_refusal, plan, _stdout_to_stderr
+from .plan import fresh_refusal, plan, stdout_to_stderr
 from .report import metrics_line, report, verdict
 from .resolve import resolve
 from .memory_check import dry_run
@@ -97,7 +97,7 @@ def main(argv: list[str]) -> int:
             cfg_path = args[0] if "=" not in args[0] else None
             overrides = args[1:] if cfg_path else args
             if cmd in ("plan", "plan-check"):  # plan-check: every check of the plan (and its warnings), nothing written
-                with _stdout_to_stderr() as real_stdout:
+                with stdout_to_stderr() as real_stdout:
                     plan(cfg_path, overrides, write=cmd == "plan", shell_out=real_stdout, warn=not quiet)
             else:  # where the run lives, nothing written (run_loop.sh locks it before any change)
                 cfg = resolve(cfg_path, overrides)

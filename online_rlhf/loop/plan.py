@@ -21,10 +21,10 @@ import yaml
 from ..jsonl import atomic_open, json_text
 from ..loop_config import SECTION_CLASSES, LoopConfig, iteration_config
 from ..stage_table import STAGES, Stage, launch_command, prompt_source, stage_machines, starting_policy
-from .provenance import _Layers, _provenance, _stage_header
-from .resolve import (_LIBRARY_CHECKS, _check_ifeval_fields, _check_ifeval_prompts, _check_prompt_files,
-                      _check_verifier_fields, _drawn_argument_warnings, _eval_rows,
-                      _other_algorithm_warnings, _overlap_warnings, _prompt_key, resolve, stage_dict)
+from .provenance import Layers, stage_header, value_origins
+from .resolve import (LIBRARY_CHECKS, check_ifeval_fields, check_ifeval_prompts, check_prompt_files,
+                      check_verifier_fields, drawn_argument_warnings, held_out_rows,
+                      other_algorithm_warnings, overlap_warnings, prompt_key, resolve, stage_dict)
 
 
 # First line of <run>/config.yaml; run_loop.sh --fresh only clears a folder whose config.yaml has it.
@@ -51,15 +51,15 @@ def plan(config_path: str | None, overrides: list[str], write: bool = True, shel
             has been written then.
     """
     cfg = resolve(config_path, overrides)
-    _check_prompt_files(cfg)  # every missing prompt file at once
-    _check_ifeval_prompts(cfg)
-    n_ifeval = _check_ifeval_fields(cfg)
+    check_prompt_files(cfg)  # every missing prompt file at once
+    check_ifeval_prompts(cfg)
+    n_ifeval = check_ifeval_fields(cfg)
     run_dir = Path(cfg.output_root) / cfg.run_name
     run_dir = run_dir.resolve()
     train_sets: dict[str, list[dict]] = {}  # prompt source -> rows (a source may change per iteration)
     warnings: list[str] = []
-    eval_src, eval_rows = _eval_rows(cfg, run_dir)
-    eval_ids = {_prompt_key(r) for r in eval_rows}
+    eval_src, eval_rows = held_out_rows(cfg, run_dir)
+    eval_ids = {prompt_key(r) for r in eval_rows}
     if cfg.eval_limit and len(eval_rows) < cfg.eval_limit:
         warnings.append(f"eval_limit={cfg.eval_limit}, but eval_prompts {eval_src} has {len(eval_rows)} prompts: the "
                         f"held-out set is those {len(eval_rows)} (set eval_limit to at most {len(eval_rows)}, or give a "
@@ -68,13 +68,13 @@ def plan(config_path: str | None, overrides: list[str], write: bool = True, shel
         warnings.append(f"ifeval.limit={cfg.ifeval.limit}, but ifeval.prompts has {n_ifeval} prompts: IFEval scores "
                         f"those {n_ifeval} (set ifeval.limit to at most {n_ifeval}, or null for all of them).")
     seen_train: dict[str, int] = {}  # train prompt id -> first iteration that used it
-    layers = _Layers(config_path, [o for o in overrides if o.split("=", 1)[0] != "dry_run"])
+    layers = Layers(config_path, [o for o in overrides if o.split("=", 1)[0] != "dry_run"])
     tokenizers: dict[str, Any] = {}  # policy dir -> tokenizer (None: none here), for the rows' prompt checks
     files = _PlanFiles()  # written at the end, once every check has passed
     for i in range(0, cfg.iterations + 1):
         it = run_dir / f"iter_{i}"
         c = iteration_config(cfg, i)
-        _check_verifier_fields(c, eval_rows, f"eval_prompts {eval_src}")  # scored by eval_rewards in every iteration
+        check_verifier_fields(c, eval_rows, f"eval_prompts {eval_src}")  # scored by eval_rewards in every iteration
         entries: dict[str, dict] = {}
         prompt_checks: list[tuple[Stage, dict]] = []  # rows whose values are checked against the train prompts
         for stage in STAGES.values():
@@ -88,10 +88,10 @@ def plan(config_path: str | None, overrides: list[str], write: bool = True, shel
             if c.launcher == "local" and stage_machines(stage, d) > 1:
                 note = (f"(machine 0's part; machine k of {stage_machines(stage, d)} runs the same with machine_rank k: "
                         f"`.venv-train/bin/python -m online_rlhf.loop exec {run_dir} {i} {stage.name} machine_rank=k`)")
-            prov = _provenance(stage, d, c, i, layers, start=starting_policy(c, run_dir))
+            prov = value_origins(stage, d, c, i, layers, start=starting_policy(c, run_dir))
             if stage.checks.library is not None:  # e.g. DPO: the trl.DPOConfig the stage will build
-                _LIBRARY_CHECKS[stage.checks.library](d, i, prov)
-            header = _stage_header(stage, i, layers, command, prov, note)
+                LIBRARY_CHECKS[stage.checks.library](d, i, prov)
+            header = stage_header(stage, i, layers, command, prov, note)
             files.add(path, header + yaml.safe_dump(d, sort_keys=False, allow_unicode=True))
             inputs, outputs = stage.io(d)
             entries[stage.name] = {"env": stage.env, "config": str(path), "command": command,
@@ -105,14 +105,14 @@ def plan(config_path: str | None, overrides: list[str], write: bool = True, shel
 
                 train_sets[src] = load_prompts(src, prompt_field=c.prompt_field)
             rows = _prompt_slice(train_sets[src], c, i)
-            _check_verifier_fields(c, rows, f"train_prompts {src} (iteration {i}'s prompts)")
-            warnings += _drawn_argument_warnings(c, rows, f"train_prompts {src} (iteration {i}'s prompts)")
+            check_verifier_fields(c, rows, f"train_prompts {src} (iteration {i}'s prompts)")
+            warnings += drawn_argument_warnings(c, rows, f"train_prompts {src} (iteration {i}'s prompts)")
             files.add(it / "prompts.jsonl", _prompt_slice_text(rows))
-            warnings += _overlap_warnings(rows, i, eval_ids, seen_train)
+            warnings += overlap_warnings(rows, i, eval_ids, seen_train)
             for stage, d in prompt_checks:
                 warnings += stage.checks.prompts(c, i, rows, d, tokenizers)
         files.add(it / "plan.json", json_text(entries))
-    warnings += _other_algorithm_warnings(cfg)
+    warnings += other_algorithm_warnings(cfg)
     shell = {"RUN_DIR": str(run_dir), "ITERATIONS": cfg.iterations, "LAUNCH_PROFILE": cfg.launch_profile,
              "DRY_RUN": int(cfg.dry_run)}
     files.add(run_dir / "plan_warnings.json", json_text(warnings))
@@ -137,7 +137,7 @@ def plan(config_path: str | None, overrides: list[str], write: bool = True, shel
 
 
 @contextlib.contextmanager
-def _stdout_to_stderr():
+def stdout_to_stderr():
     """File descriptor 1 goes to stderr inside (libraries the plan's checks import print lines such
     as "[INFO] Running in WANDB offline mode" on stdout, which run_loop.sh would ``eval``); yields a
     file object on the real stdout."""

@@ -17,7 +17,7 @@ from ..loop_config import LoopConfig
 from ..stage_table import Stage, stage_file
 
 
-class _Layers:
+class Layers:
     """The layers a loop config is resolved from, for the provenance comments of the stage YAMLs:
     the loop config file as written and the command-line overrides."""
 
@@ -69,7 +69,7 @@ _DERIVED = {"seed": "seed", "prompts": None, "num_shards": "generation_shards", 
             "num_machines": "num_machines", "main_process_ip": "main_process_ip", "main_process_port": "main_process_port"}
 
 
-def _provenance(stage: Stage, d: dict, c: LoopConfig, i: int, layers: _Layers,
+def value_origins(stage: Stage, d: dict, c: LoopConfig, i: int, layers: Layers,
                 start: str | None = None) -> list[tuple[str, Any, str]]:
     """``(key, value, origin)`` for each value of the resolved stage config ``d`` that differs from
     the stage class's default (each key of a dict field such as ``training``, one level down).
@@ -121,7 +121,7 @@ def _provenance(stage: Stage, d: dict, c: LoopConfig, i: int, layers: _Layers,
     return out
 
 
-def _stage_header(stage: Stage, i: int, layers: _Layers, command: str, prov: list[tuple[str, Any, str]],
+def stage_header(stage: Stage, i: int, layers: Layers, command: str, prov: list[tuple[str, Any, str]],
                   note: str | None = None) -> str:
     """The comment block on top of a stage's YAML: what it is, the command that runs it (from the
     project root, as run_loop.sh does; ``note`` below it, e.g. what the other machines run) and

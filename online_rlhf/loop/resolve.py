@@ -192,7 +192,7 @@ def _check_dpo_config(d: dict, i: int, prov: list[tuple[str, Any, str]]) -> None
 
 # The library configs a stage table row can name (``PlanChecks.library``) -> the plan's check that
 # builds it as the stage will.
-_LIBRARY_CHECKS = {"trl.DPOConfig": _check_dpo_config}
+LIBRARY_CHECKS = {"trl.DPOConfig": _check_dpo_config}
 
 
 def _ifeval_prompts_path(cfg: LoopConfig) -> tuple[str, Path]:
@@ -203,7 +203,7 @@ def _ifeval_prompts_path(cfg: LoopConfig) -> tuple[str, Path]:
     return given, default_data_dir() / "ifeval.jsonl" if given == "default" else Path(given)
 
 
-def _check_ifeval_prompts(cfg: LoopConfig) -> None:
+def check_ifeval_prompts(cfg: LoopConfig) -> None:
     """When the run has IFEval stages (``ifeval.when`` other than ``never``), their prompt file must
     exist before the first stage (else ``ifeval_generate`` fails after the training of the run).
     A Hub dataset id (``owner/name``, not a local path) is left to the stage.
@@ -223,11 +223,11 @@ def _check_ifeval_prompts(cfg: LoopConfig) -> None:
                           "prompts (prompt, instruction_id_list, kwargs), or set ifeval.when=never.")
 
 
-def _check_ifeval_fields(cfg: LoopConfig) -> Optional[int]:
+def check_ifeval_fields(cfg: LoopConfig) -> Optional[int]:
     """When the run has IFEval stages, every record of a local ``ifeval.prompts`` file (the first
     ``ifeval.limit``) must carry the fields ``ifeval_score`` scores by (``instruction_id_list`` +
     ``kwargs``; :func:`online_rlhf.verifiers.missing_fields` with ``verifier=ifeval``, the check of
-    :func:`_check_verifier_fields`), else every IFEval score of the run would fail after training.
+    :func:`check_verifier_fields`), else every IFEval score of the run would fail after training.
 
     Returns:
         how many prompts IFEval will score (the file's first ``ifeval.limit``), or None when the run
@@ -242,7 +242,7 @@ def _check_ifeval_fields(cfg: LoopConfig) -> Optional[int]:
     from ..verifiers import missing_fields
 
     given, path = _ifeval_prompts_path(cfg)
-    if not path.is_file():  # a Hub id is left to the stage; a missing file is _check_ifeval_prompts'
+    if not path.is_file():  # a Hub id is left to the stage; a missing file is check_ifeval_prompts'
         return None
     rows = load_prompts(str(path), prompt_field=None, limit=cfg.ifeval.limit)
     bad = [(r["id"], m) for r in rows if (m := missing_fields(r, "ifeval"))]
@@ -258,7 +258,7 @@ def _check_ifeval_fields(cfg: LoopConfig) -> Optional[int]:
     return len(rows)
 
 
-def _check_prompt_files(cfg: LoopConfig) -> None:
+def check_prompt_files(cfg: LoopConfig) -> None:
     """Every local prompt file of the run (``eval_prompts``, and ``train_prompts`` of each iteration,
     ``per_iteration`` included) must exist; all the missing ones are reported at once. A Hub dataset
     id (``owner/name``) is left to the loaders, as :func:`online_rlhf.records.load_prompts` does.
@@ -281,7 +281,7 @@ def _check_prompt_files(cfg: LoopConfig) -> None:
                                 "absolute one is the surest), or give an HF Hub dataset id (owner/name).")
 
 
-def _eval_rows(cfg: LoopConfig, run_dir: Path) -> tuple[str, list[dict]]:
+def held_out_rows(cfg: LoopConfig, run_dir: Path) -> tuple[str, list[dict]]:
     """``(source, rows)`` of the held-out prompts, loaded exactly as the eval_generate stage will load them."""
     from ..records import load_prompts
 
@@ -289,7 +289,7 @@ def _eval_rows(cfg: LoopConfig, run_dir: Path) -> tuple[str, list[dict]]:
     return g.prompts, load_prompts(g.prompts, g.prompt_split, g.prompt_field, g.limit)
 
 
-def _check_verifier_fields(c: LoopConfig, rows: list[dict], what: str) -> None:
+def check_verifier_fields(c: LoopConfig, rows: list[dict], what: str) -> None:
     """With ``reward.source=verifier``, every prompt of ``rows`` must carry the fields the verifier
     scores by (:func:`online_rlhf.verifiers.missing_fields`), else the rewards stage would leave it
     unscored (``missing_field``) after its responses were generated.
@@ -319,7 +319,7 @@ def _check_verifier_fields(c: LoopConfig, rows: list[dict], what: str) -> None:
         "reward.judge_model=<name>.")
 
 
-def _drawn_argument_warnings(c: LoopConfig, rows: list[dict], what: str) -> list[str]:
+def drawn_argument_warnings(c: LoopConfig, rows: list[dict], what: str) -> list[str]:
     """With ``reward.source=verifier``: one warning when IF records of ``rows`` leave an argument for
     their checker to draw at random (:func:`online_rlhf.verifiers.drawn_arguments`), naming how many,
     the first one's id, instruction and argument: the rewards stage counts them as
@@ -355,7 +355,7 @@ def _check_instructions(rows: list[dict], what: str, then: str) -> None:
                           "if-verifiable's IFEval/IFBench registries; scripts/build_if_prompts.py writes valid ones).")
 
 
-def _other_algorithm_warnings(cfg: LoopConfig) -> list[str]:
+def other_algorithm_warnings(cfg: LoopConfig) -> list[str]:
     """One warning naming every key set for the algorithm that does not run (``grpo`` keys under
     ``algorithm=dpo``, ``dpo`` keys under ``algorithm=grpo``; top level and ``per_iteration``): not
     an error, since switching algorithms is one key, but the keys change nothing."""
@@ -412,14 +412,14 @@ def _flat_keys(d: dict, prefix: str) -> list[str]:
     return out
 
 
-def _prompt_key(rec: dict) -> str:
+def prompt_key(rec: dict) -> str:
     """Identity of a prompt for overlap checks: its text (ids of two files need not agree)."""
     return json.dumps(rec["prompt"], sort_keys=True, ensure_ascii=False)
 
 
-def _overlap_warnings(rows: list[dict], i: int, eval_keys: set[str], seen: dict[str, int]) -> list[str]:
+def overlap_warnings(rows: list[dict], i: int, eval_keys: set[str], seen: dict[str, int]) -> list[str]:
     out = []
-    keys = [_prompt_key(r) for r in rows]
+    keys = [prompt_key(r) for r in rows]
     held = sum(k in eval_keys for k in keys)
     if held:
         out.append(f"iteration {i}: {held} of {len(rows)} train prompts are also held-out prompts; the held-out "
