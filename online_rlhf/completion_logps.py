@@ -265,7 +265,7 @@ def fast_path_refusal(trainer) -> Optional[str]:
         return f"loss_type {', '.join(other)}"
     model = trainer.accelerator.unwrap_model(trainer.model)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    # the class's forward: an instance's may be a wrapper (run_dpo.prepared_forward, accelerate's autocast)
+    # the class's forward: an instance's may be a wrapper (dpo_trainer.prepared_forward, accelerate's autocast)
     if "logits_to_keep" not in inspect.signature(type(base).forward).parameters:
         return f"{type(base).__name__}.forward has no logits_to_keep"
     return None

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench import roofline as rl
-from online_rlhf.stages.run_dpo import check_lengths
+from online_rlhf.stages.dpo_data import check_lengths
 from online_rlhf.stats import DPOStats, GenerateStats, KLStats
 from online_rlhf.testing import example_stats
 

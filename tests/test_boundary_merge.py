@@ -47,22 +47,22 @@ def test_the_tokenizer_merges_across_the_boundary(tok):
 
 
 def _dpo(tok, response):
-    from online_rlhf.stages import run_dpo
+    from online_rlhf.stages import dpo_data
 
     pair = {"prompt": PROMPT, "chosen": [{"role": "assistant", "content": response}],
             "rejected": [{"role": "assistant", "content": REJECTED}], "_where": "pairs.jsonl:1"}
-    kept, info = run_dpo.tokenize_pairs([pair], tok)
+    kept, info = dpo_data.tokenize_pairs([pair], tok)
     assert info["dropped"] == {} and len(kept) == 1
     return kept[0]["prompt_ids"], kept[0]["chosen_ids"]
 
 
 def _grpo(tok, response):
-    from online_rlhf.stages import run_grpo
+    from online_rlhf.stages import grpo_data
 
     group = {"where": "rewards.jsonl:1", "prompt": PROMPT, "responses": [response, REJECTED], "rewards": [1.0, 0.0],
              "truncated": [False, False], "sampled_ids": None}
-    adv, usable = run_grpo.group_advantages(torch.tensor([group["rewards"]]))
-    comps, info = run_grpo.build_completions([group], adv, usable, tok, max_length=None, mask_truncated=False)
+    adv, usable = grpo_data.group_advantages(torch.tensor([group["rewards"]]))
+    comps, info = grpo_data.build_completions([group], adv, usable, tok, max_length=None, mask_truncated=False)
     assert info["skipped"] == {} and len(comps) == 2
     return comps[0]["prompt_ids"], comps[0]["completion_ids"]
 
@@ -94,12 +94,12 @@ def test_every_tokenizing_stage_keeps_the_response_with_the_same_ids(tok, stage,
 
 
 def test_truncated_grpo_response_has_no_end_of_turn(tok):
-    from online_rlhf.stages import run_grpo
+    from online_rlhf.stages import grpo_data
 
     group = {"where": "rewards.jsonl:1", "prompt": PROMPT, "responses": [CHOSEN, REJECTED], "rewards": [1.0, 0.0],
              "truncated": [True, False], "sampled_ids": None}
-    adv, usable = run_grpo.group_advantages(torch.tensor([group["rewards"]]))
-    comps, _ = run_grpo.build_completions([group], adv, usable, tok, max_length=None, mask_truncated=False)
+    adv, usable = grpo_data.group_advantages(torch.tensor([group["rewards"]]))
+    comps, _ = grpo_data.build_completions([group], adv, usable, tok, max_length=None, mask_truncated=False)
     assert (comps[0]["prompt_ids"], comps[0]["completion_ids"]) == _expected(tok, CHOSEN, finished=False)
 
 
@@ -116,13 +116,13 @@ def test_turn_terminator_is_read_from_the_template(tok):
 
 def test_a_template_that_writes_the_prompt_differently_is_refused_with_its_own_reason(tok):
     """The reason counted is the true one, not special_text_not_tokenizable (the pair has no special text)."""
-    from online_rlhf.stages import run_dpo
+    from online_rlhf.stages import dpo_data
 
     other = make_qwen2_style_tokenizer()
     other.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
                            "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n<think>\n' }}{% endif %}")
     pair = {"prompt": PROMPT, "chosen": [{"role": "assistant", "content": CHOSEN}],
             "rejected": [{"role": "assistant", "content": REJECTED}], "_where": "pairs.jsonl:1"}
-    kept, info = run_dpo.tokenize_pairs([pair], other)
+    kept, info = dpo_data.tokenize_pairs([pair], other)
     assert kept == [] and info["dropped"] == {"template_renders_prompt_differently": 1}
     assert info["examples"]["template_renders_prompt_differently"][0].startswith("pairs.jsonl:1 (")

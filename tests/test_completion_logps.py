@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
 
 from online_rlhf import completion_logps as cl  # noqa: E402
-from online_rlhf.stages import run_dpo  # noqa: E402
+from online_rlhf.stages import dpo_trainer  # noqa: E402
 from online_rlhf.testing import make_tiny_policy  # noqa: E402
 
 LOSS_CASES = [(["sigmoid"], None), (["ipo"], None), (["sigmoid", "sft"], [1.0, 1.0]), (["hinge"], None),
@@ -56,7 +56,7 @@ def _trainer(tmp_path, models, loss_type, loss_weights=None, precompute=False, l
                      loss_weights=loss_weights, beta=0.5, max_length=max_length, report_to="none", use_cpu=True,
                      precompute_ref_log_probs=precompute, bf16=False, **training)
     ds = datasets.Dataset.from_list(_examples(8))
-    cls = run_dpo.timed_trainer_class(layout)
+    cls = dpo_trainer.timed_trainer_class(layout)
     return cls(model=policy, ref_model=ref, args=args, train_dataset=ds,
                processing_class=AutoTokenizer.from_pretrained(models["policy"]))
 
@@ -166,7 +166,7 @@ def test_layout_none_is_trls_code_and_bad_layout_is_refused(tmp_path, models):
     trainer = _trainer(tmp_path, models, ["sigmoid"], layout=None)
     assert trainer.completion_layout() is None and trainer.completion_logps_refused == "turned off"
     with pytest.raises(ValueError, match="layout='stacked'"):
-        run_dpo.timed_trainer_class("stacked")
+        dpo_trainer.timed_trainer_class("stacked")
 
 
 def test_left_padded_rows_are_refused():

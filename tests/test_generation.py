@@ -20,6 +20,7 @@ import pytest
 
 from online_rlhf.config import ConfigError
 from online_rlhf.jsonl import DataError, read_jsonl, write_jsonl
+from online_rlhf.pairs import low_diversity_warning
 from online_rlhf.stage_configs import GenerateConfig
 from online_rlhf.stages import generate, launch, merge_data
 from online_rlhf.stats import GenerateShardStats, GenerateStats, stats_path
@@ -289,7 +290,7 @@ def test_stats_warn_when_most_prompts_have_fewer_than_two_distinct_responses(pol
     monkeypatch.setattr(generate, "run_engine", same_text)
     stats = generate.main(_cfg(tmp_path, write_prompts(tmp_path / "p.jsonl", 3), policy))
     assert stats.prompts_fewer_than_2_distinct == 3
-    assert stats.warnings == [generate.low_diversity_warning(3, 3, "generation")]
+    assert stats.warnings == [low_diversity_warning(3, 3, "generation")]
     assert "WARNING: shard 0/1: generation: 3 of 3 prompts have fewer than 2 distinct" in capsys.readouterr().err
 
 

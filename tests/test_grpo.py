@@ -27,6 +27,8 @@ from online_rlhf.jsonl import DataError, read_json, read_jsonl, write_jsonl  # n
 from online_rlhf.stage_configs import GRPOStageConfig  # noqa: E402
 from online_rlhf.stage_table import STAGES  # noqa: E402
 from online_rlhf.stages import run_grpo  # noqa: E402
+from online_rlhf import chat_tokens  # noqa: E402
+from online_rlhf.stages import grpo_data, grpo_objective  # noqa: E402
 from online_rlhf.stats import GRPOStats, stats_path  # noqa: E402
 from online_rlhf.testing import make_tiny_policy  # noqa: E402
 
@@ -42,23 +44,23 @@ def test_advantages_center_on_the_group_mean_and_skip_groups_without_signal():
                       [0.5, 0.5, 0.5, 0.5],   # std 0: no signal
                       [1.0, NAN, NAN, NAN],   # one scored response
                       [0.2, NAN, 0.8, 0.5]], dtype=torch.float64)  # unscored left out
-    adv, usable = run_grpo.group_advantages(r, "none")
+    adv, usable = grpo_data.group_advantages(r, "none")
     assert usable.tolist() == [True, True, False, False, True]
     assert adv[0].tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25])
     assert adv[1].tolist() == pytest.approx([0.5, 0.5, -0.5, -0.5])
     assert adv[2].tolist() == [0.0] * 4
     assert math.isnan(adv[4, 1]) and adv[4, [0, 2, 3]].tolist() == pytest.approx([-0.3, 0.3, 0.0])
     # GRPO divides by the group's (Bessel-corrected) std + 1e-4; Dr. GRPO (none) does not
-    g, _ = run_grpo.group_advantages(r, "group")
+    g, _ = grpo_data.group_advantages(r, "group")
     std0 = torch.tensor([1.0, 0, 0, 0], dtype=torch.float64).std()
     assert g[0].tolist() == pytest.approx((adv[0] / (std0 + 1e-4)).tolist())
     assert g[1].tolist() == pytest.approx((adv[1] / (torch.tensor([1.0, 1, 0, 0]).std().item() + 1e-4)).tolist())
     assert g[2].tolist() == [0.0] * 4  # 0 / (0 + 1e-4): never NaN
-    b, _ = run_grpo.group_advantages(r, "batch")
+    b, _ = grpo_data.group_advantages(r, "batch")
     flat = r[~torch.isnan(r)]
     assert b[0].tolist() == pytest.approx((adv[0] / (flat.std() + 1e-4)).tolist())
     with pytest.raises(ValueError, match="scale_rewards"):
-        run_grpo.group_advantages(r, "std")
+        grpo_data.group_advantages(r, "std")
 
 
 # --- the loss against TRL's GRPOTrainer._compute_loss -------------------------------------------
@@ -97,7 +99,7 @@ def test_loss_equals_trl_grpo_loss(loss_type, beta, off_policy):
     adv = torch.tensor([1.2, -0.7, 0.3, -1.0], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0], [1, 0, 0, 0, 0, 0]],
                         dtype=torch.float64)
-    ours, m = run_grpo.grpo_loss(logps, old, ref if beta else None, adv, mask, beta=beta, epsilon=0.2,
+    ours, m = grpo_objective.grpo_loss(logps, old, ref if beta else None, adv, mask, beta=beta, epsilon=0.2,
                                  epsilon_high=0.28, loss_type=loss_type, max_completion_length=8,
                                  num_items_in_batch=mask.sum())
     theirs, tm = _trl_loss(logps, old, ref, adv, mask, beta, loss_type, 0.2, 0.28, 8)
@@ -113,7 +115,7 @@ def test_loss_equals_trl_grpo_loss(loss_type, beta, off_policy):
 
 def test_loss_gradient_pushes_up_positive_advantage_tokens():
     logps = torch.log(torch.full((2, 3), 0.5, dtype=torch.float64)).requires_grad_()
-    loss, _ = run_grpo.grpo_loss(logps, logps.detach(), None, torch.tensor([1.0, -1.0], dtype=torch.float64),
+    loss, _ = grpo_objective.grpo_loss(logps, logps.detach(), None, torch.tensor([1.0, -1.0], dtype=torch.float64),
                                  torch.ones(2, 3, dtype=torch.float64), beta=0.0, epsilon=0.2, epsilon_high=0.2,
                                  loss_type="grpo", max_completion_length=3)
     loss.backward()
@@ -147,7 +149,7 @@ def test_log_probs_ratio_and_kl_are_float32_on_a_bf16_policy(tmp_path):
     # the k3 KL at ref - logp = bf16(0.01), every input in bf16 as a bf16 policy would hand them over
     x = torch.tensor(0.01, dtype=torch.bfloat16)
     logps, ref_lp = torch.zeros(1, 4, dtype=torch.bfloat16), torch.full((1, 4), float(x), dtype=torch.bfloat16)
-    _, m = run_grpo.grpo_loss(logps, logps, ref_lp, torch.ones(1, dtype=torch.bfloat16),
+    _, m = grpo_objective.grpo_loss(logps, logps, ref_lp, torch.ones(1, dtype=torch.bfloat16),
                               torch.ones(1, 4, dtype=torch.bfloat16), beta=0.04, epsilon=0.2, epsilon_high=0.2,
                               loss_type="grpo", max_completion_length=4)
     exact = math.exp(float(x)) - float(x) - 1  # 5.03e-5
@@ -364,10 +366,10 @@ def _seq_logp(model_dir: str, tokenizer_dir: str, prompt: list[dict], response: 
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    p, (r,) = run_grpo.prompt_response_ids(tok, prompt, [{"role": "assistant", "content": response}])
-    batch = run_grpo.collate([{"prompt_ids": p, "completion_ids": r, "advantage": 0.0}], tok.pad_token_id)
+    p, (r,) = chat_tokens.prompt_response_ids(tok, prompt, [{"role": "assistant", "content": response}])
+    batch = grpo_objective.collate([{"prompt_ids": p, "completion_ids": r, "advantage": 0.0}], tok.pad_token_id)
     with torch.no_grad():
-        return float(run_grpo.completion_log_probs(model, batch).sum())
+        return float(grpo_objective.completion_log_probs(model, batch).sum())
 
 
 def test_stage_trains_toward_rewarded_responses_and_counts_skipped_groups(tmp_path, policy):
@@ -405,7 +407,7 @@ def test_stage_saves_the_policy_unchanged_when_no_group_has_signal(tmp_path, pol
 def test_truncated_responses_are_penalized_or_masked(tmp_path, policy):
     rows = [_record(0, ["yes", "no", "maybe", "so"], [1.0, 1.0, 0.0, 0.0], finish=["length", "stop", "stop", "stop"])]
     write_jsonl(tmp_path / "rewards.jsonl", rows)
-    groups, _ = run_grpo.load_groups(str(tmp_path / "rewards.jsonl"), truncated_penalty=0.5)
+    groups, _ = grpo_data.load_groups(str(tmp_path / "rewards.jsonl"), truncated_penalty=0.5)
     assert groups[0]["rewards"] == [0.5, 1.0, 0.0, 0.0]
     stats = run_grpo.main(_cfg(tmp_path, policy, tmp_path / "rewards.jsonl", mask_truncated_completions=True))
     assert stats.completions_used == 3 and stats.completions_masked == {"truncated": 1}
@@ -419,10 +421,10 @@ def test_completions_are_the_sampled_ids_when_the_records_have_them(tmp_path):
     write_jsonl(tmp_path / "rewards.jsonl", rows)
     with open(tmp_path / "rewards.jsonl", "a") as f:
         f.write("\n")  # a blank line: counted for the stats (input_blank_lines)
-    groups, read_info = run_grpo.load_groups(str(tmp_path / "rewards.jsonl"))
+    groups, read_info = grpo_data.load_groups(str(tmp_path / "rewards.jsonl"))
     assert read_info["in"] == 2 and read_info["blank_lines"] == 1
-    adv, usable = run_grpo.group_advantages(torch.tensor([g["rewards"] for g in groups]))
-    comps, info = run_grpo.build_completions(groups, adv, usable, make_tiny_tokenizer(), max_length=6,
+    adv, usable = grpo_data.group_advantages(torch.tensor([g["rewards"] for g in groups]))
+    comps, info = grpo_data.build_completions(groups, adv, usable, make_tiny_tokenizer(), max_length=6,
                                              mask_truncated=False)
     sampled = [c for c in comps if c["group"] == 0]
     assert [c["prompt_ids"] for c in sampled] == [[5, 6, 7]] * 2
@@ -432,7 +434,7 @@ def test_completions_are_the_sampled_ids_when_the_records_have_them(tmp_path):
     rows[0]["response_token_ids"] = [[8, 9, 2]]  # one id list for two responses
     write_jsonl(tmp_path / "bad.jsonl", rows)
     with pytest.raises(DataError, match=r"bad\.jsonl:1: .*response_token_ids"):
-        run_grpo.load_groups(str(tmp_path / "bad.jsonl"))
+        grpo_data.load_groups(str(tmp_path / "bad.jsonl"))
 
 
 def test_warnings_name_the_reason_a_group_or_tokens_were_left_out(tmp_path):
@@ -444,20 +446,20 @@ def test_warnings_name_the_reason_a_group_or_tokens_were_left_out(tmp_path):
     for r in rows:
         r.update(prompt_token_ids=[5, 6, 7, 8], response_token_ids=[[9, 10, 11, 2], [12, 2]])
     write_jsonl(tmp_path / "rewards.jsonl", rows)
-    groups, _ = run_grpo.load_groups(str(tmp_path / "rewards.jsonl"))
-    adv, usable = run_grpo.group_advantages(torch.tensor([g["rewards"] for g in groups]))
+    groups, _ = grpo_data.load_groups(str(tmp_path / "rewards.jsonl"))
+    adv, usable = grpo_data.group_advantages(torch.tensor([g["rewards"] for g in groups]))
     tok = make_tiny_tokenizer()
-    comps, info = run_grpo.build_completions(groups, adv, usable, tok, max_length=4, mask_truncated=False)
+    comps, info = grpo_data.build_completions(groups, adv, usable, tok, max_length=4, mask_truncated=False)
     assert comps == [] and info["skipped"] == {"prompt_too_long": 2}
-    (w,) = run_grpo.data_warnings(info, 2, len(comps), 4, "r.jsonl")
+    (w,) = grpo_data.data_warnings(info, 2, len(comps), 4, "r.jsonl")
     assert "none of the 2 groups of r.jsonl is used" in w and "Raise grpo.max_length (now 4)" in w
     assert "generation.k" not in w and "signal" not in w
-    comps, info = run_grpo.build_completions(groups, adv, usable, tok, max_length=6, mask_truncated=False)
+    comps, info = grpo_data.build_completions(groups, adv, usable, tok, max_length=6, mask_truncated=False)
     assert len(comps) == 4 and info["cut"] == 2 and info["longest"] == 8
-    (w,) = run_grpo.data_warnings(info, 2, len(comps), 6, "r.jsonl")
+    (w,) = grpo_data.data_warnings(info, 2, len(comps), 6, "r.jsonl")
     assert "2 of 4 completions cut to max_length=6 tokens" in w and "at least 8" in w
-    comps, info = run_grpo.build_completions(groups, adv, usable, tok, max_length=None, mask_truncated=False)
-    assert run_grpo.data_warnings(info, 2, len(comps), None, "r.jsonl") == []
+    comps, info = grpo_data.build_completions(groups, adv, usable, tok, max_length=None, mask_truncated=False)
+    assert grpo_data.data_warnings(info, 2, len(comps), None, "r.jsonl") == []
 
 
 def test_dry_run_is_one_optimizer_step_at_max_length_and_writes_nothing_else(tmp_path, policy):

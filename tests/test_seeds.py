@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from online_rlhf import seeds
-from online_rlhf.jsonl import write_jsonl
+from online_rlhf.jsonl import DataError, write_jsonl
+from online_rlhf.paths import PROJECT_ROOT
 
 
 def _run(root: Path, seed: int, base_pass: list[bool], last_pass: list[bool], last: int = 2,
@@ -76,7 +77,7 @@ def test_pooled_interval_and_one_exact_test_over_all_discordant_prompts(tmp_path
 def test_a_run_without_ifeval_is_refused_naming_the_file(tmp_path):
     run = _run(tmp_path, 1, [True], [True])
     (run / "iter_2" / "ifeval.jsonl").unlink()
-    with pytest.raises(seeds.DataError, match=r"iter_2/ifeval\.jsonl: missing.*ifeval\.when"):
+    with pytest.raises(DataError, match=r"iter_2/ifeval\.jsonl: missing.*ifeval\.when"):
         seeds.seed_summary(run)
 
 
@@ -168,7 +169,7 @@ def test_a_relative_prompt_file_is_checked_as_run_loop_took_it(tmp_path, monkeyp
     assert seeds._as_run_loop_takes("output_root=out") == f"output_root={tmp_path / 'out'}"
     name = seeds.recipe_name("default", ["train_prompts=mine.jsonl"])
     run = _run(tmp_path / "out", 1, [False] * 4, [True] * 4).rename(tmp_path / "out" / f"{name}_seed1")
-    cfg = run_config_dict(resolve(str(seeds.PROJECT_ROOT / "configs/loop.yaml"),
+    cfg = run_config_dict(resolve(str(PROJECT_ROOT / "configs/loop.yaml"),
                                   [f"output_root={tmp_path / 'out'}", f"train_prompts={tmp_path / 'mine.jsonl'}",
                                    "seed=1", f"run_name={run.name}"]))
     (run / "config.yaml").write_text(yaml.safe_dump(cfg))

@@ -17,7 +17,7 @@ from online_rlhf.testing import make_tiny_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 from online_rlhf import sft_dataset
-from online_rlhf.stages import build_sft_data, run_sft
+from online_rlhf.stages import build_sft_data, run_sft, sft_axolotl_config
 
 
 def _write(path: Path, rows: list) -> Path:
@@ -89,11 +89,11 @@ def test_rows_with_special_token_strings_are_counted_by_role(tmp_path):
 
 def test_misspelt_axolotl_key_is_an_error():
     with pytest.raises(ConfigError, match="'learning_rat' \\(Did you mean 'learning_rate'\\?\\)"):
-        run_sft.check_axolotl_keys({"learning_rat": 1e-5, "sequence_len": 256})
+        sft_axolotl_config.check_axolotl_keys({"learning_rat": 1e-5, "sequence_len": 256})
 
 
 def test_known_axolotl_keys_pass():
-    run_sft.check_axolotl_keys({"learning_rate": 1e-5, "sequence_len": 256, "attn_implementation": "sdpa",
+    sft_axolotl_config.check_axolotl_keys({"learning_rate": 1e-5, "sequence_len": 256, "attn_implementation": "sdpa",
                                 "special_tokens": {"eos_token": "<|im_end|>"}})
 
 
@@ -116,14 +116,14 @@ def test_dataset_template_refusals(datasets, expected):
 def test_lora_adapter_is_refused(tmp_path):
     cfg = SFTStageConfig.from_dict({"dataset": "d.jsonl", "output_dir": str(tmp_path / "m"), "adapter": "lora"})
     with pytest.raises(ConfigError, match="full checkpoint"):
-        run_sft.axolotl_config(cfg, "base", "<|im_end|>", tmp_path / "m.tmp", tmp_path / "m.prepared")
+        sft_axolotl_config.axolotl_config(cfg, "base", "<|im_end|>", tmp_path / "m.tmp", tmp_path / "m.prepared")
 
 
 def test_eos_and_pad_default_to_the_base_eos(tmp_path):
     cfg = SFTStageConfig.from_dict({"dataset": "d.jsonl", "output_dir": str(tmp_path / "m")})
-    ax = run_sft.axolotl_config(cfg, "base", "<|eot|>", tmp_path / "m.tmp", tmp_path / "m.prepared")
+    ax = sft_axolotl_config.axolotl_config(cfg, "base", "<|eot|>", tmp_path / "m.tmp", tmp_path / "m.prepared")
     assert ax["special_tokens"] == {"eos_token": "<|eot|>", "pad_token": "<|eot|>"}
-    assert ax["output_dir"] == str(tmp_path / "m.tmp") and run_sft.PLUGIN in ax["plugins"]
+    assert ax["output_dir"] == str(tmp_path / "m.tmp") and sft_axolotl_config.PLUGIN in ax["plugins"]
 
 
 # --- checkpoint clean-up ------------------------------------------------------------------------

@@ -19,7 +19,7 @@ pytest.importorskip("axolotl")
 
 from online_rlhf.config import ConfigError  # noqa: E402
 from online_rlhf.stage_configs import SFTStageConfig  # noqa: E402
-from online_rlhf.stages import run_sft  # noqa: E402
+from online_rlhf.stages import run_sft, sft_axolotl_config  # noqa: E402
 from online_rlhf.testing import make_qwen2_style_tokenizer, make_tiny_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,7 +29,7 @@ ROW = {"messages": [{"role": "user", "content": "Say hi"}, {"role": "assistant",
 def _ax(tmp_path, tok, **keys):
     cfg = SFTStageConfig.from_dict({"dataset": str(tmp_path / "d.jsonl"), "output_dir": str(tmp_path / "m"),
                                     "sequence_len": 128, **keys})
-    return run_sft.axolotl_config(cfg, "base", tok.eos_token, tmp_path / "m.tmp", tmp_path / "m.prepared", tokenizer=tok)
+    return sft_axolotl_config.axolotl_config(cfg, "base", tok.eos_token, tmp_path / "m.tmp", tmp_path / "m.prepared", tokenizer=tok)
 
 
 def _terminator_labels(ax: dict, tok) -> list[int]:

@@ -13,7 +13,7 @@ import pytest
 from online_rlhf import loop, stats
 from online_rlhf.jsonl import read_json, write_jsonl
 from online_rlhf.loop_config import LOOP_OWNED, LoopConfig
-from online_rlhf.stage_configs import StageConfig
+from online_rlhf.config import StageConfig
 from online_rlhf.stage_table import STAGES, is_module_entry, launch_command
 from online_rlhf.stats import StageStats
 from online_rlhf.testing import example_stats

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from online_rlhf.config import ConfigError
+from online_rlhf.config import ConfigError, StageConfig
 from online_rlhf.loop import resolve
 from online_rlhf.loop_config import LoopConfig
-from online_rlhf.stage_configs import GenerateConfig, StageConfig
+from online_rlhf.stage_configs import GenerateConfig
 
 
 @pytest.mark.parametrize("override, key", [

@@ -162,7 +162,7 @@ def stage_dict(cfg: LoopConfig, run_dir: Path, i: int, stage: str) -> dict:
 
 def _check_dpo_config(d: dict, i: int, prov: list[tuple[str, Any, str]]) -> None:
     """Build iteration ``i``'s ``trl.DPOConfig`` from its resolved DPO stage config ``d`` as the
-    stage will (``run_dpo.build_dpo_args``, with the planned process count; nothing is written), so
+    stage will (``online_rlhf.stages.dpo_args.build_dpo_args``, with the planned process count; nothing is written), so
     that values TRL refuses together (e.g. ``loss_type: sigmoid`` with the recipe's
     ``loss_weights: [1, 1]``) stop the plan instead of the DPO stage after generation, rewards and
     pairs. Skipped where TRL is not installed (the stage itself always has it).
@@ -174,7 +174,7 @@ def _check_dpo_config(d: dict, i: int, prov: list[tuple[str, Any, str]]) -> None
     try:
         import torch
 
-        from ..stages.run_dpo import build_dpo_args
+        from ..stages.dpo_args import build_dpo_args
     except ImportError:
         return
     cfg = DPOStageConfig.model_validate(d)

@@ -40,7 +40,8 @@ Order of work (:func:`main` calls one function a step: :func:`construct`, :func:
      stage, ``online_rlhf.chat_tokens.prompt_response_ids``; a truncated response has no
      end-of-turn token);
   4. load the policy (and the reference when ``beta > 0`` and it differs from the policy);
-  5. the "old" log-probs: the policy's, recomputed here before any update (:func:`old_log_probs`).
+  5. the "old" log-probs: the policy's, recomputed here before any update
+     (:func:`online_rlhf.stages.grpo_objective.old_log_probs`).
      The sampler's own log-probs come from vLLM's numeric path (another kernel, on CPU often
      another dtype), so a ratio against them would not be 1 before the first update; recomputed
      with the training forward, it is (up to float rounding), as in TRL when ``num_iterations > 1``.
@@ -72,13 +73,11 @@ from online_rlhf.jsonl import DataError
 from online_rlhf.memory import PeakMemory
 from online_rlhf.paths import resolve_model, setup_cache_env
 from online_rlhf.stage_configs import GRPOStageConfig
-from online_rlhf.chat_tokens import prompt_response_ids  # noqa: F401 (re-exported: tests tokenize as the stage does)
 from online_rlhf.stages.dpo_args import stored_dtype
 from online_rlhf.stages.dpo_trainer import load_causal_lm, prepared_forward
 from online_rlhf.stats import DryRunStats, GRPOStats, stats_path
 from online_rlhf.stages.grpo_data import load_groups, group_advantages, build_completions, data_warnings
-from online_rlhf.stages.grpo_objective import (collate, completion_log_probs, grpo_loss, old_log_probs,
-                                               all_log_probs, pad_rows)  # noqa: F401 (re-exported)
+from online_rlhf.stages.grpo_objective import all_log_probs, collate, completion_log_probs, grpo_loss, pad_rows
 
 
 # ------------------------------------------------------------------------------ loss

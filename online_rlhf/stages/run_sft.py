@@ -20,7 +20,7 @@ Order of work (:func:`main` runs one function a step: :func:`construct` 1-2, :fu
   3. the resolved Axolotl config (``datasets[0].path`` = the dataset, ``output_dir`` =
      ``<output_dir>.tmp``, eos = pad = the base model's eos unless ``special_tokens`` says
      otherwise, ``eot_tokens`` = the chat template's turn terminator when it is not the eos
-     (:func:`turn_end_tokens`), our log plugin) is written to ``<output_dir>.axolotl.yaml``;
+     (``online_rlhf.stages.sft_axolotl_config.turn_end_tokens``), our log plugin) is written to ``<output_dir>.axolotl.yaml``;
   4. ``python -m axolotl.cli.train <yaml>`` (or ``accelerate launch -m axolotl.cli.train``) runs
      with ``AXOLOTL_DO_NOT_TRACK=1``, by way of ``online_rlhf.stages.axolotl_train`` (the same
      after this package's logging filter, see ``online_rlhf/__init__.py``); its log is echoed;
@@ -64,15 +64,14 @@ os.environ.setdefault("AXOLOTL_DO_NOT_TRACK", "1")
 from online_rlhf.config import ConfigError, run_main  # noqa: E402
 from online_rlhf.dry_run import dummy_ids, exit_if_out_of_memory, finish, out_of_memory_errors  # noqa: E402
 from online_rlhf.hardware import describe, stage_threads  # noqa: E402
-from online_rlhf.jsonl import DataError, read_json  # noqa: E402
+from online_rlhf.jsonl import read_json  # noqa: E402
 from online_rlhf.memory import PeakMemory  # noqa: E402
 from online_rlhf.paths import PROJECT_ROOT, resolve_model, setup_cache_env  # noqa: E402
 from online_rlhf.stage_configs import SFTStageConfig  # noqa: E402
 from online_rlhf.stats import DryRunStats, SFTStats, stats_path  # noqa: E402
 from online_rlhf.sft_dataset import dataset_entry, special_text_rows, validate_sft_dataset  # noqa: E402
-from online_rlhf.stages.sft_axolotl_config import (PLUGIN, AXOLOTL_TRAIN, TRAIN_LOG, cuda_available,  # noqa: E402
-                                                    check_axolotl_keys, turn_end_tokens,
-                                                    axolotl_config)  # noqa: F401 (re-exported)
+from online_rlhf.stages.sft_axolotl_config import (AXOLOTL_TRAIN, TRAIN_LOG, axolotl_config,  # noqa: E402
+                                                    check_axolotl_keys, cuda_available)
 
 # Files of an HF checkpoint; everything else Axolotl leaves in its output_dir is removed.
 _CHECKPOINT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
