@@ -278,16 +278,16 @@ def render_stage_links(page: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-_ITERATIONS = {"start": "0 (before iteration 1)", "train": "1..N", "every": "0..N"}
+_ITERATIONS = {"0": "0 (before iteration 1)", "1..N": "1..N", "0..N": "0..N"}
 _DEFAULT_ENABLED = next(f.default for f in dataclasses.fields(Stage) if f.name == "enabled")
 
 
 def iterations(stage: Stage) -> str:
-    """The iterations ``stage`` runs in, in words: from its row's ``when`` (``train``: ``1..N``), or
-    the first line of its ``runs`` function's docstring."""
-    if stage.runs is None:
-        return _ITERATIONS[stage.when]
-    return summary(stage.runs) or "as its row's `runs` says"
+    """The iterations ``stage`` runs in, in words: its row's ``schedule`` (``"0"``: ``0 (before
+    iteration 1)``), or the first line of the docstring of its ``schedule`` function."""
+    if not callable(stage.schedule):
+        return _ITERATIONS[stage.schedule]
+    return summary(stage.schedule) or "as its row's `schedule` says"
 
 
 def condition(stage: Stage) -> str:

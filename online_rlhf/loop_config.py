@@ -51,7 +51,7 @@ def owned_keys(section: str) -> tuple[str, ...]:
         keys += [k for k in s.inputs if k not in s.section_inputs] + list(s.outputs) + list(s.loop_owned)
     fields = rows[0].config.model_fields
     keys += [k for k in LAUNCH_KEYS if k in fields]
-    keys += [k for k in rows[0].set_by_plan if all(k in s.set_by_plan for s in rows)]
+    keys += [k for k in rows[0].provenance.set_by_plan if all(k in s.provenance.set_by_plan for s in rows)]
     return tuple(dict.fromkeys(keys))
 
 

@@ -4,7 +4,7 @@ outputs, and which stats class its stats file follows. Importable without torch 
 
 ``online_rlhf.loop plan`` walks this table to write each stage's YAML (everything the stage needs,
 launch settings included) and ``plan.json``; ``online_rlhf.loop exec`` starts a stage from its YAML
-with :func:`launch_command`; ``run_loop.sh`` and ``scripts/other_machine.sh`` run each iteration's
+with ``online_rlhf.stage_launch.launch_command``; ``run_loop.sh`` and ``scripts/other_machine.sh`` run each iteration's
 planned stages in this table's order (``loop stages RUN_DIR I``), and ``loop after`` runs a row's
 ``after`` hook.
 
@@ -20,10 +20,9 @@ example stats follow from the row. The loop has no list of stages of its own:
 
 from __future__ import annotations
 
-import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional
+from typing import Callable, Literal, Optional
 
 from .config import ConfigError, deep_merge, load_yaml
 from .paths import PROJECT_ROOT, default_data_dir, default_model_dir
@@ -292,16 +291,55 @@ def _no_reward_model(d: dict) -> Optional[str]:
     return None if d.get("source") == "reward_model" else f"source={d.get('source')} loads no model"
 
 
+# When a row runs (:attr:`Stage.schedule`): iteration 0 only (before the first update: SFT), the
+# iterations that update the policy, or all of them (0: the starting policy's evaluation).
+Schedule = Literal["0", "1..N", "0..N"]
+
+
 @dataclass(frozen=True)
+class Provenance:
+    """What a stage YAML's comment block says about values the loop's layers do not explain
+    (``online_rlhf.loop.provenance``): prose for the reader, which ``tests/test_stage_table.py``
+    checks against what the row's ``build`` does.
+
+    Attributes:
+        set_by_plan: ``{key: origin}``: values the row's ``build`` sets itself, and why (e.g.
+            kl_generate's ``temperature``); an origin ``loop key X ...`` names the loop key the
+            value follows. A key every row of a section sets is also loop-owned there
+            (``online_rlhf.loop_config.owned_keys``).
+        derived_from: ``{key: top-level loop key}`` the stage's value of ``key`` comes from, where it
+            differs from the plan's usual rule (eval_generate's ``prompts``: ``eval_prompts``).
+        seed_offset: how ``build`` offsets the loop's ``seed`` per iteration (``+ 1000 x iteration``).
+        stage_file_default: the stage's own YAML when the loop key :attr:`Stage.stage_file_key`
+            names none.
+    """
+
+    set_by_plan: dict[str, str] = field(default_factory=dict, hash=False)
+    derived_from: dict[str, str] = field(default_factory=dict, hash=False)
+    seed_offset: Optional[str] = None
+    stage_file_default: Optional[str] = None
+
+
+def _on_machine_0(d: dict) -> bool:
+    """The stage runs on machine 0 only."""
+    return False
+
+
+@dataclass(frozen=True, kw_only=True)
 class Stage:
-    """One row of the stage table.
+    """One row of the stage table, written with a keyword for every field.
+
+    Three words for three things: :attr:`env` is the virtual environment the stage runs in,
+    :attr:`schedule` the iterations it runs in, and :attr:`launch_with` how its process is started
+    (the loop key ``launcher: local | slurm`` says where the run's machines come from; the SFT
+    stage's own ``launcher`` key how it starts Axolotl).
 
     Attributes:
         name: the stage's name in ``run_loop.sh``, ``iter_<i>/configs/<name>.yaml`` and ``<name>.done``.
         env: ``infer`` (.venv-infer, vLLM) or ``train`` (.venv-train).
         entry: the entry script, relative to the project root, or the stage module itself
-            (``online_rlhf.stages.NAME``, run with ``python -m``: :func:`is_module_entry`).
-        launcher: ``python`` (one process; the stage may start its own shards) or ``accelerate``
+            (``online_rlhf.stages.NAME``, run with ``python -m``: ``stage_launch.is_module_entry``).
+        launch_with: ``python`` (one process; the stage may start its own shards) or ``accelerate``
             (``accelerate launch`` with the config's ``num_processes`` / ``launch_profile``; a single
             CPU process without a DeepSpeed profile runs as plain python).
         config: the stage's config class.
@@ -309,16 +347,16 @@ class Stage:
             writes (a field set to null is left out). Inputs' content goes into the freshness hash.
         stats: the stage's stats class (``online_rlhf.stats``); its file is
             ``stats_path(<first output>)``, read back through the class by ``loop.metrics``.
-        when: ``start`` (iteration 0, before the loop), ``train`` (iterations 1..N) or ``every`` (0..N).
+        schedule: the iterations it runs in: ``"0"`` (before the loop), ``"1..N"`` (each update) or
+            ``"0..N"`` (the starting policy's too); or ``(loop config, i) -> bool`` when they depend
+            on the config (IFEval: ``ifeval.when``), the first line of whose docstring is the
+            iterations as docs/architecture.md shows them.
         build: ``(loop config of the iteration, run dir, i) -> config mapping`` (before validation).
         sections: the loop sections the stage's values come from (for the provenance comments), its
             own first (:attr:`section`).
         stage_file_key: the loop key naming the stage's own YAML that the section is layered on.
         enabled: whether the loop runs the stage at all; the first line of its docstring is the
             condition as the stage list of docs/architecture.md shows it (``algorithm: dpo``).
-        runs: ``(loop config, i) -> bool`` when the iterations the stage runs in depend on the config
-            (IFEval: ``ifeval.when``); ``when`` is then not used, and the first line of its docstring
-            is the iterations as docs/architecture.md shows them.
         after: ``(run dir, i) -> line or None``, run on machine 0 after the stage (``loop after``): a
             line stops the loop with that reason (pairs: 0 pairs, :func:`no_pairs_stop`).
         cache_iteration_0: its iteration-0 output depends only on the starting policy, the prompts
@@ -329,21 +367,16 @@ class Stage:
             training stage that is measured). Its name is in ``DryRunStats.stage``.
         every_machine: ``d -> bool``: whether the stage of resolved config ``d`` runs on every machine
             of a multi-machine run (its processes or shards span them; ``loop exec ... machine_rank=k``
-            takes part), else on machine 0 only (:func:`stage_machines`).
+            takes part), else on machine 0 only (``online_rlhf.stage_launch.stage_machines``).
         checks: what the plan checks of the stage beyond its config class
             (:class:`online_rlhf.stage_checks.PlanChecks`).
-        stage_file_default: the stage's own YAML when the loop key ``stage_file_key`` names none
-            (for the provenance comments).
-        set_by_plan: ``{key: origin}``: values of the stage that its ``build`` sets itself, and why
-            (for the provenance comments; e.g. kl_generate's ``temperature``).
-        derived_from: ``{key: top-level loop key}`` the stage's value of ``key`` comes from, where it
-            differs from the plan's usual rule (eval_generate's ``prompts``: ``eval_prompts``).
-        seed_offset: how ``build`` offsets the loop's ``seed`` per iteration (for the provenance comments).
         section_inputs: inputs a user names in the stage's loop section (rewards: ``reward_model``); the
             plan sets every other input (``online_rlhf.loop_config.owned_keys``).
         loop_owned: keys the plan sets (so the section refuses them) beyond the row's files, the
             launch keys (``online_rlhf.loop_config.LAUNCH_KEYS``) and ``set_by_plan``: values taken
             from top-level loop keys (generation's ``prompt_field``, ``limit``).
+        provenance: what the YAML's comment block says of the values the row's ``build`` derives
+            (:class:`Provenance`).
         page: the stage's docs page, from the project root (None: ``docs/<name>.md``); it holds the
             key and stats tables ``online_rlhf.doc_tables`` generates from the two classes.
     """
@@ -351,28 +384,24 @@ class Stage:
     name: str
     env: Literal["infer", "train"]
     entry: str
-    launcher: Literal["python", "accelerate"]
+    launch_with: Literal["python", "accelerate"]
     config: type[StageConfig]
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     stats: type[StageStats]
-    when: Literal["start", "train", "every"]
+    schedule: Schedule | Callable[[LoopConfig, int], bool]
     build: Callable[[LoopConfig, Path, int], dict]
     sections: tuple[str, ...] = ()
     stage_file_key: Optional[str] = None
     enabled: Callable[[LoopConfig], bool] = _always_enabled
-    runs: Optional[Callable[[LoopConfig, int], bool]] = None
     after: Optional[Callable[[Path, int], Optional[str]]] = None
     cache_iteration_0: bool = False
     dry_run: Optional[DryRun] = None
-    every_machine: Callable[[dict], bool] = field(default=lambda d: False)
+    every_machine: Callable[[dict], bool] = _on_machine_0
     checks: PlanChecks = PlanChecks()
-    stage_file_default: Optional[str] = None
-    set_by_plan: dict[str, str] = field(default_factory=dict, hash=False)
-    derived_from: dict[str, str] = field(default_factory=dict, hash=False)
-    seed_offset: Optional[str] = None
     section_inputs: tuple[str, ...] = ()
     loop_owned: tuple[str, ...] = ()
+    provenance: Provenance = field(default_factory=Provenance, hash=False)
     page: Optional[str] = None
 
     @property
@@ -386,13 +415,19 @@ class Stage:
         """The stage's docs page from the project root: :attr:`page`, else ``docs/<name>.md``."""
         return self.page or f"docs/{self.name}.md"
 
+    @property
+    def before_the_loop(self) -> bool:
+        """It runs once, before the first update (``schedule="0"``: SFT); its stats belong to the
+        run, not to iteration 0."""
+        return self.schedule == "0"
+
     def runs_in(self, cfg: LoopConfig, i: int) -> bool:
         """Whether this stage is part of iteration ``i`` of the loop ``cfg``."""
         if not self.enabled(cfg):
             return False
-        if self.runs is not None:
-            return self.runs(cfg, i)
-        return {"start": i == 0, "train": i >= 1, "every": True}[self.when]
+        if callable(self.schedule):
+            return self.schedule(cfg, i)
+        return {"0": i == 0, "1..N": i >= 1, "0..N": True}[self.schedule]
 
     def io(self, d: dict) -> tuple[list[str], list[str]]:
         """(inputs, outputs) of a resolved config mapping ``d``: the paths in the table's fields."""
@@ -400,6 +435,7 @@ class Stage:
 
 
 def _always(d: dict) -> bool:
+    """The stage runs on every machine (its shards or processes span them)."""
     return True
 
 
@@ -410,161 +446,69 @@ def _reward_model_scores(d: dict) -> bool:
 
 # Generation keys the loop sets from its top-level prompt keys (prompt_field, train_limit / eval_limit).
 _TOP_LEVEL_PROMPTS = ("prompt_field", "limit")
+_KL_SAMPLES = "the KL estimate samples from the policy itself"
 
 # In the order of one iteration.
 STAGES: dict[str, Stage] = {s.name: s for s in (
-    Stage("sft", "train", "sft/run_sft.py", "python", SFTStageConfig, ("base_model", "dataset"), ("output_dir",),
-          SFTStats, "start", _sft, ("sft",), "sft.config", enabled=_sft_enabled,
-          checks=SFT_CHECKS, stage_file_default=SFT_CONFIG, dry_run=DryRun(0, base_model_key="base_model"),
-          set_by_plan={"base_model": "loop key policy (SFT starts from the policy)"}),
-    Stage("generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"), ("output",),
-          GenerateStats, "train", _generate, ("generation",), every_machine=_always, checks=GENERATE_CHECKS,
-          seed_offset="+ 1000 x iteration", dry_run=DryRun(1, policy_keys=("model",)), loop_owned=_TOP_LEVEL_PROMPTS, page="docs/generation.md"),
-    Stage("rewards", "train", "annotate_data/get_rewards.py", "accelerate", RewardConfig, ("input", "reward_model"),
-          ("output",), RewardStats, "train", _rewards, ("reward",), every_machine=_reward_model_scores,
-          dry_run=DryRun(1, skip=_no_reward_model), section_inputs=("reward_model",), page="docs/rewards.md"),
-    Stage("pairs", "train", "annotate_data/make_pairs.py", "python", PairsConfig, ("input",), ("output",),
-          PairsStats, "train", _pairs, ("pairs",), enabled=_dpo_run, after=no_pairs_stop, seed_offset="+ iteration"),
-    Stage("dpo", "train", "dpo_iteration/run_dpo.py", "accelerate", DPOStageConfig, ("policy", "pairs", "reference"),
-          ("output_dir",), DPOStats, "train", _dpo, ("dpo",), "dpo_config", enabled=_dpo_run, every_machine=_always,
-          checks=DPO_CHECKS, dry_run=DryRun(1, policy_keys=("policy", "reference"))),
-    Stage("grpo", "train", "grpo_iteration/run_grpo.py", "accelerate", GRPOStageConfig,
-          ("policy", "rewards", "reference"), ("output_dir",), GRPOStats, "train", _grpo, ("grpo",), "grpo_config",
-          enabled=_grpo_run, every_machine=_always, checks=GRPO_CHECKS,
-          set_by_plan={"temperature": "loop key generation.temperature (the rollouts' sampling temperature)",
-                       "max_completion_length": "loop key generation.max_tokens (the rollouts' max new tokens)"},
-          dry_run=DryRun(1, policy_keys=("policy", "reference"))),
-    Stage("eval_generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"),
-          ("output",), GenerateStats, "every", _eval_generate, ("evaluation", "generation"), cache_iteration_0=True,
-          every_machine=_always, derived_from={"prompts": "eval_prompts"}, loop_owned=_TOP_LEVEL_PROMPTS, page="docs/generation.md"),
-    Stage("eval_rewards", "train", "annotate_data/get_rewards.py", "accelerate", RewardConfig,
-          ("input", "reward_model"), ("output",), RewardStats, "every", _eval_rewards, ("reward",),
-          every_machine=_reward_model_scores, section_inputs=("reward_model",), page="docs/rewards.md"),
+    Stage(name="sft", env="train", entry="sft/run_sft.py", launch_with="python", config=SFTStageConfig,
+          inputs=("base_model", "dataset"), outputs=("output_dir",), stats=SFTStats, schedule="0", build=_sft,
+          sections=("sft",), stage_file_key="sft.config", enabled=_sft_enabled, checks=SFT_CHECKS,
+          dry_run=DryRun(iteration=0, base_model_key="base_model"),
+          provenance=Provenance(set_by_plan={"base_model": "loop key policy (SFT starts from the policy)"},
+                                stage_file_default=SFT_CONFIG)),
+    Stage(name="generate", env="infer", entry="generation/launch.py", launch_with="python", config=GenerateConfig,
+          inputs=("model", "prompts"), outputs=("output",), stats=GenerateStats, schedule="1..N", build=_generate,
+          sections=("generation",), every_machine=_always, checks=GENERATE_CHECKS,
+          dry_run=DryRun(iteration=1, policy_keys=("model",)), loop_owned=_TOP_LEVEL_PROMPTS,
+          provenance=Provenance(seed_offset="+ 1000 x iteration"), page="docs/generation.md"),
+    Stage(name="rewards", env="train", entry="annotate_data/get_rewards.py", launch_with="accelerate",
+          config=RewardConfig, inputs=("input", "reward_model"), outputs=("output",), stats=RewardStats,
+          schedule="1..N", build=_rewards, sections=("reward",), every_machine=_reward_model_scores,
+          dry_run=DryRun(iteration=1, skip=_no_reward_model), section_inputs=("reward_model",),
+          page="docs/rewards.md"),
+    Stage(name="pairs", env="train", entry="annotate_data/make_pairs.py", launch_with="python", config=PairsConfig,
+          inputs=("input",), outputs=("output",), stats=PairsStats, schedule="1..N", build=_pairs,
+          sections=("pairs",), enabled=_dpo_run, after=no_pairs_stop, provenance=Provenance(seed_offset="+ iteration")),
+    Stage(name="dpo", env="train", entry="dpo_iteration/run_dpo.py", launch_with="accelerate", config=DPOStageConfig,
+          inputs=("policy", "pairs", "reference"), outputs=("output_dir",), stats=DPOStats, schedule="1..N",
+          build=_dpo, sections=("dpo",), stage_file_key="dpo_config", enabled=_dpo_run, every_machine=_always,
+          checks=DPO_CHECKS, dry_run=DryRun(iteration=1, policy_keys=("policy", "reference"))),
+    Stage(name="grpo", env="train", entry="grpo_iteration/run_grpo.py", launch_with="accelerate",
+          config=GRPOStageConfig, inputs=("policy", "rewards", "reference"), outputs=("output_dir",), stats=GRPOStats,
+          schedule="1..N", build=_grpo, sections=("grpo",), stage_file_key="grpo_config", enabled=_grpo_run,
+          every_machine=_always, checks=GRPO_CHECKS, dry_run=DryRun(iteration=1, policy_keys=("policy", "reference")),
+          provenance=Provenance(set_by_plan={
+              "temperature": "loop key generation.temperature (the rollouts' sampling temperature)",
+              "max_completion_length": "loop key generation.max_tokens (the rollouts' max new tokens)"})),
+    Stage(name="eval_generate", env="infer", entry="generation/launch.py", launch_with="python",
+          config=GenerateConfig, inputs=("model", "prompts"), outputs=("output",), stats=GenerateStats,
+          schedule="0..N", build=_eval_generate, sections=("evaluation", "generation"), cache_iteration_0=True,
+          every_machine=_always, loop_owned=_TOP_LEVEL_PROMPTS,
+          provenance=Provenance(derived_from={"prompts": "eval_prompts"}), page="docs/generation.md"),
+    Stage(name="eval_rewards", env="train", entry="annotate_data/get_rewards.py", launch_with="accelerate",
+          config=RewardConfig, inputs=("input", "reward_model"), outputs=("output",), stats=RewardStats,
+          schedule="0..N", build=_eval_rewards, sections=("reward",), every_machine=_reward_model_scores,
+          section_inputs=("reward_model",), page="docs/rewards.md"),
     # Evaluation beyond the held-out reward: the KL of the iteration's policy from the starting
     # policy (iterations >= 1; 0 at iteration 0) and IFEval (iteration 0 and the last by default).
-    Stage("kl_generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"),
-          ("output",), GenerateStats, "train", _kl_generate, ("evaluation", "generation"),
-          enabled=_kl_enabled, every_machine=_always,
-          set_by_plan={"k": "loop key kl_samples",
-                       "prompts": "loop key eval_prompts (the held-out prompts)",
-                       "temperature": "the KL estimate samples from the policy itself (temperature 1)",
-                       "top_p": "the KL estimate samples from the policy itself (top_p 1)",
-                       "seed": "loop key seed + 1000 x iteration + 500"}, loop_owned=_TOP_LEVEL_PROMPTS, page="docs/generation.md"),
-    Stage("kl", "train", "annotate_data/kl_estimate.py", "python", KLConfig, ("input", "policy", "reference"),
-          ("output",), KLStats, "train", _kl, enabled=_kl_enabled,
-          set_by_plan={"reference": "the starting policy (KL is measured from where the loop started)"}),
-    Stage("ifeval_generate", "infer", "generation/launch.py", "python", GenerateConfig, ("model", "prompts"),
-          ("output",), GenerateStats, "every", _ifeval_generate, ("ifeval", "evaluation", "generation"),
-          runs=_ifeval_runs, cache_iteration_0=True, every_machine=_always,
-          set_by_plan={"prompts": "loop key ifeval.prompts"}, page="docs/generation.md"),
-    Stage("ifeval_score", "train", "annotate_data/ifeval_score.py", "python", IFEvalScoreConfig, ("input",),
-          ("output",), IFEvalStats, "every", _ifeval_score, runs=_ifeval_runs, page="docs/ifeval-score.md"),
+    Stage(name="kl_generate", env="infer", entry="generation/launch.py", launch_with="python", config=GenerateConfig,
+          inputs=("model", "prompts"), outputs=("output",), stats=GenerateStats, schedule="1..N",
+          build=_kl_generate, sections=("evaluation", "generation"), enabled=_kl_enabled, every_machine=_always,
+          loop_owned=_TOP_LEVEL_PROMPTS, page="docs/generation.md",
+          provenance=Provenance(set_by_plan={
+              "k": "loop key kl_samples", "prompts": "loop key eval_prompts (the held-out prompts)",
+              "temperature": f"{_KL_SAMPLES} (temperature 1)", "top_p": f"{_KL_SAMPLES} (top_p 1)",
+              "seed": "loop key seed + 1000 x iteration + 500"})),
+    Stage(name="kl", env="train", entry="annotate_data/kl_estimate.py", launch_with="python", config=KLConfig,
+          inputs=("input", "policy", "reference"), outputs=("output",), stats=KLStats, schedule="1..N", build=_kl,
+          enabled=_kl_enabled, provenance=Provenance(set_by_plan={
+              "reference": "the starting policy (KL is measured from where the loop started)"})),
+    Stage(name="ifeval_generate", env="infer", entry="generation/launch.py", launch_with="python",
+          config=GenerateConfig, inputs=("model", "prompts"), outputs=("output",), stats=GenerateStats,
+          schedule=_ifeval_runs, build=_ifeval_generate, sections=("ifeval", "evaluation", "generation"),
+          cache_iteration_0=True, every_machine=_always,
+          provenance=Provenance(set_by_plan={"prompts": "loop key ifeval.prompts"}), page="docs/generation.md"),
+    Stage(name="ifeval_score", env="train", entry="annotate_data/ifeval_score.py", launch_with="python",
+          config=IFEvalScoreConfig, inputs=("input",), outputs=("output",), stats=IFEvalStats, schedule=_ifeval_runs,
+          build=_ifeval_score, page="docs/ifeval-score.md"),
 )}
-
-
-# SLURM sets this in each task of `srun`: the node's index in the step (0 .. num_machines - 1).
-SLURM_RANK = "$SLURM_NODEID"
-
-
-def stage_machines(stage: Stage, d: dict[str, Any]) -> int:
-    """How many machines the stage of resolved config ``d`` runs on: its ``num_machines`` when its
-    row runs it on every machine (:attr:`Stage.every_machine`), else 1 (machine 0 only)."""
-    return int(d.get("num_machines") or 1) if stage.every_machine(d) else 1
-
-
-def launch_command(stage: Stage, config_path: str, d: dict[str, Any], root: Path = PROJECT_ROOT,
-                   machine_rank: int | str = 0, launcher: str = "local", extra: tuple[str, ...] | list[str] = ()
-                   ) -> tuple[list[str], dict[str, str]]:
-    """The command that runs ``stage`` on its resolved config file, and the environment variables
-    it adds: ``(argv, env)``, the same for ``run_loop.sh`` and for a user reproducing the stage.
-
-    - ``python``: ``<env>/bin/python <entry> --config <file>``.
-    - ``accelerate``: ``accelerate launch`` with the config's ``num_processes``: on the ``cpu``
-      profile, N > 1 plain processes over gloo (``--multi_gpu`` with ``ACCELERATE_USE_CPU=true``);
-      on ``zero2``/``zero3``, ``--config_file configs/accelerate/<profile>.yaml``. One process on
-      the ``cpu`` profile runs as plain python for a reward model, and through
-      ``configs/accelerate/cpu.yaml`` for DPO.
-    - Several machines (the config's ``num_machines`` M > 1): ``accelerate launch`` gets
-      ``--num_machines M --machine_rank R --main_process_ip IP --main_process_port P``
-      (``num_processes`` counts all machines' processes); the generation launcher gets
-      ``machine_rank=R`` (it runs shards r with r % M == R; machine 0 merges).
-    - ``launcher="slurm"`` and M > 1: the command is wrapped to run once per node of the allocation,
-      ``srun --nodes=M --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c '<command>'``, with each node's
-      rank from ``$SLURM_NODEID`` (``machine_rank`` is then ignored).
-
-    Args:
-        stage: the stage's row of :data:`STAGES`.
-        config_path: the stage's resolved YAML, as the command should name it.
-        d: that YAML's values.
-        root: the project root the venv paths are built from (``Path(".")`` for the plan's comments).
-        machine_rank: this machine's rank, 0 .. M-1 (per machine, never in the YAML).
-        launcher: ``local`` or ``slurm`` (the loop's ``launcher`` key).
-        extra: ``key=value`` overrides appended to the stage's own arguments (inside the srun
-            wrapper too), e.g. ``dry_run=true``.
-    Raises:
-        ConfigError: ``machine_rank`` outside 0 .. M-1, a rank > 0 for a stage that runs on machine 0
-            only, or an unknown ``launcher``.
-    """
-    if launcher not in ("local", "slurm"):
-        raise ConfigError(f"launcher={launcher!r}: expected local or slurm.")
-    m = stage_machines(stage, d)
-    slurm = launcher == "slurm" and m > 1
-    rank = SLURM_RANK if slurm else machine_rank
-    if not slurm:
-        if not isinstance(rank, int) or not 0 <= rank < m:
-            if m == 1:
-                raise ConfigError(f"stage {stage.name} runs on machine 0 only (its config says num_machines=1); "
-                                  f"machine_rank={machine_rank} has nothing to run.")
-            raise ConfigError(f"machine_rank={machine_rank} must be in 0..{m - 1} (num_machines={m}).")
-    argv, env = _single_machine_command(stage, config_path, d, root)
-    if m > 1:
-        if stage.launcher == "python":  # the generation launcher: this machine's shards
-            argv = [*argv, f"machine_rank={rank}"]
-        else:
-            at = argv.index("launch") + 1
-            argv[at:at] = ["--num_machines", str(m), "--machine_rank", str(rank),
-                           "--main_process_ip", str(d.get("main_process_ip")),
-                           "--main_process_port", str(d.get("main_process_port") or 29500)]
-    argv = [*argv, *extra]
-    if slurm:
-        inner = " ".join(_slurm_word(a) for a in argv)
-        argv = ["srun", f"--nodes={m}", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "bash", "-c", inner]
-    return argv, env
-
-
-def is_module_entry(entry: str) -> bool:
-    """Whether a row's ``entry`` names a module (``online_rlhf.stages.NAME``, run with ``-m``: the stage
-    module is its own entry point) rather than an entry script (``dpo_iteration/run_dpo.py``)."""
-    return not entry.endswith(".py")
-
-
-def _slurm_word(a: str) -> str:
-    """One word of the command run by ``bash -c`` on each node: quoted, except the rank placeholder,
-    which that shell expands to the node's ``$SLURM_NODEID``."""
-    if a == SLURM_RANK:
-        return '"$SLURM_NODEID"'
-    if a == f"machine_rank={SLURM_RANK}":
-        return 'machine_rank="$SLURM_NODEID"'
-    return shlex.quote(a)
-
-
-def _single_machine_command(stage: Stage, config_path: str, d: dict[str, Any], root: Path
-                            ) -> tuple[list[str], dict[str, str]]:
-    py = str(root / f".venv-{stage.env}" / "bin" / "python")
-    # an entry script (generation/launch.py), or a stage module run as ``-m`` (online_rlhf.stages.NAME)
-    tail = [*(("-m",) if is_module_entry(stage.entry) else ()), stage.entry, "--config", config_path]
-    if stage.launcher == "python":
-        return [py, *tail], {}
-    n = int(d.get("num_processes") or 1)
-    profile = d.get("launch_profile", "cpu")
-    accelerate = str(root / f".venv-{stage.env}" / "bin" / "accelerate")
-    if profile == "cpu" and n == 1:
-        if stage.config is RewardConfig:
-            return [py, *tail], {}
-        return [accelerate, "launch", "--config_file", "configs/accelerate/cpu.yaml", "--num_processes", "1", *tail], {}
-    if profile == "cpu":
-        return [accelerate, "launch", "--multi_gpu", "--num_processes", str(n), *tail], {"ACCELERATE_USE_CPU": "true"}
-    if stage.config is RewardConfig:  # data-parallel scoring needs no DeepSpeed
-        return [accelerate, "launch", "--multi_gpu", "--num_processes", str(n), *tail], {}
-    return [accelerate, "launch", "--config_file", f"configs/accelerate/{profile}.yaml", "--num_processes", str(n),
-            *tail], {}

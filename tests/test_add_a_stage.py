@@ -66,9 +66,10 @@ if __name__ == "__main__":
     cli()
 '''
 
-TOY_ROW = '''    Stage("toy", "train", "online_rlhf.stages.toy", "python", ToyConfig, ("input",), ("output",), ToyStats, "train",
-          lambda c, run_dir, i: {**section(c, "toy"), "input": str(run_dir / f"iter_{i}" / "prompts.jsonl"),
-                                 "output": str(run_dir / f"iter_{i}" / "toy.jsonl")}, ("toy",)),
+TOY_ROW = '''    Stage(name="toy", env="train", entry="online_rlhf.stages.toy", launch_with="python", config=ToyConfig,
+          inputs=("input",), outputs=("output",), stats=ToyStats, schedule="1..N", sections=("toy",),
+          build=lambda c, run_dir, i: {**section(c, "toy"), "input": str(run_dir / f"iter_{i}" / "prompts.jsonl"),
+                                       "output": str(run_dir / f"iter_{i}" / "toy.jsonl")}),
 )}'''
 
 TOY_PAGE = '''# The toy stage

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from online_rlhf import doc_tables, stats
-from online_rlhf.stage_table import STAGES, launch_command
+from online_rlhf.stage_launch import launch_command
+from online_rlhf.stage_table import STAGES
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

@@ -504,7 +504,8 @@ def test_a_bad_rewards_record_names_file_and_line(tmp_path, policy):
 def test_two_ranks_over_gloo_train_like_one(tmp_path, policy):
     """The stage under ``accelerate launch`` with 2 CPU processes (the loop's command): same steps,
     old log-probs shared between the ranks, and the same direction of learning."""
-    from online_rlhf.stage_table import STAGES, launch_command
+    from online_rlhf.stage_launch import launch_command
+    from online_rlhf.stage_table import STAGES
 
     rows = [_record(i, ["yes yes yes", "no no no", "yes yes yes", "no no no"], [1.0, 0.0, 1.0, 0.0]) for i in range(5)]
     write_jsonl(tmp_path / "rewards.jsonl", rows)

@@ -24,7 +24,8 @@ from online_rlhf.config import ConfigError
 from online_rlhf.loop import auto_processes, resolve
 from online_rlhf.loop_config import LoopConfig
 from online_rlhf.stage_configs import DPOStageConfig, GenerateConfig, RewardConfig
-from online_rlhf.stage_table import STAGES, launch_command
+from online_rlhf.stage_launch import launch_command
+from online_rlhf.stage_table import STAGES
 from online_rlhf.stats import stats_path
 from online_rlhf.testing import example_stats, free_port
 

@@ -14,7 +14,8 @@ from online_rlhf import loop, stats
 from online_rlhf.jsonl import read_json, write_jsonl
 from online_rlhf.loop_config import LOOP_OWNED, LoopConfig
 from online_rlhf.config import StageConfig
-from online_rlhf.stage_table import STAGES, is_module_entry, launch_command
+from online_rlhf.stage_launch import is_module_entry, launch_command
+from online_rlhf.stage_table import STAGES
 from online_rlhf.stats import StageStats
 from online_rlhf.testing import example_stats
 
@@ -31,9 +32,9 @@ def test_every_row_names_what_exists(name, tmp_path):
     assert entry.is_file(), s.entry
     assert issubclass(s.config, StageConfig)
     fields = s.config.model_fields
-    for key in (*s.inputs, *s.outputs, *s.set_by_plan, *s.derived_from):
+    for key in (*s.inputs, *s.outputs, *s.provenance.set_by_plan, *s.provenance.derived_from):
         assert key in fields, (name, key)
-    for key in s.derived_from.values():
+    for key in s.provenance.derived_from.values():
         assert key in LoopConfig.model_fields, (name, key)
     for sec in s.sections:
         assert sec in LoopConfig.model_fields, (name, sec)
@@ -71,7 +72,7 @@ def test_the_launch_fields_are_declared_once():
     from online_rlhf.stage_configs import LAUNCH_FIELDS
 
     assert set(LAUNCH_FIELDS) <= set(LAUNCH_KEYS)
-    rows = [s for s in STAGES.values() if s.launcher == "accelerate"]
+    rows = [s for s in STAGES.values() if s.launch_with == "accelerate"]
     assert {s.config.__name__ for s in rows} == {"RewardConfig", "DPOStageConfig", "GRPOStageConfig"}
     for s in rows:
         for name, declared in LAUNCH_FIELDS.items():
@@ -148,3 +149,53 @@ def test_the_scripts_go_through_loop_stages_and_the_docs_name_every_stage():
         assert "-m online_rlhf.loop stages " in (ROOT / script).read_text(encoding="utf-8"), script
     missing = [name for name in STAGES if not re.search(rf"(?<![\w.]){name}(?!\w)", DOCS)]
     assert not missing, f"stages no page of README.md or docs/ names: {missing}"
+
+
+# A loop config under which every row builds (SFT on, KL on); seed 7 shows the per-iteration offsets.
+_PROSE_BASE = {"seed": 7, "iterations": 3, "kl_samples": 2, "sft": {"enabled": True, "dataset": "/data/sft.jsonl"}}
+
+
+def _built(name: str, i: int, **overrides) -> dict:
+    from online_rlhf.config import apply_overrides
+
+    cfg = LoopConfig.from_dict(apply_overrides(dict(_PROSE_BASE), [f"{k}={v}" for k, v in overrides.items()]))
+    return STAGES[name].build(cfg, Path("/run"), i)
+
+
+def _seed_formula(text: str) -> tuple[int, int]:
+    """``+ 1000 x iteration + 500`` -> (1000, 500): seed = loop seed + a x iteration + b."""
+    m = re.fullmatch(r"(?:loop key seed )?\+ (?:(\d+) x )?iteration(?: \+ (\d+))?", text.strip())
+    assert m, text
+    return int(m.group(1) or 1), int(m.group(2) or 0)
+
+
+@pytest.mark.parametrize("name", list(STAGES))
+def test_each_rows_provenance_prose_is_what_its_build_does(name):
+    """The comment block of a stage YAML repeats a row's prose (``set_by_plan``, ``seed_offset``):
+    each ``set_by_plan`` key is set by the build (following the loop key its origin names, or not
+    following the row's own sections when the origin names none), and the seed follows the offset
+    the row states (none stated: one seed for every iteration)."""
+    s = STAGES[name]
+    prose = s.provenance
+    d1, d2 = _built(name, 1), _built(name, 2)
+    offset = prose.seed_offset or prose.set_by_plan.get("seed")
+    seed_key = "training.seed" if "training" in d1 else "seed"
+    seeds = [d.get("training", d).get("seed") for d in (d1, d2)]
+    if offset:
+        a, b = _seed_formula(offset)
+        assert seeds == [7 + a + b, 7 + 2 * a + b], (name, seed_key, seeds, offset)
+    else:  # no offset stated: the same seed in every iteration (the loop's, or the stage file's: SFT)
+        assert seeds[0] == seeds[1], (name, seed_key, seeds)
+    for key, origin in prose.set_by_plan.items():
+        assert key in d1, (name, key)
+        follows = re.match(r"loop key ([\w.]+)", origin)
+        if follows and follows.group(1) != "seed":
+            loop_key, now = follows.group(1), d1[key]
+            other = ("/elsewhere/x.jsonl" if isinstance(now, str) else now + 3 if isinstance(now, int)
+                     else round(now / 2, 3))
+            assert _built(name, 1, **{loop_key: other})[key] == other, (name, key, loop_key)
+        elif not follows:  # fixed by the plan: the row's own sections do not reach it
+            for sec in s.sections:
+                if key in getattr(LoopConfig.model_fields[sec].annotation, "model_fields", {}):
+                    value = d1[key] / 2 if isinstance(d1[key], float) else d1[key]
+                    assert _built(name, 1, **{f"{sec}.{key}": value})[key] == d1[key], (name, key, sec)

@@ -27,7 +27,7 @@ def iteration_stats(it: Path, i: int) -> dict[str, StageStats]:
     """Every stage's stats of iteration folder ``it`` (iteration ``i``), read through the classes of
     the stage table: ``{name of the stage's first output: stats}`` for the stages of the iteration's
     ``plan.json`` (iteration 0: the held-out evaluation; a stage that runs once before the loop,
-    ``when="start"`` as SFT, belongs to the run, not to iteration 0, and is left out).
+    ``schedule="0"`` as SFT, belongs to the run, not to iteration 0, and is left out).
 
     Raises:
         FileNotFoundError: a stage's stats file is missing (its stage has not run).
@@ -35,7 +35,7 @@ def iteration_stats(it: Path, i: int) -> dict[str, StageStats]:
     """
     entries = read_json(it / "plan.json")
     return {Path(e["outputs"][0]).name: STAGES[name].stats.read(stats_path(e["outputs"][0]))
-            for name, e in entries.items() if STAGES[name].when != "start"}
+            for name, e in entries.items() if not STAGES[name].before_the_loop}
 
 
 def metrics(run_dir: Path, i: int) -> dict:

@@ -20,7 +20,8 @@ import yaml
 
 from ..jsonl import atomic_open, json_text
 from ..loop_config import SECTION_CLASSES, LoopConfig, iteration_config
-from ..stage_table import STAGES, Stage, launch_command, prompt_source, stage_machines, starting_policy
+from ..stage_launch import launch_command, stage_machines
+from ..stage_table import STAGES, Stage, prompt_source, starting_policy
 from .provenance import Layers, stage_header, value_origins
 from .resolve import (LIBRARY_CHECKS, check_ifeval_fields, check_ifeval_prompts, check_prompt_files,
                       check_verifier_fields, drawn_argument_warnings, held_out_rows,

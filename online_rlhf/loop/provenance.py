@@ -70,7 +70,7 @@ _DERIVED = {"seed": "seed", "prompts": None, "num_shards": "generation_shards", 
 
 
 def value_origins(stage: Stage, d: dict, c: LoopConfig, i: int, layers: Layers,
-                start: str | None = None) -> list[tuple[str, Any, str]]:
+                  start: str | None = None) -> list[tuple[str, Any, str]]:
     """``(key, value, origin)`` for each value of the resolved stage config ``d`` that differs from
     the stage class's default (each key of a dict field such as ``training``, one level down).
     Origins, highest precedence first: ``per_iteration.<i>``, then the loop's section on the command
@@ -82,7 +82,7 @@ def value_origins(stage: Stage, d: dict, c: LoopConfig, i: int, layers: Layers,
         parts = stage.stage_file_key.split(".")
         own_file = _lookup(c.model_dump(), parts)[1] if len(parts) > 1 else getattr(c, parts[0])
         if own_file is None:
-            own_file = stage.stage_file_default
+            own_file = stage.provenance.stage_file_default
     own = stage_file(own_file) if own_file else {}
     leaves = []
     for k, v in d.items():
@@ -93,7 +93,7 @@ def value_origins(stage: Stage, d: dict, c: LoopConfig, i: int, layers: Layers,
             leaves.append(([k], v))
     out = []
     for path, v in leaves:
-        origin = stage.set_by_plan.get(".".join(map(str, path)))
+        origin = stage.provenance.set_by_plan.get(".".join(map(str, path)))
         for sec in stage.sections if origin is None else ():
             for where in (["per_iteration", i, sec], [sec]):
                 origin = layers.find([*where, *path])
@@ -107,14 +107,14 @@ def value_origins(stage: Stage, d: dict, c: LoopConfig, i: int, layers: Layers,
             origin = f"the loop's default ({sec}.{'.'.join(map(str, path))})" if sec else None
         if not origin and own_file and _lookup(own, path)[0]:
             origin = _short(str(PROJECT_ROOT / own_file) if not Path(own_file).is_absolute() else own_file)
-        key = {**_DERIVED, **stage.derived_from}.get(path[-1])
+        key = {**_DERIVED, **stage.provenance.derived_from}.get(path[-1])
         if not origin and path[-1] in ("model", "policy") and start is not None and v != start:
             origin = ("this iteration's trained model" if str(v).endswith(f"iter_{i}/model")
                       else "the model of the iteration before")
         if not origin and key and (path[0] != "training" or path[-1] == "seed"):
             origin = f"loop key {key} ({layers.find([key]) or 'its default'})"
-            if path == ["seed"] and stage.seed_offset:
-                origin = f"loop key seed {stage.seed_offset} ({layers.find(['seed']) or 'its default'})"
+            if path == ["seed"] and stage.provenance.seed_offset:
+                origin = f"loop key seed {stage.provenance.seed_offset} ({layers.find(['seed']) or 'its default'})"
             if path == ["num_processes"] and d.get("source", "reward_model") != "reward_model":
                 origin = f"one process: source={d.get('source')} runs in one process"
         out.append((".".join(map(str, path)), v, origin or "the run layout"))
@@ -122,7 +122,7 @@ def value_origins(stage: Stage, d: dict, c: LoopConfig, i: int, layers: Layers,
 
 
 def stage_header(stage: Stage, i: int, layers: Layers, command: str, prov: list[tuple[str, Any, str]],
-                  note: str | None = None) -> str:
+                 note: str | None = None) -> str:
     """The comment block on top of a stage's YAML: what it is, the command that runs it (from the
     project root, as run_loop.sh does; ``note`` below it, e.g. what the other machines run) and
     where each non-default value came from."""

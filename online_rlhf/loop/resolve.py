@@ -70,7 +70,7 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
                 check_section_file(getattr(iteration_config(cfg, i), stage.stage_file_key), stage.stage_file_key,
                                    stage.section)
             d = stage_dict(cfg, Path("/dry-run"), i, stage.name)
-            at = f"{src}, stage {stage.name}" if stage.when == "start" else f"{src}, iteration {i}, stage {stage.name}"
+            at = f"{src}, stage {stage.name}" if stage.before_the_loop else f"{src}, iteration {i}, stage {stage.name}"
             stage_cfg = stage.config.from_dict(d, at)
             if stage.checks.config is not None:
                 stage.checks.config(cfg, i, d, stage_cfg, f"{src}, iteration {i}")

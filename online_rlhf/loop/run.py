@@ -20,7 +20,8 @@ from ..config import ConfigError
 from ..jsonl import DataError, read_json, write_json
 from ..paths import PROJECT_ROOT
 from ..rundir import mark_done
-from ..stage_table import STAGES, launch_command, stage_machines
+from ..stage_launch import launch_command, stage_machines
+from ..stage_table import STAGES
 from ..stats import stats_path
 from .co_decoding import co_decode, co_decode_companions, co_decode_record, co_decoded_before, record_valid
 from .freshness import (check, done_marker, eval_cache_key, hash_parts, output_present, overrides_record,
@@ -30,7 +31,7 @@ from .freshness import (check, done_marker, eval_cache_key, hash_parts, output_p
 def exec_stage(run_dir: Path, i: int, stage: str, overrides: list[str] = (), machine_rank: int = 0,
                wait_poll_s: float = 10.0) -> None:
     """Replace this process by the command that runs ``stage`` of iteration ``i``, built from the
-    stage's config file by :func:`online_rlhf.stage_table.launch_command` (the command written on
+    stage's config file by :func:`online_rlhf.stage_launch.launch_command` (the command written on
     top of that file; the run's ``launcher`` from ``<run>/config.yaml``), from the project root.
     Prints the command first (it heads the stage's log).
 
