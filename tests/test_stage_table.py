@@ -199,3 +199,27 @@ def test_each_rows_provenance_prose_is_what_its_build_does(name):
                 if key in getattr(LoopConfig.model_fields[sec].annotation, "model_fields", {}):
                     value = d1[key] / 2 if isinstance(d1[key], float) else d1[key]
                     assert _built(name, 1, **{f"{sec}.{key}": value})[key] == d1[key], (name, key, sec)
+
+
+@pytest.mark.parametrize("entry", sorted({s.entry for s in STAGES.values() if not is_module_entry(s.entry)}))
+def test_each_entry_script_shows_its_recipe_as_main_runs_it(entry):
+    """An entry script (dpo_iteration/run_dpo.py) lists the steps of its stage's ``main`` and where
+    each one's work lives: the functions it names are called by ``main`` in that order, every step
+    function of the stage module that ``main`` calls is named, and every file it names exists."""
+    import ast
+
+    text = (ROOT / entry).read_text(encoding="utf-8")
+    module = re.search(r"^from (online_rlhf\.stages\.\w+) import cli$", text, flags=re.M).group(1)
+    listed = re.findall(r"^    (\w+)\(", ast.get_docstring(ast.parse(text)), flags=re.M)
+    src = (ROOT / (module.replace(".", "/") + ".py")).read_text(encoding="utf-8")
+    tree = ast.parse(src)
+    main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    calls = [c.func.id for c in sorted((c for c in ast.walk(main) if isinstance(c, ast.Call)  # in the order they run
+                                        and isinstance(c.func, ast.Name)), key=lambda c: (c.end_lineno, c.end_col_offset))]
+    it = iter(calls)
+    assert listed and all(name in it for name in listed), (entry, listed, calls)  # in main, in this order
+    defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    steps = [c for c in dict.fromkeys(calls) if c in defined and not c.startswith("_")]
+    assert [n for n in listed if n in defined] == steps, (entry, listed, steps)
+    for path in re.findall(r"\b((?:online_rlhf|generation)/[\w/]+\.py)\b", text):
+        assert (ROOT / path).is_file(), (entry, path)
