@@ -9,7 +9,7 @@ each step's work lives:
 
     dry_run(cfg)               dry_run=true, instead of 1-6: the set-up, one optimizer step at max_length
     construct(cfg)             1. validate before a weight loads: trl.DPOConfig, LoRA, dtypes, process count
-                                  (online_rlhf/stages/dpo_args.py; the checks: online_rlhf/trl_args.py)
+                                  (online_rlhf/dpo_config.py; the load dtypes: online_rlhf/stages/dpo_trainer.py)
     setup_data(run)            2. build the pairs: read, tokenize with the chat template, drop what cannot train
                                   (online_rlhf/stages/dpo_data.py)
     setup(run, data)           3. load policy and reference, build TRL's DPOTrainer on the stage's token ids

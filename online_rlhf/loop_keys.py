@@ -20,7 +20,8 @@ from .config import ConfigError, did_you_mean, validation_problems
 from .loop_config import LOOP_OWNED, SECTION_CLASSES, LoopConfig
 from .stage_table import stage_file
 from .stage_configs import SFTStageConfig
-from .trl_args import check_axolotl_keys, check_lora, dpo_training_problems
+from .dpo_config import dpo_training_problems
+from .trl_args import check_axolotl_keys, check_lora
 
 _FILES = "the loop sets each stage's input and output files itself"
 _DRY = "set dry_run=true at the top level (the loop runs each stage once in dry mode)"

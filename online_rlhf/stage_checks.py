@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from .config import ConfigError, StageConfig
 from .paths import default_model_dir
-from .trl_args import check_axolotl_keys, check_dpo_training, check_lora, per_device_batch
+from .dpo_config import check_dpo_config, check_dpo_keys, check_dpo_launch, dpo_batch
+from .trl_args import check_axolotl_keys
 
 # ``LoopConfig`` in the annotations below is ``online_rlhf.loop_config.LoopConfig``, which is built
 # from the stage table, which imports this module: the name stays text, never imported here.
@@ -35,10 +36,11 @@ class PlanChecks:
         launch: ``(cfg, i, d, source) -> None``, once ``num_processes`` is resolved: the batch
             per device, and what a dry run needs (``source``: the config file and overrides).
             Raises ConfigError.
-        library: the library config class the stage builds from its YAML values, as
-            ``"module.Class"`` (DPO: ``"trl.DPOConfig"``): the plan builds it as the stage will, so
-            that values the library refuses together stop the plan (the build needs the stage's own
-            module, which imports this table: it lives in ``online_rlhf.loop.resolve``).
+        library: ``(d, i, provenance) -> None``: builds the library config the stage builds from
+            its YAML values (DPO: ``trl.DPOConfig``, :func:`online_rlhf.dpo_config.check_dpo_config`)
+            as the stage will, so that values the library refuses together stop the plan, naming
+            each key and where it was set (``provenance``: the stage YAML's ``(key, value, origin)``
+            list). Raises ConfigError.
         prompts: ``(c, i, rows, d, tokenizers) -> warnings``: iteration ``i``'s train prompts
             ``rows`` against the stage's values ``d`` (``c``: the iteration's loop config;
             ``tokenizers``: a cache the plan keeps across iterations).
@@ -47,7 +49,7 @@ class PlanChecks:
     config: Optional[Callable[[LoopConfig, int, dict, StageConfig, str], None]] = None
     batch: Optional[Callable[[dict], tuple[Optional[int], int]]] = None
     launch: Optional[Callable[[LoopConfig, int, dict, str], None]] = None
-    library: Optional[str] = None
+    library: Optional[Callable[[dict, int, list[tuple[str, Any, str]]], None]] = None
     prompts: Optional[Callable[[LoopConfig, int, list[dict], dict, dict], list[str]]] = None
 
 
@@ -100,17 +102,6 @@ def check_generation_k(cfg: LoopConfig, i: int, d: dict, g: StageConfig, where: 
                           f"({'4-16' if cfg.algorithm == 'grpo' else '4-8'} is usual).")
 
 
-def check_dpo_keys(cfg: LoopConfig, i: int, d: dict, dpo: StageConfig, where: str) -> None:
-    """The merged ``dpo`` section, the keys of the ``dpo_config`` file included: ``training``
-    against ``trl.DPOConfig``, ``lora`` against ``peft.LoraConfig``.
-
-    Raises:
-        ConfigError: an unknown or invalid key, named under ``dpo.training`` / ``dpo.lora``.
-    """
-    check_dpo_training(d["training"], f"{where}: dpo.training")
-    check_lora(d.get("lora"), f"{where}: dpo.lora", required=False)
-
-
 def check_grpo_length(cfg: LoopConfig, i: int, d: dict, grpo: StageConfig, where: str) -> None:
     """``grpo.max_length`` (prompt + completion tokens) must leave room for a prompt beside a
     completion of ``generation.max_tokens`` (the stage's ``max_completion_length``); the longest
@@ -132,29 +123,6 @@ def check_grpo_length(cfg: LoopConfig, i: int, d: dict, grpo: StageConfig, where
                       "of max_tokens would leave no room for its prompt, so every group is dropped or cut. Set "
                       f"grpo.max_length above the longest prompt + generation.max_tokens (e.g. {T + 512}), lower "
                       "generation.max_tokens, or set grpo.max_length=null (no cap).")
-
-
-def dpo_batch(d: dict) -> tuple[int | None, int]:
-    """(train_batch_size, gradient_accumulation_steps) of a resolved DPO stage dict."""
-    return d.get("train_batch_size"), int(d.get("training", {}).get("gradient_accumulation_steps", 1))
-
-
-def check_dpo_launch(cfg: LoopConfig, i: int, d: dict, src: str) -> None:
-    """Iteration ``i``'s DPO batch split over the resolved ``num_processes``; with ``dry_run=true``,
-    iteration 1's ``training.max_length`` (the dry run's dummy pairs are that long).
-
-    Raises:
-        ConfigError: a batch the process count does not split (naming the iteration), or a dry run
-            without ``dpo.training.max_length``.
-    """
-    try:
-        per_device_batch(d.get("train_batch_size"), d.get("training", {}), cfg.num_processes, where="dpo.",
-                         processes_key="num_processes")
-    except ConfigError as e:
-        raise ConfigError(f"{src}, iteration {i}: {e}") from None
-    if cfg.dry_run and i == 1 and d.get("training", {}).get("max_length") is None:
-        raise ConfigError(f"{src}: dry_run=true needs dpo.training.max_length (the dummy pairs are that long); "
-                          "set it, e.g. dpo.training.max_length=1024.")
 
 
 def check_grpo_launch(cfg: LoopConfig, i: int, d: dict, src: str) -> None:
@@ -214,5 +182,5 @@ def grpo_prompt_length_warnings(c: LoopConfig, i: int, rows: list[dict], d: dict
 
 SFT_CHECKS = PlanChecks(config=check_sft_keys)
 GENERATE_CHECKS = PlanChecks(config=check_generation_k)
-DPO_CHECKS = PlanChecks(config=check_dpo_keys, batch=dpo_batch, launch=check_dpo_launch, library="trl.DPOConfig")
+DPO_CHECKS = PlanChecks(config=check_dpo_keys, batch=dpo_batch, launch=check_dpo_launch, library=check_dpo_config)
 GRPO_CHECKS = PlanChecks(config=check_grpo_length, launch=check_grpo_launch, prompts=grpo_prompt_length_warnings)

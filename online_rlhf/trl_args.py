@@ -1,13 +1,11 @@
-"""Checks of the config sections handed to libraries: the DPO stage's ``training`` against
-``trl.DPOConfig``, its ``lora`` against ``peft.LoraConfig``, the SFT stage's Axolotl keys against
-Axolotl's schema.
+"""Checks of the config sections handed to libraries other than TRL's ``DPOConfig``
+(``online_rlhf.dpo_config`` checks the DPO stage's ``training``): its ``lora`` against
+``peft.LoraConfig``, the SFT stage's Axolotl keys against Axolotl's schema.
 
 Used by the stages (``dpo_iteration/run_dpo.py``, ``sft/run_sft.py``) before they load a model, and
-by the loop's plan (``online_rlhf/loop/resolve.py``) before any stage runs, so a typo in ``dpo.training``,
-``dpo.lora`` or ``sft`` fails at start-up instead of after an iteration of generation. Where the
-library is not installed the keys pass unchecked (the stage itself always has it).
-:func:`per_device_batch` splits the DPO stage's ``train_batch_size`` over the processes, for the
-stage and for the loop's plan alike.
+by the loop's plan before any stage runs, so a typo in ``dpo.lora`` or ``sft`` fails at start-up
+instead of after an iteration of generation. Where the library is not installed the keys pass
+unchecked (the stage itself always has it).
 """
 
 from __future__ import annotations
@@ -17,151 +15,6 @@ import dataclasses
 import io
 
 from .config import ConfigError, did_you_mean
-from .dpo_loss import LOSSES, TRL_LOSS_TYPES, unknown_loss_types
-
-# DPOConfig fields the stage sets itself; a user value for them is refused with the fix.
-STAGE_OWNED = {
-    "output_dir": "the stage sets it from its own output_dir (training runs in <output_dir>.work, saves via "
-                  "<output_dir>.tmp); in the loop that is the run layout's iter_<i>/model, so leave it out",
-    "model_init_kwargs": "the stage loads the models itself; set the stage's torch_dtype / attn_implementation "
-                         "instead (in the loop: dpo.torch_dtype / dpo.attn_implementation)",
-}
-
-
-def _dpo_fields() -> dict | None:
-    try:  # bitsandbytes' import-time notice on CPU is filtered in online_rlhf/__init__.py
-        from trl import DPOConfig
-    except ImportError:
-        return None
-    return {f.name: f for f in dataclasses.fields(DPOConfig) if f.init}
-
-
-def per_device_batch(train_batch_size: int | None, training: dict, num_processes: int, where: str = "",
-                     processes_key: str | None = None) -> int | None:
-    """Pairs per device and forward pass for ``train_batch_size`` pairs per optimizer step over
-    ``num_processes`` processes: ``train_batch_size / (num_processes x gradient_accumulation_steps)``;
-    None when ``train_batch_size`` is not set (``training.per_device_train_batch_size`` then rules).
-
-    Args:
-        where: prefix of the key names in messages (``"dpo."`` in the loop config).
-        processes_key: the config key that set ``num_processes``, for messages (the loop's
-            ``num_processes``); None where the launcher set it (the stage counts its ranks).
-    Raises:
-        ConfigError: ``training.per_device_train_batch_size`` is set too, or ``train_batch_size`` is
-            not a multiple of processes x gradient accumulation steps.
-    """
-    if train_batch_size is None:
-        return None
-    if "per_device_train_batch_size" in training:
-        raise ConfigError(f"{where}train_batch_size={train_batch_size} (pairs per optimizer step over all processes) and "
-                          f"{where}training.per_device_train_batch_size={training['per_device_train_batch_size']} are "
-                          f"both set; keep one ({where}train_batch_size=null to size batches per device).")
-    accum = int(training.get("gradient_accumulation_steps", 1))
-    per, rest = divmod(train_batch_size, num_processes * accum)
-    if rest:
-        procs = f"{processes_key}={num_processes}" if processes_key else f"{num_processes} process(es)"
-        raise ConfigError(f"{where}train_batch_size={train_batch_size} is not a multiple of {procs} x "
-                          f"{where}training.gradient_accumulation_steps={accum}; change one of them.")
-    return per
-
-
-def check_dpo_training(training: dict, where: str = "training") -> dict:
-    """Check ``training`` keys and number values against ``trl.DPOConfig``; return a checked copy.
-
-    YAML 1.1 reads ``1e-3`` (no dot) as a string: for a float field such a string becomes the float
-    it spells (also inside a list, e.g. ``loss_weights``), so ``training.learning_rate=1e-3`` means
-    what it says. Where TRL is not installed (the loop's plan in another env) the keys are returned
-    unchecked; the DPO stage itself always has TRL.
-
-    Args:
-        training: ``{DPOConfig field: value}`` from the stage config.
-        where: prefix naming the section in error messages, e.g. ``"loop.yaml, iteration 2: dpo.training"``.
-    Raises:
-        ConfigError: a key that is not a DPOConfig field (with the closest field name), a key the
-            stage sets itself, a ``loss_type`` name neither TRL nor :mod:`online_rlhf.dpo_loss`
-            computes, or a value of the wrong type: text that is not a number for a float
-            field, a non-integer for an int field, a non-boolean for a bool field (``None`` is
-            accepted where the field is optional); or a value that cannot train: learning_rate,
-            beta or num_train_epochs <= 0 (epochs may be 0 when max_steps > 0), a batch size or
-            gradient_accumulation_steps < 1.
-    """
-    out, problems = dpo_training_problems(training, where)
-    if len(problems) == 1:
-        raise ConfigError(problems[0])
-    if problems:
-        raise ConfigError(f"{where}: {len(problems)} problems:\n  - " + "\n  - ".join(problems))
-    return out
-
-
-def dpo_training_problems(training: dict, where: str = "training") -> tuple[dict, list[str]]:
-    """Every problem :func:`check_dpo_training` raises for, as a list (empty: fine), and the checked
-    copy of ``training`` (the keys that passed).
-
-    Returns:
-        ``(checked, problems)``: each problem one ``<where>.<key>: what is wrong, and the fix`` line.
-    """
-    fields = _dpo_fields()
-    if fields is None:
-        return dict(training), []
-    out, problems = {}, []
-    for key, value in training.items():
-        if key in STAGE_OWNED:
-            problems.append(f"{where}.{key}: {STAGE_OWNED[key]}.")
-        elif key not in fields:
-            problems.append(f"{where}.{key}: unknown trl.DPOConfig key {key!r}.{did_you_mean(key, fields)} "
-                            "See the fields with: .venv-train/bin/python -c 'import trl; help(trl.DPOConfig)'.")
-        else:
-            try:
-                out[key] = _checked_value(f"{where}.{key}", str(fields[key].type), value)
-            except ConfigError as e:
-                problems.append(str(e))
-    unknown = unknown_loss_types(out.get("loss_type", []))
-    if unknown:
-        problems.append(f"{where}.loss_type: {', '.join(map(repr, unknown))} is neither a loss TRL computes "
-                        f"({', '.join(TRL_LOSS_TYPES)}) nor one of online_rlhf/dpo_loss.py ({', '.join(LOSSES)}). "
-                        "Fix the name, or add the loss there: one function with @register(name) "
-                        "(docs/dpo.md, \"Change the loss\").")
-    for key, (low, strict) in _LOWER_BOUNDS.items():
-        v = out.get(key)
-        if isinstance(v, (int, float)) and (v <= low if strict else v < low):
-            if key == "num_train_epochs" and isinstance(out.get("max_steps"), int) and out["max_steps"] > 0:
-                continue  # max_steps decides the length then
-            problems.append(f"{where}.{key}: must be {'>' if strict else '>='} {low}, got {v!r}.")
-    return out, problems
-
-
-# Values that can only be mistakes: no training, no reference anchor, or nothing per step.
-_LOWER_BOUNDS = {"learning_rate": (0, True), "beta": (0, True), "num_train_epochs": (0, True),
-                 "per_device_train_batch_size": (1, False), "gradient_accumulation_steps": (1, False)}
-
-
-def _checked_value(where: str, ftype: str, value):
-    """``value`` checked against a DPOConfig field type written as text (``"<class 'int'>"``,
-    ``"int | None"``, ``"list[float] | None"``...); numbers spelled as text become floats."""
-    if value is None and "None" in ftype:
-        return value
-    if ftype.startswith("list[") or ftype.startswith("typing.List"):
-        if "float" in ftype and isinstance(value, list):
-            try:
-                return [float(v) if isinstance(v, str) else v for v in value]
-            except ValueError:
-                raise ConfigError(f"{where}: expected a list of numbers, got {value!r}.") from None
-        return value
-    if any(t in ftype for t in ("str", "dict", "Any")):  # unions with text or mappings: TRL checks them
-        return value
-    if "float" in ftype:
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                raise ConfigError(f"{where}: expected a number, got {value!r}.") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {value!r}.")
-    elif "int" in ftype and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ConfigError(f"{where}: expected an integer, got {value!r}.")
-    elif "bool" in ftype and not isinstance(value, bool):
-        raise ConfigError(f"{where}: expected true or false, got {value!r}.")
-    return value
 
 
 def _is_int(v) -> bool:

@@ -24,7 +24,8 @@ from online_rlhf.config import ConfigError  # noqa: E402
 from online_rlhf.jsonl import DataError  # noqa: E402
 from online_rlhf.stage_configs import DPOStageConfig  # noqa: E402
 from online_rlhf.stages import run_dpo  # noqa: E402
-from online_rlhf.stages import dpo_args, dpo_trainer  # noqa: E402
+from online_rlhf import dpo_config  # noqa: E402
+from online_rlhf.stages import dpo_trainer  # noqa: E402
 from online_rlhf.testing import chatml_reference_ids, example_stats, make_tiny_policy  # noqa: E402
 from online_rlhf.stats import DPOStats, PairsStats, stats_path  # noqa: E402
 
@@ -101,10 +102,10 @@ def test_fp16_policy_with_bf16_reference_is_refused(tmp_path, models):
 
 
 def test_explicit_dtype_loads_both_in_one_dtype():
-    assert dpo_args.resolve_load_dtypes("float32", "float16", "bfloat16", True, False, False) == ("float32", "float32")
-    assert dpo_args.resolve_load_dtypes("auto", "bfloat16", "bfloat16", False, False, False) == ("float32", "float32")
+    assert dpo_trainer.resolve_load_dtypes("float32", "float16", "bfloat16", True, False, False) == ("float32", "float32")
+    assert dpo_trainer.resolve_load_dtypes("auto", "bfloat16", "bfloat16", False, False, False) == ("float32", "float32")
     with pytest.raises(ConfigError, match="training.bf16"):
-        dpo_args.resolve_load_dtypes("float16", None, None, True, False, True)
+        dpo_trainer.resolve_load_dtypes("float16", None, None, True, False, True)
 
 
 def test_flash_attention_without_gpu_or_package_is_a_clear_error(monkeypatch):
@@ -162,16 +163,16 @@ def test_yaml_exponent_strings_become_floats(tmp_path):
     # YAML 1.1 reads "1e-3" as text; TRL would pass it on to the optimizer and fail mid-setup
     cfg = DPOStageConfig.from_cli(["policy=x", "pairs=p", f"output_dir={tmp_path}/m", "training.learning_rate=1e-3",
                                    "training.loss_weights=[1, 5e-1]", "training.loss_type=[sigmoid, sft]"])
-    args = dpo_args.build_dpo_args(cfg, tmp_path / "w", on_gpu=False)
+    args = dpo_config.build_dpo_args(cfg, tmp_path / "w", on_gpu=False)
     assert args.learning_rate == 1e-3 and args.loss_weights == [1, 0.5]
     cfg.training = {"beta": "high"}
     with pytest.raises(ConfigError, match="training.beta: expected a number"):
-        dpo_args.build_dpo_args(cfg, tmp_path / "w", on_gpu=False)
+        dpo_config.build_dpo_args(cfg, tmp_path / "w", on_gpu=False)
 
 
 def test_default_config_file_is_valid(tmp_path):
     cfg = DPOStageConfig.load(ROOT / "configs" / "dpo.yaml", ["policy=x", "pairs=p", f"output_dir={tmp_path}/m"])
-    args = dpo_args.build_dpo_args(cfg, tmp_path / "w", on_gpu=False)
+    args = dpo_config.build_dpo_args(cfg, tmp_path / "w", on_gpu=False)
     assert args.loss_type == ["sigmoid", "sft"] and args.loss_weights == [1.0, 1.0]  # DPO + NLL of the chosen (RPO)
     assert args.precompute_ref_log_probs and not args.bf16
     assert isinstance(args.learning_rate, float) and args.max_length == cfg.training["max_length"]
@@ -180,10 +181,10 @@ def test_default_config_file_is_valid(tmp_path):
 def test_wandb_report_goes_offline_unless_set(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     cfg = DPOStageConfig(policy="x", pairs="p", output_dir=str(tmp_path / "m"), training={"report_to": ["wandb"]})
-    dpo_args.build_dpo_args(cfg, tmp_path / "w", on_gpu=False)
+    dpo_config.build_dpo_args(cfg, tmp_path / "w", on_gpu=False)
     assert os.environ["WANDB_MODE"] == "offline"
     monkeypatch.setenv("WANDB_MODE", "disabled")
-    dpo_args.build_dpo_args(cfg, tmp_path / "w", on_gpu=False)
+    dpo_config.build_dpo_args(cfg, tmp_path / "w", on_gpu=False)
     assert os.environ["WANDB_MODE"] == "disabled"
 
 

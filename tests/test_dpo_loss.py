@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 from online_rlhf import dpo_loss  # noqa: E402
 from online_rlhf.config import ConfigError  # noqa: E402
 from online_rlhf.dpo_loss import LOSSES, TRL_LOSS_TYPES, PairLogps, combined, register  # noqa: E402
-from online_rlhf.trl_args import check_dpo_training  # noqa: E402
+from online_rlhf.dpo_config import check_dpo_training  # noqa: E402
 
 
 def _pairs() -> PairLogps:

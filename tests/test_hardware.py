@@ -115,36 +115,36 @@ def _run_dpo():
     return run_dpo
 
 
-def _dpo_args():
-    from online_rlhf.stages import dpo_args
+def _dpo_config():
+    from online_rlhf import dpo_config
 
-    return dpo_args
+    return dpo_config
 
 
 def test_dpo_batch_is_global_over_processes():
-    dpo_args = _dpo_args()
+    dpo_config = _dpo_config()
     cfg = DPOStageConfig(policy="p", pairs="x.jsonl", output_dir="o", train_batch_size=8,
                          training={"gradient_accumulation_steps": 2})
-    assert dpo_args.per_device_batch(cfg, 1) == {"per_device_train_batch_size": 4}
-    assert dpo_args.per_device_batch(cfg, 2) == {"per_device_train_batch_size": 2}
+    assert dpo_config.batch_args(cfg, 1) == {"per_device_train_batch_size": 4}
+    assert dpo_config.batch_args(cfg, 2) == {"per_device_train_batch_size": 2}
     with pytest.raises(ConfigError, match="not a multiple of 3 process"):
-        dpo_args.per_device_batch(cfg, 3)
+        dpo_config.batch_args(cfg, 3)
     both = cfg.model_copy(update={"training": {"per_device_train_batch_size": 2}})
     with pytest.raises(ConfigError, match="both set"):
-        dpo_args.per_device_batch(both, 1)
+        dpo_config.batch_args(both, 1)
 
 
 def test_dpo_mixed_precision_follows_the_cpu(cpu, monkeypatch):
-    dpo_args = _dpo_args()
+    dpo_config = _dpo_config()
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
     cpu(native_bf16=False)
-    assert dpo_args.training_defaults(False, 1)["bf16"] is False
+    assert dpo_config.training_defaults(False, 1)["bf16"] is False
     cpu(native_bf16=True)
-    assert dpo_args.training_defaults(False, 1)["bf16"] is True
+    assert dpo_config.training_defaults(False, 1)["bf16"] is True
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # DeepSpeed on CPU stays fp32
-    assert dpo_args.training_defaults(False, 2)["bf16"] is False
+    assert dpo_config.training_defaults(False, 2)["bf16"] is False
     monkeypatch.setattr(hardware, "_cuda_bf16", lambda: False)
-    assert dpo_args.training_defaults(True, 1)["fp16"] is True
+    assert dpo_config.training_defaults(True, 1)["fp16"] is True
 
 
 def _pairs(path: Path) -> Path:

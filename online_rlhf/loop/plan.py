@@ -23,7 +23,7 @@ from ..loop_config import SECTION_CLASSES, LoopConfig, iteration_config
 from ..stage_launch import launch_command, stage_machines
 from ..stage_table import STAGES, Stage, prompt_source, starting_policy
 from .provenance import Layers, stage_header, value_origins
-from .resolve import (LIBRARY_CHECKS, check_ifeval_fields, check_ifeval_prompts, check_prompt_files,
+from .resolve import (check_ifeval_fields, check_ifeval_prompts, check_prompt_files,
                       check_verifier_fields, drawn_argument_warnings, held_out_rows,
                       other_algorithm_warnings, overlap_warnings, prompt_key, resolve, stage_dict)
 
@@ -91,7 +91,7 @@ def plan(config_path: str | None, overrides: list[str], write: bool = True, shel
                         f"`.venv-train/bin/python -m online_rlhf.loop exec {run_dir} {i} {stage.name} machine_rank=k`)")
             prov = value_origins(stage, d, c, i, layers, start=starting_policy(c, run_dir))
             if stage.checks.library is not None:  # e.g. DPO: the trl.DPOConfig the stage will build
-                LIBRARY_CHECKS[stage.checks.library](d, i, prov)
+                stage.checks.library(d, i, prov)
             header = stage_header(stage, i, layers, command, prov, note)
             files.add(path, header + yaml.safe_dump(d, sort_keys=False, allow_unicode=True))
             inputs, outputs = stage.io(d)

@@ -9,16 +9,15 @@ and the warnings it prints.
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from ..config import ConfigError, apply_overrides, load_yaml
 from ..loop_keys import SECTIONS, check_loop_keys, check_section_file
 from ..paths import PROJECT_ROOT, is_local_data, local_folder_prefix, resolve_model
 from ..loop_config import LoopConfig, iteration_config
-from ..stage_configs import DPOStageConfig, GenerateConfig
+from ..stage_configs import GenerateConfig
 from ..stage_table import STAGES, Stage, prompt_source
 
 
@@ -158,41 +157,6 @@ def sft_dict(cfg: LoopConfig, run_dir: Path) -> dict:
 def stage_dict(cfg: LoopConfig, run_dir: Path, i: int, stage: str) -> dict:
     """The config mapping of ``stage`` in iteration ``i`` (before validation), as the stage table wires it."""
     return STAGES[stage].build(iteration_config(cfg, i), run_dir, i)
-
-
-def _check_dpo_config(d: dict, i: int, prov: list[tuple[str, Any, str]]) -> None:
-    """Build iteration ``i``'s ``trl.DPOConfig`` from its resolved DPO stage config ``d`` as the
-    stage will (``online_rlhf.stages.dpo_args.build_dpo_args``, with the planned process count; nothing is written), so
-    that values TRL refuses together (e.g. ``loss_type: sigmoid`` with the recipe's
-    ``loss_weights: [1, 1]``) stop the plan instead of the DPO stage after generation, rewards and
-    pairs. Skipped where TRL is not installed (the stage itself always has it).
-
-    Raises:
-        ConfigError: TRL's message, the iteration, and each ``dpo`` key it names with its value and
-            where it was set (the stage YAML's provenance).
-    """
-    try:
-        import torch
-
-        from ..stages.dpo_args import build_dpo_args
-    except ImportError:
-        return
-    cfg = DPOStageConfig.model_validate(d)
-    try:
-        build_dpo_args(cfg, Path(f"{d['output_dir']}.work"), torch.cuda.is_available(),
-                       world_size=d.get("num_processes") or 1)
-    except ConfigError as e:
-        msg = str(e).removeprefix("training: ")
-        named = [(k, v, o) for k, v, o in prov if k.startswith("training.")
-                 and re.search(rf"(?<![\w.]){re.escape(k.split('.', 1)[1])}(?!\w)", msg)]
-        keys = "; ".join(f"dpo.{k}={json.dumps(v, default=str)} ({o})" for k, v, o in named)
-        raise ConfigError(f"iteration {i}, stage dpo: {msg}" + (f" The keys: {keys}." if keys else "")
-                          + " Change them so that trl.DPOConfig accepts them (nothing has run yet).") from None
-
-
-# The library configs a stage table row can name (``PlanChecks.library``) -> the plan's check that
-# builds it as the stage will.
-LIBRARY_CHECKS = {"trl.DPOConfig": _check_dpo_config}
 
 
 def _ifeval_prompts_path(cfg: LoopConfig) -> tuple[str, Path]:

@@ -1,5 +1,5 @@
 """The DPO stage's trainer and checkpoint: how the log-probs are computed (``log_probs``), the
-policy/reference loader, TRL's ``DPOTrainer`` subclass that times its phases and computes the
+policy/reference loader (with the dtypes they load in and the LoRA config), TRL's ``DPOTrainer`` subclass that times its phases and computes the
 log-probs at completion positions only, the training log summary, and the atomic save
 (LoRA merged, the input policy's config and tokens restored).
 """
@@ -12,7 +12,11 @@ from pathlib import Path
 
 from online_rlhf.checkpoint import finish_checkpoint, restore_input_config
 from online_rlhf.completion_logps import PACKED_FOR
+from online_rlhf.config import ConfigError
 from online_rlhf.dpo_loss import project_only_loss_types
+from online_rlhf.trl_args import check_lora
+
+_HALF = {"float16", "bfloat16"}
 
 
 def log_probs_layout(log_probs: str, on_gpu: bool, attn: str = "sdpa") -> str | None:
@@ -29,8 +33,6 @@ def log_probs_layout(log_probs: str, on_gpu: bool, attn: str = "sdpa") -> str | 
     if log_probs == "auto":
         return "side" if on_gpu or attn not in PACKED_FOR else "packed"
     if log_probs == "packed" and attn not in PACKED_FOR:
-        from online_rlhf.config import ConfigError
-
         raise ConfigError(f"log_probs=packed computes attention with sdpa per sequence, which stands in for "
                           f"{' or '.join(PACKED_FOR)} attention only; attn_implementation is {attn!r}: use "
                           f"log_probs=side or sequence (or auto, which picks side here)")
@@ -54,8 +56,6 @@ def check_attn_implementation(attn: str, on_gpu: bool) -> None:
     import importlib.util
     import sys
 
-    from online_rlhf.config import ConfigError
-
     package = FLASH_ATTENTION_PACKAGES.get(attn)
     if package is None:
         return
@@ -68,6 +68,55 @@ def check_attn_implementation(attn: str, on_gpu: bool) -> None:
                           f"a GPU machine, FLASH_ATTN_SPEC picks the version) or {fix}.")
 
 
+def build_lora_config(lora: dict | None):
+    """``peft.LoraConfig`` from ``cfg.lora`` (task_type CAUSAL_LM by default); unknown keys raise ConfigError
+    (see ``online_rlhf.trl_args.check_lora``, which the loop's plan also runs)."""
+    return check_lora(lora, "lora")
+
+
+def stored_dtype(model: str, trust_remote_code: bool = False) -> str | None:
+    """dtype a checkpoint's config.json declares (``"bfloat16"``...), or None when it declares none."""
+    from transformers import AutoConfig
+
+    try:
+        conf = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    except OSError as e:
+        raise FileNotFoundError(f"cannot read the model config of {model!r}: {e}") from None
+    dt = getattr(conf, "dtype", None) or getattr(conf, "torch_dtype", None)
+    return str(dt).replace("torch.", "") if dt is not None else None
+
+
+def resolve_load_dtypes(torch_dtype: str, policy_stored: str | None, ref_stored: str | None, on_gpu: bool,
+                        fp16: bool, bf16: bool) -> tuple[str, str]:
+    """The dtypes policy and reference are loaded in; refuse half-precision mismatches.
+
+    ``auto``: float32 on CPU; on GPU each checkpoint's stored dtype (float32 when it names none).
+    An explicit ``torch_dtype`` loads both in that dtype.
+
+    Raises:
+        ConfigError: one checkpoint is float16 and the other bfloat16 under ``auto`` (their
+        log-probs would come from different number formats; the error names the fix), or the
+        loaded policy dtype contradicts the mixed precision asked in ``training`` (fp16 / bf16).
+    """
+    if torch_dtype == "auto" and {policy_stored, ref_stored} == _HALF:
+        raise ConfigError(
+            f"the policy is stored in {policy_stored} but the reference in {ref_stored}: DPO compares their "
+            "log-probs, and float16 vs bfloat16 differ in range and rounding. Set torch_dtype=bfloat16 (or "
+            "float32) to load both in one dtype, or convert one checkpoint."
+        )
+    if torch_dtype != "auto":
+        pol = ref = torch_dtype
+    elif not on_gpu:
+        pol = ref = "float32"
+    else:
+        pol, ref = policy_stored or "float32", ref_stored or "float32"
+    if pol == "float16" and bf16:
+        raise ConfigError("the policy is loaded in float16 but training.bf16 is on; set training.fp16=true "
+                          "and training.bf16=false, or torch_dtype=bfloat16.")
+    if pol == "bfloat16" and fp16:
+        raise ConfigError("the policy is loaded in bfloat16 but training.fp16 is on; set training.bf16=true "
+                          "and training.fp16=false, or torch_dtype=float16.")
+    return pol, ref
 def load_causal_lm(path: str, dtype: str, attn: str, trust_remote_code: bool):
     """``AutoModelForCausalLM`` of the checkpoint at ``path`` in ``dtype`` (``"float32"``, ``"bfloat16"``,
     ...) with attention ``attn`` (``"sdpa"``, ...); the DPO and GRPO stages load policy and reference so.
@@ -160,8 +209,6 @@ def timed_trainer_class(layout: str | None = "sequence"):
                     self.completion_logps_refused = fast_path_refusal(self)
                 only_here = project_only_loss_types(self.loss_types)
                 if self.completion_logps_refused and only_here:
-                    from online_rlhf.config import ConfigError
-
                     raise ConfigError(f"training.loss_type {', '.join(only_here)} is computed only by "
                                       f"online_rlhf/dpo_loss.py in the stage's own log-prob layouts, and "
                                       f"{self.completion_logps_refused} needs TRL's own computation; drop one of them")

@@ -64,9 +64,10 @@ from online_rlhf.memory import PeakMemory
 from online_rlhf.paths import resolve_model, setup_cache_env
 from online_rlhf.stage_configs import DPOStageConfig
 from online_rlhf.stats import DPOStats, DryRunStats, PairsStats, stats_path
-from online_rlhf.stages.dpo_args import build_dpo_args, build_lora_config, resolve_load_dtypes, stored_dtype
+from online_rlhf.dpo_config import build_dpo_args
 from online_rlhf.stages.dpo_data import check_lengths, load_pairs, special_text_counts, tokenize_pairs
-from online_rlhf.stages.dpo_trainer import (load_causal_lm, log_probs_layout, save_checkpoint, summarize_log_history,
+from online_rlhf.stages.dpo_trainer import (build_lora_config, load_causal_lm, log_probs_layout, resolve_load_dtypes,
+                                            save_checkpoint, stored_dtype, summarize_log_history,
                                             timed_trainer_class)
 
 

@@ -73,8 +73,7 @@ from online_rlhf.jsonl import DataError
 from online_rlhf.memory import PeakMemory
 from online_rlhf.paths import resolve_model, setup_cache_env
 from online_rlhf.stage_configs import GRPOStageConfig
-from online_rlhf.stages.dpo_args import stored_dtype
-from online_rlhf.stages.dpo_trainer import load_causal_lm, prepared_forward
+from online_rlhf.stages.dpo_trainer import load_causal_lm, prepared_forward, stored_dtype
 from online_rlhf.stats import DryRunStats, GRPOStats, stats_path
 from online_rlhf.stages.grpo_data import load_groups, group_advantages, build_completions, data_warnings
 from online_rlhf.stages.grpo_objective import all_log_probs, collate, completion_log_probs, grpo_loss, pad_rows
