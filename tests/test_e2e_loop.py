@@ -95,7 +95,7 @@ def test_rerun_skips_every_stage(full_run):
     p = _run_loop(args, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     # iteration 0: held-out eval + IFEval; 1: 6 stages + KL (2); 2: the same + IFEval (ifeval.when=ends)
-    assert p.stdout.count("done earlier, skipped") == 4 + 10 + 10  # configs/loop.yaml: IFEval every iteration
+    assert p.stdout.count("done earlier, skipped") == 4 + 8 + 10  # configs/loop.yaml: IFEval at the ends only
     assert (run_dir / "metrics.jsonl").read_text() == before
 
 

@@ -205,7 +205,7 @@ def test_grpo_section_layers_stage_file_loop_keys_and_per_iteration():
     d1, d2 = (loop.stage_dict(cfg, Path("/r"), i, "grpo") for i in (1, 2))
     assert d1["loss_type"] == "dr_grpo" and d1["beta"] == 0.04  # configs/grpo.yaml, then the command line
     assert d1["learning_rate"] == 1e-5 and d2["learning_rate"] == 2e-6
-    assert d1["max_completion_length"] == 192  # the generation's max_tokens in configs/loop.yaml
+    assert d1["max_completion_length"] == 256  # the generation's max_tokens in configs/loop.yaml
     assert d2["policy"] == "/r/iter_1/model" and d2["rewards"] == "/r/iter_2/rewards.jsonl"
     assert d2["output_dir"] == "/r/iter_2/model" and d2["reference"] is not None
     assert loop.stage_dict(loop.resolve(None, SMALL + ["algorithm=grpo", "ref_model=previous"]), Path("/r"), 2,
@@ -293,7 +293,7 @@ def test_grpo_max_length_must_leave_room_for_a_prompt():
                                           r"above generation\.max_tokens=512.*grpo\.max_length=null"):
         loop.resolve("configs/loop.yaml", ["algorithm=grpo", "generation.max_tokens=512"])
     with pytest.raises(ConfigError, match=r"iteration 2: grpo\.max_length=100 \(per_iteration\.2\.grpo\.max_length\) is not above "
-                                          r"generation\.max_tokens=192"):
+                                          r"generation\.max_tokens=256"):
         loop.resolve("configs/loop.yaml", ["algorithm=grpo", "per_iteration={2: {grpo: {max_length: 100}}}"])
     with pytest.raises(ConfigError, match=r"grpo\.max_length=64 \(the grpo section\)"):
         loop.resolve("configs/loop.yaml", ["algorithm=grpo", "grpo.max_length=64"])

@@ -372,9 +372,9 @@ def test_stage_yaml_says_how_to_run_it_and_where_each_value_came_from(small_cfg)
     assert "#   training.seed: 42  <- loop key seed (configs/loop.yaml: seed)" in text
     assert "#   training.beta: 0.2  <- command line: per_iteration=" in _stage_yaml(run_dir, 2, "dpo")[1]
     _, gen = _stage_yaml(run_dir, 1, "generate")
-    assert "#   max_tokens: 192  <- configs/loop.yaml: generation.max_tokens" in gen
+    assert "#   k: 8  <- configs/loop.yaml: generation.k" in gen
     assert "#   .venv-infer/bin/python generation/launch.py --config " in gen
-    assert "  k: 4  <-" not in gen  # the stage's default is not listed
+    assert "#   max_tokens:" not in gen  # configs/loop.yaml's 256 is the stage's default: not listed
     # the plan records the same command
     assert read_json(run_dir / "iter_1" / "plan.json")["dpo"]["command"].startswith("ACCELERATE_USE_CPU=true ")
 
