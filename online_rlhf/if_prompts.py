@@ -185,6 +185,7 @@ def unsatisfiable(iid: str, kwargs: dict) -> bool:
 
 
 MAX_DRAWS = 32  # draws of one constraint's kwargs before it is left out (counted)
+BUILT_FIELDS = ("messages", "base_id")  # written by build(); an input column of that name is replaced, counted
 
 
 def argument_problem(checker_class, iid: str, kwargs: dict) -> str | None:
@@ -304,8 +305,10 @@ def build(base: list[dict], cfg: IFPromptsConfig, against: list[dict] | None) ->
         ``(records, stats)``: records ``{id, messages, instruction_id_list, kwargs, base_id}`` (the
         input's other fields kept); stats count what came in, what went out, every skip by reason
         (``contaminated``: shares an n-gram; ``already_constrained``: the row carries its own
-        ``instruction_id_list``; ``no_valid_constraint``: its only constraint found no valid kwargs),
+        ``instruction_id_list`` or ``kwargs``; ``no_valid_constraint``: its only constraint found no valid kwargs),
         the base prompts left unread once ``n`` prompts were built (``base_prompts_not_read``), the
+        input columns the builder writes itself and replaced (``input_fields_replaced``, e.g.
+        ``base_id`` or ``messages``: the builder's value wins), the
         constraints per prompt, the prompts per instruction id, and the kwargs drawn again
         (``arguments_redrawn``) or constraints left out (``constraints_dropped``) by
         :func:`argument_problem`'s reason and instruction id.
@@ -328,6 +331,7 @@ def build(base: list[dict], cfg: IFPromptsConfig, against: list[dict] | None) ->
     short = 0
     redrawn: Counter = Counter()
     dropped: Counter = Counter()
+    replaced: Counter = Counter()
     read = 0
 
     def skip(reason: str, row: dict) -> None:
@@ -340,7 +344,7 @@ def build(base: list[dict], cfg: IFPromptsConfig, against: list[dict] | None) ->
             break
         read += 1
         reason = None
-        if "instruction_id_list" in row:
+        if "instruction_id_list" in row or "kwargs" in row:
             reason = "already_constrained"
         elif grams and any(word_ngrams(m["content"], cfg.ngram) & grams for m in row["prompt"] if m["role"] == "user"):
             reason = "contaminated"
@@ -357,8 +361,9 @@ def build(base: list[dict], cfg: IFPromptsConfig, against: list[dict] | None) ->
         messages = [dict(m) for m in row["prompt"]]
         messages[-1]["content"] = " ".join([text, *texts])
         extra = {k2: v for k2, v in row.items() if k2 not in ("id", "prompt")}
-        out.append({"id": f"if-{row['id']}", "messages": messages, "instruction_id_list": chosen, "kwargs": kwargs,
-                    "base_id": str(row["id"]), **extra})
+        replaced.update(k2 for k2 in extra if k2 in BUILT_FIELDS)  # the builder's own value wins, counted
+        out.append({**extra, "id": f"if-{row['id']}", "messages": messages, "instruction_id_list": chosen,
+                    "kwargs": kwargs, "base_id": str(row["id"])})
         per_prompt[len(chosen)] += 1
         per_id.update(chosen)
         if len(chosen) < cfg.min_constraints:  # no compatible id left, or one dropped: counted, never silent
@@ -367,7 +372,7 @@ def build(base: list[dict], cfg: IFPromptsConfig, against: list[dict] | None) ->
              "prompts_out": len(out), "skipped": dict(skipped),
              "skipped_examples": examples, "constraints_per_prompt": {str(k): v for k, v in sorted(per_prompt.items())},
              "prompts_per_instruction": dict(sorted(per_id.items())),
-             "prompts_below_min_constraints": short,
+             "prompts_below_min_constraints": short, "input_fields_replaced": dict(replaced),
              "arguments_redrawn": _by_reason(redrawn), "constraints_dropped": _by_reason(dropped),
              "decontamination": None if against is None else {"against_prompts": len(against), "ngram": cfg.ngram,
                                                               "ngrams": len(grams)},
@@ -406,6 +411,9 @@ def main(cfg: IFPromptsConfig) -> dict:
     if Path(cfg.output).suffix != ".jsonl":
         raise ConfigError(f"output={cfg.output}: the IF prompts are written as JSONL; name the file *.jsonl.")
     records, stats = build(base, cfg, against)
+    for name, count in stats["input_fields_replaced"].items():
+        print(f"warning: {cfg.input}: {count} row(s) have a '{name}' column, which the builder writes itself; "
+              f"its own value replaced yours (rename the column to keep it).", file=sys.stderr)
     if stats["prompts_below_min_constraints"]:
         print(f"warning: {stats['prompts_below_min_constraints']} prompt(s) got fewer than min_constraints="
               f"{cfg.min_constraints} constraints: the registry's conflicts left no compatible instruction id for them, "

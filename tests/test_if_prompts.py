@@ -177,3 +177,15 @@ def test_a_prepared_default_from_before_the_redraw_is_rebuilt(tmp_path):
     assert not prep.if_train_ready(tmp_path)  # one from before every draw was checked against its checker
     write_json(tmp_path / f"{prep.IF_TRAIN}.stats.json", {**stats, "arguments_redrawn": {}})
     assert prep.if_train_ready(tmp_path)
+
+
+def test_a_base_row_with_its_own_kwargs_is_skipped_and_a_base_id_column_is_replaced_counted(tmp_path):
+    base = [{"id": "g", "prompt": [{"role": "user", "content": "Write a limerick about cats."}],
+             "kwargs": [{"num_words": 5}]},
+            {"id": "h", "prompt": [{"role": "user", "content": "Write a limerick about dogs."}], "base_id": "zzz",
+             "topic": "dogs"}]
+    recs, stats = ifp.build(base, _cfg(tmp_path), None)
+    # a row with constraint arguments of its own is a constrained prompt: its kwargs would not match the text
+    assert stats["skipped"] == {"already_constrained": 1} and stats["skipped_examples"]["already_constrained"] == ["g"]
+    assert [r["base_id"] for r in recs] == ["h"] and recs[0]["topic"] == "dogs"
+    assert stats["input_fields_replaced"] == {"base_id": 1}
