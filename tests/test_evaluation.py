@@ -135,6 +135,15 @@ def test_ifeval_score_stage_writes_the_four_numbers_and_counts_unscorable_record
     assert rows[1]["instruction_id_list"] == ["punctuation:no_comma", "detectable_format:title"]
     assert [r["prompt_strict"] for r in rows] == [True, False, True] and rows[0]["strict"] == [True, True]
     assert IFEvalStats.read(tmp_path / "ifeval.jsonl.stats.json") == st
+    # K answers to one IFEval prompt: refused, not scored on the first answer alone
+    many = rec("e", ["punctuation:no_comma"], "a, b")
+    many.update(responses=["a, b", "no comma", "x"], finish_reasons=["stop"] * 3, response_tokens=[3] * 3)
+    write_jsonl(tmp_path / "gen.jsonl", [rec("a", ["punctuation:no_comma"], "ok"), many])
+    from online_rlhf.jsonl import DataError
+    with pytest.raises(DataError, match=r"gen\.jsonl: 1 record\(s\) hold more than one response \(the first, id 'e', has 3\)"
+                                        r".*k=1 and temperature 0"):
+        ifeval_score.main(IFEvalScoreConfig(input=str(tmp_path / "gen.jsonl"), output=str(tmp_path / "k.jsonl")))
+    assert not (tmp_path / "k.jsonl").exists()
 
 
 # ----------------------------------------------------------------------------- KL estimate

@@ -69,11 +69,18 @@ def main(cfg: IFEvalScoreConfig) -> IFEvalStats:
     """Score ``cfg.input`` into ``cfg.output`` and write the stats to ``<output>.stats.json``.
 
     Raises:
-        DataError: a malformed input record, or records none of which could be scored.
+        DataError: a malformed input record, a record with more than one response, or records none of
+            which could be scored.
     """
     setup_cache_env()
     t0 = time.time()
     records = load_generated(cfg.input)
+    many = [r for r in records if len(r["responses"]) > 1]
+    if many:  # IFEval is one greedy answer per prompt: scoring the first of K would hide the rest
+        raise DataError(f"{cfg.input}: {len(many)} record(s) hold more than one response (the first, id "
+                        f"{many[0]['id']!r}, has {len(many[0]['responses'])}); IFEval scores one greedy answer per "
+                        "prompt. Generate with k=1 and temperature 0 (as the loop's ifeval_generate does), or score "
+                        "K samples per prompt with annotate_data/get_rewards.py source=verifier.")
     out, skipped, examples, drawn = score_records(records)
     if records and not out:
         raise DataError(f"{cfg.input}: no record could be scored by the IFEval checkers (skipped: {dict(skipped)}; "
