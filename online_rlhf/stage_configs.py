@@ -273,6 +273,15 @@ class DPOStageConfig(StageConfig):
         if self.log_probs == "trl" and only_here:
             raise ValueError(f"training.loss_type {', '.join(only_here)} is computed only by online_rlhf/dpo_loss.py, "
                              "which log_probs=trl (TRL's own _compute_loss) does not run; set log_probs=auto")
+        t = self.training
+        needs_trl = [name for name, on in (
+            ("ld_alpha", t.get("ld_alpha") is not None), ("use_weighting", bool(t.get("use_weighting"))),
+            (f"f_divergence_type={t.get('f_divergence_type')}", t.get("f_divergence_type") not in (None, "reverse_kl")),
+            ("use_liger_kernel", bool(t.get("use_liger_kernel")))) if on]
+        if only_here and needs_trl:  # the same refusal as the stage's at its first batch, before any stage runs
+            raise ValueError(f"training.loss_type {', '.join(only_here)} is computed only by online_rlhf/dpo_loss.py in "
+                             f"the stage's own log-prob layouts, and training.{needs_trl[0]} needs TRL's own "
+                             "computation; drop one of them")
         check_output_is_not_a_model(self.output_dir, policy=self.policy, reference=self.reference)
         return self
 

@@ -68,6 +68,10 @@ def test_a_name_is_registered_once():
 @pytest.fixture
 def margin_loss():
     """A loss of one function: DPO with a margin of 1 in the sigmoid, -log sigmoid(beta d - 1)."""
+    if "sigmoid_margin" in LOSSES:  # added to online_rlhf/dpo_loss.py as docs/dpo.md shows: test that one
+        yield LOSSES["sigmoid_margin"]
+        return
+
     @register("sigmoid_margin")
     def sigmoid_margin(p: PairLogps, beta: float):
         import torch.nn.functional as F
@@ -125,4 +129,10 @@ def test_a_loss_only_this_project_computes_is_refused_with_trls_own_path(margin_
     assert DPOStageConfig(**keys).log_probs == "auto"
     with pytest.raises(ValidationError, match="sigmoid_margin is computed only by online_rlhf/dpo_loss.py"):
         DPOStageConfig(**keys, log_probs="trl")
+    # a setting that needs TRL's own computation: refused by the config, so the plan refuses it before any stage
+    for setting, named in (({"ld_alpha": 0.5}, "ld_alpha"), ({"use_weighting": True}, "use_weighting"),
+                           ({"f_divergence_type": "alpha_divergence"}, "f_divergence_type=alpha_divergence")):
+        with pytest.raises(ValidationError, match=f"sigmoid_margin is computed only by .*training.{named} needs TRL"):
+            DPOStageConfig(**{**keys, "training": {**keys["training"], **setting}})
+    DPOStageConfig(**{**keys, "training": {"loss_type": ["sigmoid", "sft"], "ld_alpha": 0.5}})  # TRL's names: TRL's path
     assert dpo_loss.project_only_loss_types(["sigmoid", "sigmoid_margin"]) == ["sigmoid_margin"]
