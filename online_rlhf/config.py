@@ -282,7 +282,7 @@ def bool_as_number_error(value: bool, fix: str = "give a number") -> ValueError:
 class StageConfig(BaseModel):
     """Base class of every stage config: unknown keys are errors, values are validated on assignment."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod

@@ -242,6 +242,10 @@ class PairsConfig(StageConfig):
         out = Path(self.output).resolve()
         if Path(self.input).resolve() in (out, stats_path(out)):
             raise ValueError(f"output={self.output} would overwrite the input rewards file; write the pairs to another file")
+        if self.max_pairs_per_prompt is not None and self.strategy not in ("best_vs_rest", "all_pairs"):
+            raise ValueError(f"max_pairs_per_prompt={self.max_pairs_per_prompt} caps best_vs_rest and all_pairs; "
+                             f"strategy={self.strategy} makes at most one pair per prompt. Set strategy=best_vs_rest "
+                             "or all_pairs, or max_pairs_per_prompt=null")
         return self
 
 

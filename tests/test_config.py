@@ -242,3 +242,16 @@ def test_the_path_keys_run_loop_sh_makes_absolute_are_one_list():
     listed = re.search(r"Relative paths given to `run_loop.sh`\s+\(`CONFIG`, (.*?), and the same keys", custom,
                        flags=re.S).group(1)
     assert tuple(re.findall(r"`([\w.]+)=`", listed)) == PATH_KEYS
+
+
+def test_an_infinite_or_nan_number_is_refused_by_every_stage_config():
+    from pydantic import ValidationError
+
+    from online_rlhf.stage_configs import PairsConfig, SFTDataConfig
+
+    # inf passed ge=0 and crashed the stats write; NaN passed an unbounded field and kept every prompt
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(ValidationError, match="finite number"):
+            PairsConfig(input="r.jsonl", output="p.jsonl", min_margin=bad)
+        with pytest.raises(ValidationError, match="finite number"):
+            SFTDataConfig(rewards="r.jsonl", output="s.jsonl", min_reward=bad)

@@ -74,6 +74,10 @@ def test_multi_pair_stats_count_pairs_and_the_prompts_they_came_from(tmp_path):
     capped = make_pairs.main(PairsConfig(input=str(src), output=str(tmp_path / "p2.jsonl"), strategy="all_pairs",
                                          max_pairs_per_prompt=2))
     assert (capped.pairs_out, capped.prompts_with_pairs, capped.max_pairs_per_prompt) == (3, 2, 2)
+    # a cap on a strategy that makes one pair per prompt would do nothing: refused, not recorded as if it applied
+    from pydantic import ValidationError
+    with pytest.raises(ValidationError, match="max_pairs_per_prompt=2 caps best_vs_rest and all_pairs; strategy=max_min"):
+        PairsConfig(input=str(src), output=str(tmp_path / "p3.jsonl"), max_pairs_per_prompt=2)
 
 
 def test_ties_are_skipped_and_counted():
