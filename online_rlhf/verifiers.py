@@ -396,8 +396,8 @@ def score(records: list[dict], cfg) -> ScoreResult:
             by_verifier[kind] += 1
         except Unscorable as e:
             unscorable[e.reason] += 1
-            if e.detail is not None and len(examples.setdefault(e.reason, [])) < 5:
-                examples[e.reason].append(f"{rec.get('id')} ({e.detail})")
+            if len(examples.setdefault(e.reason, [])) < 5:  # up to 5 ids per reason, with the detail where known
+                examples[e.reason].append(str(rec.get("id")) if e.detail is None else f"{rec.get('id')} ({e.detail})")
             if e.__cause__ is not None:
                 log.debug("record %r unscorable: %s", rec.get("id"), e.__cause__)
             r = None

@@ -297,6 +297,9 @@ def test_unscorable_records_counted():
     assert rewards == [None, None, None, [1.0]]
     assert stats.skipped == {"missing_field": 1, "unknown_instruction:no:such_instruction": 1, "bad_field:kwargs": 1}
     assert stats.source_stats["scored"] == 1
+    # each reason names its records (the stats' examples), not only the reasons that carry a detail
+    assert [stats.examples[k][0].split()[0] for k in ("missing_field", "unknown_instruction:no:such_instruction",
+                                                      "bad_field:kwargs")] == ["a", "b", "c"]
 
 
 def test_math_verifier_without_answer_is_unscorable():
