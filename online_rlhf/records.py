@@ -287,6 +287,10 @@ def validate_generated(rec: dict, where: str) -> None:
     for k in ("id", "prompt", "responses", "finish_reasons"):
         if k not in rec:
             raise DataError(f"{where}: generated record lacks {k!r}. Was it written by generation/generate.py?")
+    rid = rec["id"]
+    if isinstance(rid, bool) or not isinstance(rid, (str, int, float)):
+        raise DataError(f"{where}: 'id' must be a string or a number, got {type(rid).__name__} {rid!r:.60}. "
+                        "Give the record a plain id.")
     check_messages(rec["prompt"], where)
     resp, fin = rec["responses"], rec["finish_reasons"]
     if not isinstance(resp, list) or not all(isinstance(r, str) for r in resp):

@@ -246,3 +246,15 @@ def test_local_path_or_hub_id_is_decided_in_one_place(tmp_path, monkeypatch, nam
     (tmp_path / "here").mkdir()
     assert (is_local_model(name), is_local_data(name), is_local_data(name, bare_name_is_hub=False)) == \
         (model, data, ifeval)
+
+
+@pytest.mark.parametrize("bad", [["a", "b"], {"k": 1}, True])
+def test_a_generated_record_whose_id_is_not_a_plain_value_is_refused_naming_the_line(bad):
+    from online_rlhf.records import validate_generated, validate_rewards
+
+    rec = {"id": bad, "prompt": [{"role": "user", "content": "q"}], "responses": ["a"], "finish_reasons": ["stop"]}
+    # get_rewards and build_sft_data keyed a dict on the id: a list id was a TypeError traceback
+    with pytest.raises(DataError, match=r"gen\.jsonl:3: 'id' must be a string or a number"):
+        validate_generated(rec, "gen.jsonl:3")
+    with pytest.raises(DataError, match=r"rewards\.jsonl:2: 'id' must be a string or a number"):
+        validate_rewards({**rec, "rewards": [1.0]}, "rewards.jsonl:2")
