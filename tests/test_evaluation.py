@@ -483,6 +483,15 @@ def test_report_shows_what_flipped_and_the_console_ends_with_the_ifeval_verdict(
     rows[-1]["ifeval_vs_0"] = None
     write_jsonl(run_dir / "metrics.jsonl", rows)
     assert verdict(run_dir).startswith("held-out reward 0.5000 -> 0.6250 at iteration 2 (+0.1250, paired bootstrap p=")
+    # a metrics file the loop did not write, or one with no row yet: a clear error, not a traceback
+    from online_rlhf.jsonl import DataError
+    write_jsonl(run_dir / "metrics.jsonl", [{"iteration": 0, **{k: v for k, v in rows[0].items() if k != "iteration"}},
+                                            {"eval_reward_mean": 0.5}])
+    with pytest.raises(DataError, match=r"metrics\.jsonl: row 2 has no iteration number"):
+        verdict(run_dir)
+    (run_dir / "metrics.jsonl").write_text("")
+    with pytest.raises(DataError, match=r"metrics\.jsonl: empty: the run has not finished an iteration yet"):
+        verdict(run_dir)
 
 
 def test_metrics_line_shows_the_kl_with_its_standard_error():

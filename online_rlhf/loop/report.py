@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from ..jsonl import atomic_open, read_jsonl
+from ..jsonl import DataError, atomic_open, read_jsonl
 from ..stage_table import STAGES
 
 
@@ -58,13 +58,23 @@ def verdict(run_dir: Path) -> str:
     paired difference and bootstrap p.
 
     Raises:
-        FileNotFoundError / DataError: no ``metrics.jsonl`` (the run has not finished an iteration).
+        FileNotFoundError / DataError: no ``metrics.jsonl``, an empty one (the run has not finished an
+            iteration), or a row without its iteration number.
     """
-    rows = read_jsonl(run_dir / "metrics.jsonl")
+    path = run_dir / "metrics.jsonl"
+    rows = read_jsonl(path)
+    if not rows:
+        raise DataError(f"{path}: empty: the run has not finished an iteration yet (rerun bash run_loop.sh with its "
+                        "config to resume it).")
+    bad = next((i for i, r in enumerate(rows, 1) if not isinstance(r.get("iteration"), int)), None)
+    if bad is not None:
+        raise DataError(f"{path}: row {bad} has no iteration number: not a metrics file the loop wrote (one row per "
+                        "finished iteration, each with its number). Give the run directory the loop wrote.")
     first, last = rows[0], rows[-1]
     n = last["iteration"]
     t, f0, fn = last.get("ifeval_vs_0"), first.get("ifeval"), last.get("ifeval")
-    if n >= 1 and t and f0 and fn and f0.get("prompt_strict") is not None:
+    if (n >= 1 and t and f0 and fn and f0.get("prompt_strict") is not None and fn.get("prompt_strict") is not None
+            and t.get("p_value") is not None):
         diff, p = 100 * t["prompt_strict_diff"], t["p_value"]
         word = "up" if diff > 0 else "down" if diff < 0 else "unchanged"
         sig = "significant" if p < 0.05 else "not significant"
