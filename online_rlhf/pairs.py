@@ -196,8 +196,13 @@ def prompt_pairs(rec: dict, where: str, strategy: str = "max_min", min_margin: f
 def _summary(xs: list[float]) -> dict:
     if not xs:
         return {"mean": None, "std": None, "min": None, "max": None}
-    # statistics works in exact fractions: no overflow for huge (finite) rewards such as +-1e300
-    return {"mean": statistics.fmean(xs), "std": statistics.pstdev(xs), "min": min(xs), "max": max(xs)}
+    # pstdev works in exact fractions, _mean divides first: no overflow for huge (finite) rewards such as +-1e308
+    return {"mean": _mean(xs), "std": statistics.pstdev(xs), "min": min(xs), "max": max(xs)}
+
+
+def _mean(xs: list[float]) -> float:
+    """The mean of finite floats without overflow (fmean's running sum overflows past ~1.8e308)."""
+    return math.fsum(x / len(xs) for x in xs)
 
 
 def _check_unique(seen: dict, rec: dict, where: str) -> None:
@@ -294,7 +299,7 @@ def build_pairs(records: Iterable[tuple[str, dict]], strategy: str = "max_min", 
 def _selection_stats(pairs: list[dict], all_rewards: list[float]) -> dict:
     chosen = [p["chosen_reward"] for p in pairs]
     rejected = [p["rejected_reward"] for p in pairs]
-    mean = lambda xs: statistics.fmean(xs) if xs else None  # noqa: E731
+    mean = lambda xs: _mean(xs) if xs else None  # noqa: E731
     margins = [c - r for c, r in zip(chosen, rejected)]  # inf when huge finite rewards of both signs overflow
     return {"reward": _summary(all_rewards), "chosen_reward_mean": mean(chosen), "rejected_reward_mean": mean(rejected),
             "margin_mean": mean(margins) if all(math.isfinite(m) for m in margins) else None}

@@ -252,6 +252,11 @@ def test_huge_finite_rewards_do_not_overflow_the_stats():
     pairs, stats = pairs_of([rec([1e308, -1e308, 0.0])])
     assert len(pairs) == 1 and stats["margin_mean"] is None
     json.dumps(stats, allow_nan=False)
+    # every pair of two huge rewards: the means of chosen and of all rewards stay finite (fmean's sum overflowed)
+    pairs, stats = pairs_of([rec([1e308, -1e308, 1e308, 0.0], rid="a"), rec([1e308, 0.0], rid="b")],
+                            strategy="all_pairs")
+    assert stats["chosen_reward_mean"] == pytest.approx(1e308 / 6 * 5) and stats["reward"]["mean"] == pytest.approx(1e308 / 3)
+    json.dumps(stats, allow_nan=False)
 
 
 def test_record_without_rewards_says_to_score_it_first():
