@@ -345,8 +345,9 @@ def missing_fields(record: dict, verifier: str = "auto") -> str | None:
 def instruction_problem(record: dict) -> str | None:
     """What is wrong, in words, with an IFEval/IFBench record whose fields are there
     (:func:`missing_fields` gives None): an instruction id no checker of the registry has, or a
-    kwargs key its checker's ``build_description`` does not take (the checker would fail on every
-    response: ``checker_error:TypeError``). None when neither; the checkers are not run.
+    kwargs key its checker's ``build_description`` does not take, or kwargs with which the checker
+    fails to build or fails on any answer (:func:`_build_problem`): the checker would fail on every
+    response (``checker_error:<type>``). None when none of these.
     """
     import difflib
     import inspect
@@ -365,6 +366,32 @@ def instruction_problem(record: dict) -> str | None:
         if extra:
             return (f"kwargs {', '.join(extra)} for {iid!r}, which its checker does not take (it takes "
                     f"{', '.join(params) or 'none'})")
+        if problem := _build_problem(registry[iid], iid, {k: v for k, v in (kw or {}).items() if v is not None}):
+            return problem
+    return None
+
+
+def _build_problem(checker_class: Any, iid: str, kwargs: dict) -> str | None:
+    """Why checker ``iid`` fails with ``kwargs`` whatever the response, or None: its build raises (a
+    relation other than "less than"/"at least", a missing ``prompt_to_repeat``), or checking a plain
+    answer raises TypeError (an argument of the wrong type, e.g. ``num_words: "50"``). Other errors
+    of a check depend on the response or the machine (NLTK data) and are left to the scoring. The
+    caller's ``random`` state is given back."""
+    state = random.getstate()
+    random.seed(0)
+    try:
+        checker = checker_class(iid)
+        checker.build_description(**kwargs)
+    except Exception as e:  # noqa: BLE001 - every response would be checker_error: say so before scoring
+        return f"kwargs {kwargs} for {iid!r}, with which its checker fails to build ({type(e).__name__}: {e})"
+    try:
+        checker.check_following("A plain answer of a few words.")
+    except TypeError as e:
+        return f"kwargs {kwargs} for {iid!r}, with which its checker fails on every answer (TypeError: {e})"
+    except Exception:  # noqa: BLE001 - response- or machine-dependent: the scoring counts it per record
+        pass
+    finally:
+        random.setstate(state)
     return None
 
 

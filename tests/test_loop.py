@@ -111,6 +111,14 @@ def test_prompts_without_the_verifiers_fields_are_refused_by_the_plan(small_cfg,
     with pytest.raises(ConfigError, match=r"id 'i3', has kwargs num_word for 'length_constraints:number_words', which its "
                                           r"checker does not take \(it takes num_words, relation\)"):
         loop.plan(None, _with(small_cfg, f"train_prompts={ifeval}"))
+    # kwargs the checker takes, with values it cannot build or check with: every response would be checker_error
+    for kw, why in (({"num_words": 50, "relation": "exactly"}, r"fails to build \(ValueError: The supported relation"),
+                    ({"num_words": "50", "relation": "at least"}, r"fails to build \(TypeError")):
+        write_jsonl(ifeval, [{"id": "i4", "prompt": "Write a poem.", "instruction_id_list": ["length_constraints:number_words"],
+                              "kwargs": [kw]}])
+        with pytest.raises(ConfigError, match=r"id 'i4', has kwargs .* for 'length_constraints:number_words', with which "
+                                              r"its checker " + why):
+            loop.plan(None, _with(small_cfg, f"train_prompts={ifeval}"))
     rm = tmp_path / "rm"
     rm.mkdir()  # another reward source scores any prompt
     loop.plan(None, _with(small_cfg, f"train_prompts={bare}", f"eval_prompts={bare}") +
