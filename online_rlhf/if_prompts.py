@@ -344,7 +344,7 @@ def build(base: list[dict], cfg: IFPromptsConfig, against: list[dict] | None) ->
             break
         read += 1
         reason = None
-        if "instruction_id_list" in row or "kwargs" in row:
+        if row.get("instruction_id_list") is not None or row.get("kwargs") is not None:
             reason = "already_constrained"
         elif grams and any(word_ngrams(m["content"], cfg.ngram) & grams for m in row["prompt"] if m["role"] == "user"):
             reason = "contaminated"
@@ -359,6 +359,8 @@ def build(base: list[dict], cfg: IFPromptsConfig, against: list[dict] | None) ->
             skip("no_valid_constraint", row)
             continue
         messages = [dict(m) for m in row["prompt"]]
+        if text and text[-1].isalnum():  # "... the throne" + "Your entire response ...": end the task's sentence first
+            text += "."
         messages[-1]["content"] = " ".join([text, *texts])
         extra = {k2: v for k2, v in row.items() if k2 not in ("id", "prompt")}
         replaced.update(k2 for k2 in extra if k2 in BUILT_FIELDS)  # the builder's own value wins, counted

@@ -189,3 +189,10 @@ def test_a_base_row_with_its_own_kwargs_is_skipped_and_a_base_id_column_is_repla
     assert stats["skipped"] == {"already_constrained": 1} and stats["skipped_examples"]["already_constrained"] == ["g"]
     assert [r["base_id"] for r in recs] == ["h"] and recs[0]["topic"] == "dogs"
     assert stats["input_fields_replaced"] == {"base_id": 1}
+
+
+def test_a_task_without_final_punctuation_ends_its_sentence_before_the_constraints(tmp_path):
+    base = [{"id": "t", "prompt": [{"role": "user", "content": "Tell me about the line to the throne"}],
+             "instruction_id_list": None}]  # null: no constraints of its own, so it is built
+    recs, stats = ifp.build(base, _cfg(tmp_path), None)
+    assert stats["skipped"] == {} and recs[0]["messages"][-1]["content"].startswith("Tell me about the line to the throne. ")
