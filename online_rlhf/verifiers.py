@@ -366,30 +366,37 @@ def instruction_problem(record: dict) -> str | None:
         if extra:
             return (f"kwargs {', '.join(extra)} for {iid!r}, which its checker does not take (it takes "
                     f"{', '.join(params) or 'none'})")
-        if problem := _build_problem(registry[iid], iid, {k: v for k, v in (kw or {}).items() if v is not None}):
+        if problem := _build_problem(registry[iid], iid, {k: v for k, v in (kw or {}).items() if v is not None},
+                                     _last_user_text(record["prompt"]) if isinstance(record.get("prompt"), list)
+                                     else str(record.get("prompt", ""))):
             return problem
     return None
 
 
-def _build_problem(checker_class: Any, iid: str, kwargs: dict) -> str | None:
+def _build_problem(checker_class: Any, iid: str, kwargs: dict, prompt_text: str) -> str | None:
     """Why checker ``iid`` fails with ``kwargs`` whatever the response, or None: its build raises (a
     relation other than "less than"/"at least", a missing ``prompt_to_repeat``), or checking a plain
-    answer raises TypeError (an argument of the wrong type, e.g. ``num_words: "50"``). Other errors
-    of a check depend on the response or the machine (NLTK data) and are left to the scoring. The
-    caller's ``random`` state is given back."""
+    answer raises TypeError (an argument of the wrong type, e.g. ``num_words: "50"``). Built as
+    if-verifiable's ``evaluate_instructions`` builds it (the prompt given where the checker takes
+    one). Other errors of a check depend on the response or the machine (NLTK data) and are left to
+    the scoring. The caller's ``random`` state is given back."""
     state = random.getstate()
     random.seed(0)
     try:
-        checker = checker_class(iid)
-        checker.build_description(**kwargs)
-    except Exception as e:  # noqa: BLE001 - every response would be checker_error: say so before scoring
-        return f"kwargs {kwargs} for {iid!r}, with which its checker fails to build ({type(e).__name__}: {e})"
-    try:
-        checker.check_following("A plain answer of a few words.")
-    except TypeError as e:
-        return f"kwargs {kwargs} for {iid!r}, with which its checker fails on every answer (TypeError: {e})"
-    except Exception:  # noqa: BLE001 - response- or machine-dependent: the scoring counts it per record
-        pass
+        try:
+            checker = checker_class(iid)
+            checker.build_description(**kwargs)
+            args = checker.get_instruction_args()
+            if args and "prompt" in args:
+                checker.build_description(prompt=prompt_text)
+        except Exception as e:  # noqa: BLE001 - every response would be checker_error: say so before scoring
+            return f"kwargs {kwargs} for {iid!r}, with which its checker fails to build ({type(e).__name__}: {e})"
+        try:
+            checker.check_following("A plain answer of a few words.")
+        except TypeError as e:
+            return f"kwargs {kwargs} for {iid!r}, with which its checker fails on every answer (TypeError: {e})"
+        except Exception:  # noqa: BLE001 - response- or machine-dependent: the scoring counts it per record
+            pass
     finally:
         random.setstate(state)
     return None
