@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Online iterative RLHF (README.md); the stages come from the stage table (online_rlhf/stage_table.py):
 #   [sft once] -> for i in 1..N: generate (vLLM) -> rewards -> pairs -> DPO -> held-out eval
-#   (+ KL from the starting policy; IFEval at the iterations ifeval.when names: every one in the default)
+#   (+ KL from the starting policy; IFEval at the iterations ifeval.when names: 0 and the last in the default)
 # The model of iteration i is the policy of iteration i+1.
 #
 # Usage: bash run_loop.sh [CONFIG] [key=value ...] [--fresh]
