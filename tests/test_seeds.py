@@ -132,7 +132,7 @@ def test_table_only_refuses_a_run_planned_with_other_settings(tmp_path, capsys):
     (run / "config.yaml").write_text(yaml.safe_dump({**cfg, "seed": 7, "generation": {**cfg["generation"], "k": 9}}))
     assert seeds.main(args) == 2
     err = capsys.readouterr().err
-    assert "other settings" in err and "seed: run 7, recipe 1" in err and "generation.k: run 9, recipe 4" in err
+    assert "other settings" in err and "seed: run 7, recipe 1" in err and "generation.k: run 9, recipe 8" in err
     assert "2 key(s) differ" in err and "temperature" not in err  # the differing key, not the whole section
 
 
