@@ -56,6 +56,14 @@ def check_messages(messages: Any, where: str) -> list[dict]:
 GENERATED_ID_PREFIX = "row-"  # a row without an id gets "row-<0-based row number>"
 
 
+def check_plain_id(value, where: str, col: str = "id") -> None:
+    """Raise DataError (naming ``where`` and ``col``) unless ``value`` is a string or a number: an id
+    is a dict key and a file's join key, so a list, a mapping or a boolean cannot be one."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise DataError(f"{where}: {col!r} must be a string or a number, got {type(value).__name__} "
+                        f"{value!r:.60}. Give the row a plain id.")
+
+
 def prompt_id(rec: dict, index: int, where: str) -> tuple[str, bool]:
     """The id of a prompt row: its ``id`` (else ``key``) column as a string, or ``row-<index>``.
 
@@ -68,9 +76,7 @@ def prompt_id(rec: dict, index: int, where: str) -> tuple[str, bool]:
         value = rec.get(col)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-            raise DataError(f"{where}: {col!r} must be a string or a number, got {type(value).__name__} "
-                            f"{value!r:.60}. Give the row a plain id.")
+        check_plain_id(value, where, col)
         if not str(value).strip():
             raise DataError(f"{where}: {col!r} is empty. Give the row an id, or remove the column so one is generated.")
         return str(value), False
@@ -287,10 +293,7 @@ def validate_generated(rec: dict, where: str) -> None:
     for k in ("id", "prompt", "responses", "finish_reasons"):
         if k not in rec:
             raise DataError(f"{where}: generated record lacks {k!r}. Was it written by generation/generate.py?")
-    rid = rec["id"]
-    if isinstance(rid, bool) or not isinstance(rid, (str, int, float)):
-        raise DataError(f"{where}: 'id' must be a string or a number, got {type(rid).__name__} {rid!r:.60}. "
-                        "Give the record a plain id.")
+    check_plain_id(rec["id"], where)
     check_messages(rec["prompt"], where)
     resp, fin = rec["responses"], rec["finish_reasons"]
     if not isinstance(resp, list) or not all(isinstance(r, str) for r in resp):
