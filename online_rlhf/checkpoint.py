@@ -51,6 +51,14 @@ def finish_checkpoint(tmp_dir: Path, policy_path: str, trust_remote_code: bool) 
         raise RuntimeError(f"{tmp_dir}: no safetensors weights were written; the checkpoint is incomplete.")
 
 
+def folder_mb(path: Path) -> float:
+    """Megabytes (10^6 bytes) of the files under ``path`` (a file: its size; missing: 0.0)."""
+    p = Path(path)
+    if p.is_file():
+        return p.stat().st_size / 1e6
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) / 1e6 if p.is_dir() else 0.0
+
+
 def publish(tmp_dir: Path, out_dir: Path) -> None:
     """Rename a finished ``tmp_dir`` to ``out_dir``; an existing ``out_dir`` is moved aside to
     ``<out_dir>.old`` first and removed after, so ``out_dir`` is never a half-written folder."""

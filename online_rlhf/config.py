@@ -18,10 +18,10 @@ import re
 import os
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator, model_serializer
 
 
 class ConfigError(ValueError):
@@ -283,6 +283,19 @@ class StageConfig(BaseModel):
     """Base class of every stage config: unknown keys are errors, values are validated on assignment."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
+
+    # Keys left out of a dumped config while they hold their default: keys added after runs were
+    # planned (e.g. ``adapter``), so a run planned before keeps byte-identical stage YAMLs (and resume
+    # hashes) and a run that does not use them shows no new line. Loading fills the default back in.
+    omit_when_default: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_defaults(self, handler):
+        d = handler(self)
+        for k in self.omit_when_default:
+            if isinstance(d, dict) and k in d and getattr(self, k) == type(self).model_fields[k].default:
+                del d[k]
+        return d
 
     @field_validator("*", mode="before")
     @classmethod

@@ -95,8 +95,32 @@ DPOSection = section_model(DPOStageConfig, "dpo")
 GRPOSection = section_model(GRPOStageConfig, "grpo")
 
 
+class LoopLora(StageConfig):
+    """The loop's ``lora`` key: LoRA through the whole loop (docs/dpo.md "LoRA through the loop").
+
+    When set, the update stage (DPO or GRPO) of every iteration trains a LoRA adapter on the starting
+    policy, which stays unchanged, and saves the adapter only; the next iteration's generation,
+    held-out evaluation, IFEval and KL decode the starting policy with that adapter (vLLM's LoRA), and
+    the next update continues from it. The reference (``ref_model``) is the starting policy with the
+    adapter switched off (``initial``) or the previous adapter (``previous``); no merged checkpoint is
+    written (``scripts/merge_lora.py`` merges one for export).
+    """
+
+    r: int = Field(16, ge=1, le=512, description="LoRA rank (peft's r); vLLM decodes ranks up to 512")
+    alpha: Optional[float] = Field(None, gt=0, description="LoRA scaling numerator (peft's lora_alpha; the update is scaled by alpha / r); null: 2 x r")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input (peft's lora_dropout); TRL's DPO turns dropout off by default anyway (disable_dropout)")
+    target_modules: Union[str, list[str]] = Field("all-linear", description="the modules that get an adapter: all-linear (every linear layer but the LM head, the QLoRA recipe) or a list of module names, e.g. [q_proj, v_proj]")
+
+    def peft_dict(self) -> dict:
+        """The ``peft.LoraConfig`` fields this key stands for (``alpha`` null: ``2 r``)."""
+        return {"r": self.r, "lora_alpha": self.alpha if self.alpha is not None else 2 * self.r,
+                "lora_dropout": self.dropout, "target_modules": self.target_modules}
+
+
 class LoopConfig(StageConfig):
     """run_loop.sh: the whole online iterative loop."""
+
+    omit_when_default = ("lora",)
 
     run_name: str = Field("default", description="runs/<run_name>/ holds everything the run writes")
     output_root: str = Field("runs", description="parent folder of run directories")
@@ -128,6 +152,7 @@ class LoopConfig(StageConfig):
     algorithm: Literal["dpo", "grpo"] = Field("dpo", description="the update of each iteration: dpo (pairs -> DPO) or grpo (group-relative policy gradient on the K scored responses per prompt)")
     grpo_config: Optional[str] = Field("configs/grpo.yaml", description="GRPO stage YAML that the `grpo` section is layered on (a relative path is taken from the project root; one given on run_loop.sh's command line is first looked for where you run it); null = none")
     grpo: GRPOSection = Field(default_factory=GRPOSection, description="GRPOStageConfig fields (over grpo_config; algorithm=grpo)")
+    lora: Optional[LoopLora] = Field(None, description="LoRA through the loop: {r, alpha, dropout, target_modules}. The update stage trains an adapter on the starting policy and saves the adapter only; generation, evaluation, IFEval and KL decode the starting policy with it (vLLM LoRA); the next update continues it; the reference is the starting policy with the adapter off (ref_model: initial) or the previous adapter (previous). null: every weight is trained and each iteration saves a full checkpoint")
     ref_model: Literal["initial", "previous"] = Field("initial", description="reference of DPO and of the GRPO KL term: the starting (SFT) policy, or last iteration's policy")
     per_iteration: dict[int, dict[str, Any]] = Field(default_factory=dict, description="{i: {section: {key: value}}} overrides for iteration i")
     ifeval: IFEvalSection = Field(default_factory=IFEvalSection, description="IFEval benchmark stages (ifeval_generate, ifeval_score): when, prompts, limit, max_tokens; decoding as `evaluation` (greedy)")
@@ -152,6 +177,17 @@ class LoopConfig(StageConfig):
                              "(machines are 0-based)")
         check_machines(self.num_machines, None if self.num_processes == "auto" else self.num_processes,
                        self.main_process_ip)
+        return self
+
+    @model_validator(mode="after")
+    def _one_lora_key(self):
+        # the loop's lora saves adapters; dpo.lora / grpo.lora merge each iteration: not both
+        for name in ("dpo", "grpo"):
+            if self.lora is not None and getattr(self, name).model_dump(exclude_unset=True).get("lora") is not None:
+                raise ValueError(f"lora and {name}.lora are both set: the loop's lora trains one adapter through the "
+                                 f"whole loop (adapter-only saves), {name}.lora merges a fresh adapter into a full "
+                                 f"checkpoint each iteration. Keep one: move its values to lora ({{r, alpha, dropout, "
+                                 f"target_modules}}) and drop {name}.lora, or set lora=null")
         return self
 
     @model_validator(mode="after")

@@ -96,6 +96,26 @@ def check_output_is_not_a_model(output_dir: str, **models: Optional[str]) -> Non
                              "Write the trained policy to another folder")
 
 
+def check_lora_keys(lora: Optional[dict], adapter: Optional[str], save_adapter: bool, launch_profile: str) -> None:
+    """The LoRA keys of an update stage (DPO, GRPO), checked together before any weight is loaded.
+
+    Raises:
+        ValueError: ``adapter`` or ``save_adapter`` without ``lora``; ``lora`` under the ``zero3``
+            profile (ZeRO-3 shards the base weights the adapter's save and merge need whole on one
+            rank; this stage saves from rank 0), naming the fix.
+    """
+    if adapter and not lora:
+        raise ValueError(f"adapter={adapter} needs lora (its r, alpha and target_modules) to continue training it; "
+                         "set lora, or adapter=null to train every weight")
+    if save_adapter and not lora:
+        raise ValueError("save_adapter=true needs lora: without it every weight is trained and saved")
+    if lora and launch_profile == "zero3":
+        raise ValueError("lora with launch_profile=zero3 is refused: ZeRO-3 shards the base weights over the GPUs, and "
+                         "the stage saves (or merges) the adapter from rank 0's unsharded model. Use launch_profile="
+                         "zero2 (a LoRA run keeps the frozen base whole on each GPU; only the adapter trains), or "
+                         "drop lora")
+
+
 def _now(settings: dict, prefix: str, key: str) -> str:
     """``<prefix><key> (now <value>)``: one setting of a dry run's advice, as the loop names it."""
     return f"{prefix}{key} (now {settings.get(key)})"
@@ -117,7 +137,10 @@ def _zero3_advice(settings: dict, device: str) -> list[str]:
 class GenerateConfig(StageConfig):
     """generation/generate.py: K responses per prompt for one shard, with vLLM."""
 
+    omit_when_default = ("adapter",)
+
     model: str = Field("default", description="policy checkpoint: local dir, HF Hub id, or 'default' (embedded SmolLM2-135M-Instruct)")
+    adapter: Optional[str] = Field(None, description="LoRA adapter folder (peft: adapter_config.json + adapter_model.safetensors) decoded on top of `model` with vLLM's LoRA (enable_lora, a LoRARequest); null: the model alone. The loop sets it under its lora key. A `model` that is itself an adapter folder is taken as its base plus it")
     prompts: str = Field(..., description="prompt set: local .jsonl/.json/.parquet or HF Hub dataset id")
     prompt_split: str = Field("train", description="split when `prompts` is a Hub dataset")
     prompt_field: Optional[str] = Field(None, description="prompt column (text or message list) when the set has neither 'messages' nor 'prompt'")
@@ -250,7 +273,9 @@ class PairsConfig(StageConfig):
 
 
 class DPOStageConfig(StageConfig):
-    """dpo_iteration/run_dpo.py: TRL DPOTrainer on pairs.jsonl; saves an HF checkpoint."""
+    """dpo_iteration/run_dpo.py: TRL DPOTrainer on pairs.jsonl; saves an HF checkpoint (or a LoRA adapter)."""
+
+    omit_when_default = ("adapter", "save_adapter")
 
     policy: str = Field(..., description="policy to train (dir, Hub id or 'default')")
     reference: Optional[str] = Field(None, description="reference model (dir/Hub id); None = the policy itself")
@@ -259,7 +284,9 @@ class DPOStageConfig(StageConfig):
     train_batch_size: Optional[int] = Field(None, ge=1, description="pairs per optimizer step over all processes (OpenRLHF's name); per_device_train_batch_size = this / (processes x training.gradient_accumulation_steps), so the recipe is the same on 1 or N processes. null: set training.per_device_train_batch_size instead")
     training: dict[str, Any] = Field(default_factory=dict, description="any trl.DPOConfig field (beta, loss_type, learning_rate, max_length, precompute_ref_log_probs, report_to, ...); stage defaults: bf16 from the hardware (on CPU true only with native bf16, AVX512-BF16/AMX; fp16 on a GPU without bf16), precompute_ref_log_probs=true, report_to=none")
     max_prompt_length: Optional[int] = Field(None, ge=1, description="drop (and count) pairs whose prompt has more tokens than this; TRL 1.9 has no prompt truncation. Pairs whose prompt fills training.max_length are always dropped")
-    lora: Optional[dict[str, Any]] = Field(None, description="peft.LoraConfig fields; merged into the saved checkpoint")
+    lora: Optional[dict[str, Any]] = Field(None, description="peft.LoraConfig fields: train a LoRA adapter instead of every weight; saved merged into a full checkpoint unless save_adapter is true")
+    adapter: Optional[str] = Field(None, description="LoRA adapter folder to continue training (on top of `policy`, its base); null: a fresh adapter when `lora` is set. The loop sets it under its lora key. Needs `lora` (the same r and lora_alpha)")
+    save_adapter: bool = Field(False, description="with `lora`: save the adapter only (adapter_config.json naming `policy` as its base + adapter_model.safetensors + tokenizer) instead of merging it into a full checkpoint. The loop sets it under its lora key; scripts/merge_lora.py merges one for export")
     attn_implementation: AttnImplementation = Field("sdpa", description="sdpa (CPU/GPU), eager, flex_attention, or flash_attention_2 (GPU with flash-attn; without a GPU or the package it is refused before any weight is loaded)")
     torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="policy/reference load dtype (auto: fp32 on CPU, each checkpoint's stored dtype on GPU; float16 vs bfloat16 checkpoints are refused)")
     log_probs: Literal["auto", "sequence", "side", "packed", "trl"] = Field("auto", description="how the DPO log-probs are computed: LM head and log-softmax only at completion positions (online_rlhf/completion_logps.py), each sequence unpadded (sequence), chosen and rejected padded separately (side) or all sequences of a micro-batch in one unpadded row, each attending to itself (packed; attention computed with sdpa per sequence, so only for sdpa or eager models); auto = packed on CPU with sdpa or eager attention, else side; trl = TRL's own computation (full logits, chosen and rejected padded to each other). The loss of every layout but trl is online_rlhf/dpo_loss.py's; settings it does not cover (e.g. a TRL loss type not registered there, ld_alpha) use TRL's, named in the stats")
@@ -286,7 +313,8 @@ class DPOStageConfig(StageConfig):
             raise ValueError(f"training.loss_type {', '.join(only_here)} is computed only by online_rlhf/dpo_loss.py in "
                              f"the stage's own log-prob layouts, and training.{needs_trl[0]} needs TRL's own "
                              "computation; drop one of them")
-        check_output_is_not_a_model(self.output_dir, policy=self.policy, reference=self.reference)
+        check_lora_keys(self.lora, self.adapter, self.save_adapter, self.launch_profile)
+        check_output_is_not_a_model(self.output_dir, policy=self.policy, reference=self.reference, adapter=self.adapter)
         return self
 
     @classmethod
@@ -301,7 +329,8 @@ class DPOStageConfig(StageConfig):
         if not s.get("training.gradient_checkpointing"):
             out.append(_checkpointing_advice(f"{p}training.gradient_checkpointing"))
         if not s.get("lora"):
-            out.append(f"{p}lora: train LoRA adapters instead of every weight (no full-size optimizer state)")
+            out.append(("lora={r: 16} (the loop key; " if p == "dpo." else "") + f"{p}lora" + (")" if p == "dpo." else "")
+                       + ": train a LoRA adapter instead of every weight (no full-size gradients or optimizer state)")
         return out + _zero3_advice(s, device)
 
 
@@ -312,6 +341,8 @@ class GRPOStageConfig(StageConfig):
     (TRL 1.9); the stage trains on the rollouts the loop already generated and scored, so TRL's
     generation keys have no place here.
     """
+
+    omit_when_default = ("lora", "adapter", "save_adapter")
 
     policy: str = Field(..., description="policy to train (dir, Hub id or 'default'); it also computes the 'old' log-probs of the clipped ratio")
     reference: Optional[str] = Field(None, description="reference model of the KL penalty (dir/Hub id); None = the policy as it is before this stage. Loaded only when beta > 0")
@@ -338,6 +369,9 @@ class GRPOStageConfig(StageConfig):
     max_length: Optional[int] = Field(None, ge=2, description="prompt + completion token budget: longer completions lose their last tokens (counted), prompts that fill it drop their group (counted); null = no cap")
     attn_implementation: AttnImplementation = Field("sdpa", description="sdpa (CPU/GPU), eager, flex_attention, or flash_attention_2 (GPU with flash-attn; without a GPU or the package it is refused before any weight is loaded)")
     torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="load dtype of policy and reference (auto: fp32 on CPU, the checkpoint's stored dtype on GPU)")
+    lora: Optional[dict[str, Any]] = Field(None, description="peft.LoraConfig fields: train a LoRA adapter instead of every weight (AdamW over the adapter only); saved merged into a full checkpoint unless save_adapter is true")
+    adapter: Optional[str] = Field(None, description="LoRA adapter folder to continue training (on top of `policy`, its base); null: a fresh adapter when `lora` is set. The loop sets it under its lora key. Needs `lora` (the same r and lora_alpha)")
+    save_adapter: bool = Field(False, description="with `lora`: save the adapter only (adapter_config.json naming `policy` as its base + adapter_model.safetensors + tokenizer) instead of merging it into a full checkpoint. The loop sets it under its lora key")
     num_processes: NumProcesses
     launch_profile: LaunchProfileKey
     num_machines: NumMachines
@@ -351,7 +385,8 @@ class GRPOStageConfig(StageConfig):
         if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
             raise ValueError(f"epsilon_high={self.epsilon_high} is below epsilon={self.epsilon}; the upper clipping "
                              "bound is 1 + epsilon_high, set it >= epsilon (or null)")
-        check_output_is_not_a_model(self.output_dir, policy=self.policy, reference=self.reference)
+        check_lora_keys(self.lora, self.adapter, self.save_adapter, self.launch_profile)
+        check_output_is_not_a_model(self.output_dir, policy=self.policy, reference=self.reference, adapter=self.adapter)
         return self
 
     @classmethod
@@ -385,9 +420,12 @@ class IFEvalScoreConfig(StageConfig):
 class KLConfig(StageConfig):
     """annotate_data/kl_estimate.py: KL(policy || reference) from responses sampled from the policy."""
 
+    omit_when_default = ("adapter",)
+
     input: str = Field(..., description="generated records whose responses were SAMPLED from `policy` (temperature 1), e.g. kl_generated.jsonl")
     policy: str = Field(..., description="the policy that sampled the responses (dir, Hub id or 'default')")
     reference: str = Field(..., description="the reference model (dir, Hub id or 'default'), e.g. the starting policy")
+    adapter: Optional[str] = Field(None, description="LoRA adapter folder of the policy, on top of `policy` (its base); null: none. When `reference` is that base, its log-probs are the same model's with the adapter switched off (no second model). The loop sets it under its lora key")
     output: str = Field(..., description="per-prompt log-probs (kl.jsonl): {id, logp_policy: [K], logp_reference: [K], kl: [K], response_tokens: [K]}")
     batch_size: int = Field(8, ge=1, description="sequences per forward pass")
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="precision of both models' log-prob passes: auto = float32 weights under bf16 autocast (fp16 on a GPU without bf16) where the hardware computes it natively, with the log-softmax in float32 (as the DPO stage's reference pass runs), else float32; float32 = no autocast; bfloat16 = weights in bf16")

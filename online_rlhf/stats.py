@@ -164,6 +164,8 @@ class _GenerationCommon(StageStats):
     # KV cache; 0.0 on a shared engine), decode, write (records, stats, output file). The merged
     # stats hold each phase's largest shard value. None in stats written before the key existed.
     phase_s: Optional[dict[str, float]] = None
+    # the LoRA adapter decoded on top of `model` (vLLM's LoRA; the loop's lora key); None: the model alone
+    adapter: Optional[str] = None
 
 
 class GenerateShardStats(_GenerationCommon):
@@ -352,6 +354,9 @@ class DPOReference(_Strict):
     path: str
     precomputed_log_probs: bool
     lora_adapter_disabled: bool
+    # with LoRA and no reference model: adapter_off (the base, the adapter switched off) or
+    # previous_adapter (a frozen copy of the adapter the stage continued); None: no LoRA, or a model
+    lora_reference: Optional[Literal["adapter_off", "previous_adapter"]] = None
 
 
 class DPOSeconds(_Strict):
@@ -386,6 +391,11 @@ class DPOStats(StageStats):
     num_processes: int
     deepspeed_zero_stage: Optional[int]
     steps: int
+    # the LoRA adapter the policy continued (None: none); what was saved in output_dir (a full
+    # checkpoint, or the adapter alone: save_adapter) and its size in MB (None in older files)
+    adapter: Optional[str] = None
+    saved: Literal["checkpoint", "adapter"] = "checkpoint"
+    saved_mb: Optional[float] = None
     # tokens of the kept pairs' sequences (prompt + chosen and prompt + rejected, after max_length
     # truncation; no padding) and the epochs trained over them (None in older stats files)
     sequence_tokens: Optional[int] = None
@@ -427,7 +437,7 @@ class GRPOStats(StageStats):
     WRITTEN_BY: ClassVar[str] = "grpo_iteration/run_grpo.py (online_rlhf.stages.run_grpo)"
     stage: Literal["grpo"]
     policy: str
-    reference: dict[str, Any]  # {source: policy | explicit | none (beta 0), path}
+    reference: dict[str, Any]  # {source: policy | explicit | none (beta 0), path, lora_reference: adapter_off | previous_adapter | None}
     rewards_file: str
     groups_in: int
     groups_used: int
@@ -460,6 +470,11 @@ class GRPOStats(StageStats):
     output_dir: str
     seconds: GRPOSeconds
     input_blank_lines: int = 0  # blank lines skipped in the input file (0 in stats written before this key existed)
+    # the LoRA adapter the policy continued (None: none); what output_dir holds (a full checkpoint, or
+    # the adapter alone: save_adapter) and its size in MB (None in older files)
+    adapter: Optional[str] = None
+    saved: Literal["checkpoint", "adapter"] = "checkpoint"
+    saved_mb: Optional[float] = None
 
 
 # ------------------------------------------------------------------------------------------- SFT
@@ -568,6 +583,8 @@ class KLStats(StageStats):
     hardware: dict[str, Any]
     seconds: float
     tokens: Optional[int] = None  # prompt + response tokens scored by each model (None in older stats files)
+    adapter: Optional[str] = None  # the policy's LoRA adapter on top of `policy` (the loop's lora key); None: none
+    reference_adapter_off: bool = False  # the reference was the policy's model with its adapter switched off
 
 
 # --------------------------------------------------------------------------------------- dry run

@@ -66,7 +66,8 @@ def _short(path: str | None) -> str:
 _DERIVED = {"seed": "seed", "prompts": None, "num_shards": "generation_shards", "num_processes": "num_processes",
             "launch_profile": "launch_profile", "limit": "eval_limit", "prompt_field": "prompt_field",
             "model": "policy", "policy": "policy", "base_model": "policy", "reference": "ref_model",
-            "num_machines": "num_machines", "main_process_ip": "main_process_ip", "main_process_port": "main_process_port"}
+            "num_machines": "num_machines", "main_process_ip": "main_process_ip", "main_process_port": "main_process_port",
+            "adapter": "lora"}
 
 
 def value_origins(stage: Stage, d: dict, c: LoopConfig, i: int, layers: Layers,
@@ -107,6 +108,8 @@ def value_origins(stage: Stage, d: dict, c: LoopConfig, i: int, layers: Layers,
             origin = f"the loop's default ({sec}.{'.'.join(map(str, path))})" if sec else None
         if not origin and own_file and _lookup(own, path)[0]:
             origin = _short(str(PROJECT_ROOT / own_file) if not Path(own_file).is_absolute() else own_file)
+        if not origin and path[0] == "lora" and c.lora is not None:  # the loop's lora key, as peft names it
+            origin = f"loop key lora ({layers.find(['lora']) or 'its default'})"
         key = {**_DERIVED, **stage.provenance.derived_from}.get(path[-1])
         if not origin and path[-1] in ("model", "policy") and start is not None and v != start:
             origin = ("this iteration's trained model" if str(v).endswith(f"iter_{i}/model")

@@ -24,7 +24,7 @@ from ..stage_table import STAGES, Stage, prompt_source
 # Keys of the loop config whose values are fixed per run, not per iteration.
 _RUN_LEVEL = ("run_name", "output_root", "iterations", "policy", "sft", "per_iteration", "wandb", "dry_run", "algorithm",
               "num_machines", "machine_rank", "main_process_ip", "main_process_port", "launcher",
-              "ifeval", "kl_samples", "kl_warn", "eval_cache", "co_decode")
+              "ifeval", "kl_samples", "kl_warn", "eval_cache", "co_decode", "lora")
 
 
 def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:

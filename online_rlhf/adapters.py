@@ -1,0 +1,208 @@
+"""LoRA adapters through the loop: a policy that is a base checkpoint plus a peft adapter folder.
+
+With the loop's ``lora`` key (``online_rlhf.loop_config.LoopLora``) the DPO and GRPO stages train a
+LoRA adapter on the unchanged base and save the adapter only (``adapter_config.json`` +
+``adapter_model.safetensors`` + the tokenizer, a few MB); the next iteration's generation, held-out
+evaluation, IFEval and KL decode the base with that adapter (vLLM: ``enable_lora`` and a
+``LoRARequest``; transformers: ``peft.PeftModel``), and the next update continues from it. Nothing is
+merged unless asked: ``scripts/merge_lora.py`` writes a full checkpoint for export.
+
+This module is what every stage shares about such a folder: is it an adapter, which base it names,
+its rank (vLLM's ``max_lora_rank``), the peft config the loop key stands for, loading it on a base
+with transformers + peft, saving one, and merging one. Importable without torch (peft and
+transformers are imported inside the functions that need them).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+# vLLM 0.32's allowed max_lora_rank values (vllm.config.lora.MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def is_adapter(path: Optional[str]) -> bool:
+    """Whether ``path`` is a local folder holding a peft adapter (``adapter_config.json``)."""
+    return bool(path) and (Path(str(path)).expanduser() / ADAPTER_CONFIG).is_file()
+
+
+def adapter_config(path: str) -> dict:
+    """The ``adapter_config.json`` of the adapter folder ``path`` as a dict.
+
+    Raises:
+        FileNotFoundError: ``path`` holds no ``adapter_config.json`` (names the folder and the fix).
+        ValueError: the file is not a LoRA adapter's config (``peft_type`` other than LORA) or not JSON.
+    """
+    f = Path(path).expanduser() / ADAPTER_CONFIG
+    if not f.is_file():
+        raise FileNotFoundError(f"{path}: no {ADAPTER_CONFIG}, so it is not a LoRA adapter folder. Give the folder a "
+                                "LoRA update stage saved (iter_<i>/model of a run with the loop's lora key), or "
+                                "set adapter=null to use the model alone.")
+    try:
+        conf = json.loads(f.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{f}: not JSON ({e}); the adapter folder is damaged. Train it again.") from None
+    if str(conf.get("peft_type", "LORA")).upper() != "LORA":
+        raise ValueError(f"{f}: peft_type={conf.get('peft_type')!r}; only LoRA adapters are decoded by vLLM and "
+                         "trained by the loop. Give a LoRA adapter, or merge yours into a full checkpoint.")
+    return conf
+
+
+def adapter_base(path: str) -> str:
+    """The base model an adapter folder names (``base_model_name_or_path``).
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`adapter_config`; ValueError also when the config
+            names no base model.
+    """
+    base = adapter_config(path).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{path}/{ADAPTER_CONFIG} names no base_model_name_or_path; give the base as the "
+                         "stage's model/policy and the folder as its adapter.")
+    return str(base)
+
+
+def split_model(model: str, adapter: Optional[str]) -> tuple[str, Optional[str]]:
+    """``(base model, adapter folder or None)`` a stage loads for its ``model``/``policy`` and ``adapter``
+    keys: an adapter folder given as the model itself is taken apart into the base it names and itself
+    (so ``model=runs/x/iter_1/model`` works by hand); otherwise the keys as given.
+
+    Raises:
+        FileNotFoundError: ``adapter`` is not an adapter folder (:func:`adapter_config`).
+        ValueError: both ``model`` and ``adapter`` are adapter folders.
+    """
+    if adapter:
+        adapter_config(adapter)  # raises with the fix when it is not one
+        if is_adapter(model):
+            raise ValueError(f"model={model} is itself a LoRA adapter folder and adapter={adapter} is another; give "
+                             "the base checkpoint as the model (or merge the first adapter: scripts/merge_lora.py).")
+        return model, adapter
+    if is_adapter(model):
+        return adapter_base(model), model
+    return model, None
+
+
+def adapter_rank(path: str) -> int:
+    """The largest LoRA rank of an adapter folder (``r``, and any ``rank_pattern`` value)."""
+    conf = adapter_config(path)
+    ranks = [int(conf.get("r") or 8), *(int(v) for v in (conf.get("rank_pattern") or {}).values())]
+    return max(ranks)
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest of vLLM's allowed ``max_lora_rank`` values (:data:`VLLM_LORA_RANKS`) that holds ``rank``.
+
+    Raises:
+        ValueError: ``rank`` is above vLLM's largest (512).
+    """
+    for r in VLLM_LORA_RANKS:
+        if r >= rank:
+            return r
+    raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]}); "
+                     "train with a smaller lora.r.")
+
+
+def peft_lora_dict(lora: dict) -> dict:
+    """The ``peft.LoraConfig`` fields the loop's ``lora`` section stands for: ``r``, ``alpha`` ->
+    ``lora_alpha``, ``dropout`` -> ``lora_dropout``, ``target_modules``; other keys pass as peft names."""
+    names = {"alpha": "lora_alpha", "dropout": "lora_dropout"}
+    return {names.get(k, k): v for k, v in lora.items() if v is not None}
+
+
+def continued_lora_config(adapter: str, lora: Optional[dict]):
+    """The ``peft.LoraConfig`` an adapter folder was saved with, made trainable, to continue it; the
+    stage's ``lora`` keys must agree with it on ``r`` and ``lora_alpha`` (its other keys, e.g. an
+    ``all-linear`` that peft saved as module names, are the adapter's own).
+
+    Raises:
+        ConfigError: ``r`` or ``lora_alpha`` of ``lora`` differ from the adapter's (names both and the fix).
+    """
+    from peft import LoraConfig
+
+    from .config import ConfigError
+
+    conf = LoraConfig.from_pretrained(adapter)
+    for key in ("r", "lora_alpha"):
+        given = (lora or {}).get(key)
+        if given is not None and float(given) != float(getattr(conf, key)):
+            raise ConfigError(f"lora.{key}={given}, but the adapter {adapter} being continued was trained with "
+                              f"{key}={getattr(conf, key)}; keep the run's lora settings (or start a new run).")
+    conf.inference_mode = False
+    return conf
+
+
+def load_with_adapter(model: Any, adapter: str, trainable: bool = False) -> Any:
+    """``peft.PeftModel`` of the loaded base ``model`` with the adapter folder ``adapter`` as its
+    ``default`` adapter (trainable or frozen)."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, adapter, is_trainable=trainable)
+
+
+def load_adapter_weights(peft_model: Any, adapter: str) -> None:
+    """Copy the weights of the adapter folder ``adapter`` into ``peft_model``'s ``default`` adapter
+    (same rank and target modules), in place.
+
+    Raises:
+        ValueError: a weight of the folder has no place in the model, or the model's adapter keeps
+            weights the folder lacks (another rank or other target modules).
+    """
+    from peft.utils import load_peft_weights, set_peft_model_state_dict
+
+    result = set_peft_model_state_dict(peft_model, load_peft_weights(adapter))
+    missing = [k for k in result.missing_keys if "lora_" in k and ".default." in k]
+    if result.unexpected_keys or missing:
+        raise ValueError(f"{adapter}: its weights do not fit the adapter being trained (unexpected: "
+                         f"{list(result.unexpected_keys)[:3]}, missing: {missing[:3]}); the loop's lora settings "
+                         "(r, target_modules) changed since it was saved. Keep them, or start a new run.")
+
+
+def save_adapter(peft_model: Any, out_dir: Path, base: str) -> None:
+    """Save ``peft_model``'s ``default`` adapter (only) to ``out_dir``, naming ``base`` (as given,
+    resolved to an absolute path when it is a local folder) as its ``base_model_name_or_path``."""
+    peft_model.save_pretrained(str(out_dir), selected_adapters=["default"], safe_serialization=True)
+    f = out_dir / ADAPTER_CONFIG
+    conf = json.loads(f.read_text(encoding="utf-8"))
+    conf["base_model_name_or_path"] = str(Path(base).resolve()) if Path(base).exists() else base
+    f.write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    (out_dir / "README.md").unlink(missing_ok=True)  # peft's model card template
+
+
+def merge_adapter(adapter: str, out_dir: Path, base: Optional[str] = None, dtype: str = "auto") -> Path:
+    """Merge the adapter folder ``adapter`` into its base (``base``, default the one it names) and
+    save a full checkpoint at ``out_dir`` (written into ``<out_dir>.tmp``, then renamed): safetensors,
+    the base's config and generation_config, the adapter folder's tokenizer (the base's when it has none).
+
+    Returns:
+        ``out_dir``.
+    Raises:
+        FileNotFoundError, ValueError: as :func:`adapter_config`; FileExistsError: ``out_dir`` exists.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .checkpoint import publish, rmtree
+
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} exists; give a new folder for the merged checkpoint (or remove it).")
+    base = base or adapter_base(adapter)
+    kwargs = {} if dtype == "auto" else {"dtype": getattr(torch, dtype)}
+    model = AutoModelForCausalLM.from_pretrained(base, **kwargs)
+    merged = load_with_adapter(model, adapter).merge_and_unload()
+    tmp = Path(f"{out_dir}.tmp")
+    rmtree(tmp)
+    try:
+        merged.save_pretrained(str(tmp), safe_serialization=True)
+        tok_src = adapter if (Path(adapter) / "tokenizer_config.json").is_file() else base
+        AutoTokenizer.from_pretrained(tok_src).save_pretrained(str(tmp))
+        publish(tmp, out_dir)
+    except BaseException:
+        rmtree(tmp)
+        raise
+    return out_dir
