@@ -1,4 +1,6 @@
 """Check that a checkpoint saved by run_dpo.py loads in vLLM as is and generates (inference env).
+A LoRA adapter folder (the loop's lora key) is checked as the loop decodes it: its base with
+``enable_lora`` and a ``LoRARequest`` for the adapter.
 
     VLLM_CPU_KVCACHE_SPACE=1 .venv-infer/bin/python dpo_iteration/check_vllm_load.py runs/x/iter_1/model
 
@@ -22,12 +24,23 @@ PROMPTS = ["Say hello in one short sentence.", "What is 2 plus 3? Answer with a 
 def main(ckpt: str) -> int:
     from vllm import LLM, SamplingParams
 
+    from online_rlhf.adapters import adapter_base, adapter_rank, is_adapter, vllm_max_lora_rank
+
+    model, lora = ckpt, {}
+    request = None
+    if is_adapter(ckpt):  # the base, with the adapter on every request
+        from vllm.lora.request import LoRARequest
+
+        model = adapter_base(ckpt)
+        lora = {"enable_lora": True, "max_loras": 1, "max_lora_rank": vllm_max_lora_rank(adapter_rank(ckpt))}
+        request = LoRARequest("policy", 1, str(Path(ckpt).resolve()))
+        print(f"LoRA adapter {ckpt} on its base {model}")
     t0 = time.perf_counter()
-    llm = LLM(model=ckpt, enforce_eager=True, max_model_len=1024, seed=0, dtype="auto")
+    llm = LLM(model=model, enforce_eager=True, max_model_len=1024, seed=0, dtype="auto", **lora)
     start_s = time.perf_counter() - t0
     outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS],
-                    SamplingParams(temperature=0.0, max_tokens=64))
-    gen_cfg = json.loads((Path(ckpt) / "generation_config.json").read_text())
+                    SamplingParams(temperature=0.0, max_tokens=64), lora_request=request)
+    gen_cfg = json.loads((Path(model) / "generation_config.json").read_text())
     want_eos = gen_cfg.get("eos_token_id")
     want_eos = set(want_eos if isinstance(want_eos, list) else [want_eos])
     eos = llm.get_tokenizer().eos_token_id

@@ -162,10 +162,26 @@ def tokenize_shard(tokenizer: Any, prompts: Sequence[dict], max_prompt_tokens: i
 
 
 def shard_fingerprint(cfg: GenerateConfig, model_path: str) -> str:
-    """Hash of what decides this shard's output: the sampling config, the prompt file, the model files."""
+    """Hash of what decides this shard's output: the sampling config, the prompt file, the model
+    files (the LoRA adapter's too)."""
     conf = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in _NOT_IN_FINGERPRINT}
-    inputs = [p for p in (model_path, cfg.prompts) if Path(p).exists()]
+    inputs = [p for p in (model_path, cfg.adapter, cfg.prompts) if p and Path(p).exists()]
     return fingerprint(conf, inputs)
+
+
+def split_adapter(cfg: GenerateConfig) -> tuple[GenerateConfig, str]:
+    """``(cfg, the base model's resolved path)``: a ``model`` that is a LoRA adapter folder is taken
+    apart into its base (``model``) and itself (``adapter``; :func:`online_rlhf.adapters.split_model`).
+
+    Raises:
+        FileNotFoundError: ``adapter`` is not an adapter folder; ValueError: both are adapters.
+    """
+    from online_rlhf.adapters import split_model
+
+    base, adapter = split_model(resolve_model(cfg.model), cfg.adapter)
+    if adapter != cfg.adapter:
+        cfg = cfg.model_copy(update={"model": base, "adapter": adapter})
+    return cfg, resolve_model(base)
 
 
 def existing_output_status(output: Path, stats_path: Path, expected_ids: list[str], k: int,
@@ -375,7 +391,7 @@ def generate_shard(cfg: GenerateConfig, engine: SharedEngine | None = None) -> G
 
     r, w = cfg.shard_index, cfg.num_shards
     tag = f"shard {r}/{w}"
-    model_path = resolve_model(cfg.model)
+    cfg, model_path = split_adapter(cfg)
     output, stats_file = Path(cfg.output), stats_path(cfg.output)
 
     prompts, prompt_counts = load_prompt_set(cfg.prompts, cfg.prompt_split, cfg.prompt_field, cfg.limit)
@@ -403,7 +419,7 @@ def generate_shard(cfg: GenerateConfig, engine: SharedEngine | None = None) -> G
     hardware = describe(*engine_dtype(cfg))
     slow = slow_dtype_warning(hardware)
     stats = GenerateShardStats(
-        stage="generate", shard_index=r, num_shards=w, model=model_path, prompts=cfg.prompts,
+        stage="generate", shard_index=r, num_shards=w, model=model_path, adapter=cfg.adapter, prompts=cfg.prompts,
         config_fingerprint=config_fp, prompts_in=len(prompts), shard_prompts=len(shard),
         skipped=dict(Counter(skipped.values())), skipped_ids=skipped, records_out=len(records),
         **{k: v for k, v in summary.items() if k not in ("records", "warnings")},
@@ -453,7 +469,7 @@ def dry_run(cfg: GenerateConfig) -> DryRunStats:
 
     t_start = time.perf_counter()
     setup_cache_env()
-    model_path = resolve_model(cfg.model)
+    cfg, model_path = split_adapter(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     shard = shard_prompts(load_prompts(cfg.prompts, cfg.prompt_split, cfg.prompt_field, cfg.limit),
                           cfg.shard_index, cfg.num_shards)

@@ -131,7 +131,8 @@ def merge_shards(cfg: GenerateConfig) -> GenerateStats:
     hardware = shard_stats[0].hardware if shard_stats else None
     slow = slow_dtype_warning(hardware) if hardware else None
     stats = GenerateStats(
-        stage="generate", num_shards=w, model=shard_stats[0].model if shard_stats else None, prompts=cfg.prompts,
+        stage="generate", num_shards=w, model=shard_stats[0].model if shard_stats else None,
+        adapter=shard_stats[0].adapter if shard_stats else None, prompts=cfg.prompts,
         prompts_in=len(prompts), skipped=dict(Counter(skipped.values())), skipped_ids=skipped,
         records_out=len(records), **{k: v for k, v in summary.items() if k not in ("records", "warnings")},
         warnings=[*summary["warnings"], *([slow] if slow else [])],
