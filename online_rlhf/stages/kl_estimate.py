@@ -22,8 +22,9 @@ negative; the mean is >= 0 only in expectation.
    whose ids cannot be built is left out and counted under ``ChatTokenError.reason``
    (docs/skip-reasons.md);
 3. sum the response tokens' log-probs under the policy, then under the reference (one model in
-   memory at a time, on the GPU when there is one; TRL's ``selective_log_softmax`` in float32), in
-   batches of ``batch_size``; ``dtype: auto`` runs the forwards under bf16 autocast where the
+   memory at a time, on the GPU when there is one; TRL's ``selective_log_softmax`` in float32;
+   a policy that is a base plus a LoRA adapter (``adapter``) whose reference is that base: one
+   model, the adapter on, then switched off), in batches of ``batch_size``; ``dtype: auto`` runs the forwards under bf16 autocast where the
    hardware has native bf16 (:func:`precision`), as the DPO stage's reference pass does;
 4. write ``{id, logp_policy: [K], logp_reference: [K], kl: [K], response_tokens: [K]}`` per prompt
    and the stats (:class:`~online_rlhf.stats.KLStats`: mean and standard error in nats).
@@ -36,6 +37,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 from online_rlhf.chat_tokens import ChatTokenError, prompt_response_ids, turn_terminator
@@ -152,16 +154,30 @@ def precision_label(weights: str, autocast: str | None) -> str:
     return weights if autocast is None else f"{weights} + {autocast.replace('bfloat', 'bf').replace('float', 'fp')} autocast"
 
 
-def _log_probs_under(path: str, seqs: list[tuple[list[int], list[int]]], cfg: KLConfig, pad_id: int) -> list[float]:
+def _log_probs_under(path: str, seqs: list[tuple[list[int], list[int]]], cfg: KLConfig, pad_id: int,
+                     adapter: str | None = None, adapter_off_too: bool = False
+                     ) -> tuple[list[float], list[float] | None]:
+    """``(log-probs under the model at path (with the LoRA adapter folder ``adapter`` on top when
+    given), log-probs under the same model with the adapter switched off or None)``; the second pass
+    runs only with ``adapter_off_too`` (the reference is the adapter's base: no second model)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     if _device() == "cpu":
         torch.set_num_threads(stage_threads())  # the stage runs alone: every free core
     weights, autocast = precision(cfg.dtype, _device())
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, weights)).eval().to(_device())
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, weights))
+    if adapter:
+        from online_rlhf.adapters import load_with_adapter
+
+        model = load_with_adapter(model, adapter)
+    model = model.eval().to(_device())
     try:
-        return sequence_log_probs(model, seqs, cfg.batch_size, pad_id, autocast)
+        on = sequence_log_probs(model, seqs, cfg.batch_size, pad_id, autocast)
+        if not (adapter and adapter_off_too):
+            return on, None
+        with model.disable_adapter():
+            return on, sequence_log_probs(model, seqs, cfg.batch_size, pad_id, autocast)
     finally:
         del model
 
@@ -217,13 +233,22 @@ def main(cfg: KLConfig) -> KLStats:
 
     setup_cache_env()
     t0 = time.time()
-    policy, reference = resolve_model(cfg.policy), resolve_model(cfg.reference)
+    from online_rlhf.adapters import split_model
+
+    policy, adapter = split_model(resolve_model(cfg.policy), cfg.adapter)
+    policy, reference = resolve_model(policy), resolve_model(cfg.reference)
     records = load_generated(cfg.input)
     tokenizer = AutoTokenizer.from_pretrained(policy)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     seqs, where, skipped, from_text = build_sequences(cfg.input, records, tokenizer)
-    lp_pol = _log_probs_under(policy, seqs, cfg, pad_id)
-    lp_ref = lp_pol if reference == policy else _log_probs_under(reference, seqs, cfg, pad_id)
+    # the reference is the adapter's base: the same model with the adapter switched off
+    adapter_off = adapter is not None and (reference == policy or (
+        Path(reference).exists() and Path(policy).exists() and Path(reference).resolve() == Path(policy).resolve()))
+    lp_pol, lp_off = _log_probs_under(policy, seqs, cfg, pad_id, adapter, adapter_off_too=adapter_off)
+    if adapter_off:
+        lp_ref = lp_off
+    else:
+        lp_ref = lp_pol if reference == policy else _log_probs_under(reference, seqs, cfg, pad_id)[0]
     rows: dict[int, dict] = {}
     for (n, _), (_, r), a, b in zip(where, seqs, lp_pol, lp_ref):
         row = rows.setdefault(n, {"id": records[n]["id"], "logp_policy": [], "logp_reference": [], "kl": [],
@@ -245,6 +270,7 @@ def main(cfg: KLConfig) -> KLStats:
         print(f"WARNING: {differs} of {retokenized} re-tokenized responses have another token count than was "
               "sampled; the KL estimate then scores other sequences than the policy drew.", file=sys.stderr)
     stats = KLStats(stage="kl", input=cfg.input, output=cfg.output, policy=cfg.policy, reference=cfg.reference,
+                    adapter=adapter, reference_adapter_off=adapter_off,
                     records_in=len(records), skipped=dict(skipped), dtype=label, **summary,
                     retokenized_length_differs=differs, retokenized=retokenized,
                     mean_response_tokens=round(sum(len(r) for _, r in seqs) / len(seqs), 2),

@@ -21,7 +21,8 @@ Order of work (torchtune-recipe style: :func:`main` calls one function a step, :
      are not precomputed) and tokenizer;
   4. build ``DPOTrainer`` on those token ids (TRL does not tokenize again; precomputes reference
      log-probs once when ``training.precompute_ref_log_probs`` is on, the stage default), train;
-  5. save into ``<output_dir>.tmp`` (LoRA adapters merged first), rename to ``output_dir``.
+  5. save into ``<output_dir>.tmp`` (LoRA adapters merged first, or the adapter alone with
+     ``save_adapter``), rename to ``output_dir``.
 
 Dry run (``dry_run=true``, :func:`dry_run`): step 1, then steps 3-4 for one optimizer step on dummy
 pairs of ``training.max_length`` tokens; it writes only ``<output_dir>.dry_run.json``.
@@ -29,6 +30,13 @@ pairs of ``training.max_length`` tokens; it writes only ``<output_dir>.dry_run.j
 The reference model: ``reference=None`` (or the policy's own path) means "the policy as it is
 before this stage", i.e. the loop's ``ref_model: previous``; ``reference=<dir>`` (the loop's
 ``ref_model: initial``) loads that checkpoint as ``ref_model``. The stats record which one.
+
+LoRA through the loop (``lora`` with ``adapter`` / ``save_adapter``; docs/dpo.md): the policy is
+``policy`` (the base, unchanged) plus the adapter folder ``adapter`` (none at the first iteration),
+and only the adapter trains. The reference is never a second model: ``reference`` equal to the base
+(the loop's ``ref_model: initial``) is the base with the adapter switched off; ``reference: null``
+(``previous``) is a frozen copy of the adapter as the stage got it (TRL's ``ref`` adapter), whose
+log-probs are precomputed like any reference's. ``reference.lora_reference`` in the stats says which.
 
 Token ids: a response is trained on as the tokenization of its text (the record holds the text,
 not the sampled ids). That equals the sampled ids except where the sampler chose another split of
@@ -55,7 +63,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from online_rlhf.checkpoint import publish, rmtree
+from online_rlhf.adapters import continued_lora_config, load_adapter_weights, load_with_adapter, save_adapter, split_model
+from online_rlhf.checkpoint import finish_checkpoint, folder_mb, publish, rmtree
 from online_rlhf.config import ConfigError, run_main
 from online_rlhf.dry_run import dummy_ids, exit_if_out_of_memory, finish, is_main_rank, out_of_memory_errors
 from online_rlhf.hardware import check_process_count, describe, launch_world_size, processes_here, stage_threads
@@ -79,8 +88,13 @@ class DPORun:
         t_start: ``time.perf_counter()`` at the start.  on_gpu: CUDA is available.
         out_dir, tmp_dir, work_dir: ``output_dir`` (resolved), ``<output_dir>.tmp`` (the checkpoint
             while it is written), ``<output_dir>.work`` (the pairs dataset).
-        args: the ``trl.DPOConfig``; lora_config: the ``peft.LoraConfig`` or None.
+        args: the ``trl.DPOConfig``; lora_config: the ``peft.LoraConfig`` or None (a continued
+            adapter's own config: :func:`online_rlhf.adapters.continued_lora_config`).
         policy_path, ref_path: resolved checkpoints (``ref_path`` None: the policy is the reference).
+        adapter: the LoRA adapter folder the policy starts from (on ``policy_path``, its base), or None.
+        lora_reference: with LoRA and no reference model, what stands in for it: ``adapter_off``
+            (the base with the adapter switched off: a reference equal to the base, or a fresh
+            adapter) or ``previous_adapter`` (a frozen copy of ``adapter``: TRL's ``ref`` adapter).
         pol_stored, ref_stored: the dtypes their config.json declare; pol_dtype, ref_dtype: as loaded.
     """
 
@@ -94,6 +108,8 @@ class DPORun:
     lora_config: Any
     policy_path: str
     ref_path: Optional[str]
+    adapter: Optional[str]
+    lora_reference: Optional[str]
     pol_stored: Optional[str]
     ref_stored: Optional[str]
     pol_dtype: str
@@ -147,11 +163,26 @@ def construct(cfg: DPOStageConfig, for_dry_run: bool = False) -> DPORun:
     lora_config = build_lora_config(cfg.lora)
     log_probs_layout(cfg.log_probs, on_gpu, cfg.attn_implementation)  # a layout the attention allows
     trust = args.trust_remote_code
-    policy_path = resolve_model(cfg.policy)
+    try:
+        base, adapter = split_model(resolve_model(cfg.policy), cfg.adapter)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if adapter is not None and lora_config is None:
+        raise ConfigError(f"policy {adapter} is a LoRA adapter folder; continuing it needs lora (the same r and "
+                          "lora_alpha), or merge it first (scripts/merge_lora.py) and give the merged checkpoint.")
+    if adapter is not None:
+        lora_config = continued_lora_config(adapter, cfg.lora)
+    policy_path = resolve_model(base)
     ref_path = resolve_model(cfg.reference) if cfg.reference is not None else None
-    if ref_path is not None and Path(ref_path).exists() and Path(policy_path).exists() and \
-            Path(ref_path).resolve() == Path(policy_path).resolve():
-        ref_path = None  # the same checkpoint: treat as "reference = policy"
+    same_as_policy = ref_path is not None and Path(ref_path).exists() and Path(policy_path).exists() and \
+        Path(ref_path).resolve() == Path(policy_path).resolve()
+    if same_as_policy:
+        ref_path = None  # the same checkpoint: treat as "reference = policy" (with an adapter: its base)
+    lora_reference = None
+    if lora_config is not None and ref_path is None:
+        # a reference equal to the adapter's base, or a fresh adapter (zero update): the adapter switched
+        # off; no reference given while an adapter is continued: the adapter as it was (TRL's "ref" copy)
+        lora_reference = "previous_adapter" if adapter is not None and not same_as_policy else "adapter_off"
     pol_stored = stored_dtype(policy_path, trust)
     ref_stored = stored_dtype(ref_path, trust) if ref_path else pol_stored
     pol_dtype, ref_dtype = resolve_load_dtypes(cfg.torch_dtype, pol_stored, ref_stored, on_gpu, args.fp16, args.bf16)
@@ -159,8 +190,8 @@ def construct(cfg: DPOStageConfig, for_dry_run: bool = False) -> DPORun:
         raise ConfigError("lora with DeepSpeed ZeRO-3 is not supported by this stage (the merge needs the full "
                           "weights on one rank); use the zero2 profile for LoRA.")
     return DPORun(cfg=cfg, t_start=t_start, on_gpu=on_gpu, out_dir=out_dir, tmp_dir=tmp_dir, work_dir=work_dir,
-                  args=args, lora_config=lora_config, policy_path=policy_path, ref_path=ref_path,
-                  pol_stored=pol_stored, ref_stored=ref_stored, pol_dtype=pol_dtype, ref_dtype=ref_dtype)
+                  args=args, lora_config=lora_config, policy_path=policy_path, ref_path=ref_path, adapter=adapter,
+                  lora_reference=lora_reference, pol_stored=pol_stored, ref_stored=ref_stored, pol_dtype=pol_dtype, ref_dtype=ref_dtype)
 
 
 def _empty_pairs_error(pairs: str) -> DataError:
@@ -253,6 +284,8 @@ def load_models(run: DPORun):
     attn, trust = run.cfg.attn_implementation, run.trust
     policy = load_causal_lm(run.policy_path, run.pol_dtype, attn, trust)
     orig_config = policy.config.to_dict()
+    if run.lora_reference == "previous_adapter":  # TRL copies it into a frozen "ref" adapter: the reference
+        policy = load_with_adapter(policy, run.adapter, trainable=True)
     ref_model, reference_kind = None, "policy"
     if run.ref_path is not None:
         ref_model, reference_kind = load_causal_lm(run.ref_path, run.ref_dtype, attn, trust), "explicit"
@@ -265,10 +298,23 @@ def load_models(run: DPORun):
 def build_trainer(run: DPORun, policy, ref_model, train_ds, tokenizer):
     """Step 4's trainer: the stage's ``DPOTrainer`` (:func:`timed_trainer_class`, in the
     :func:`log_probs_layout` of ``cfg.log_probs``) on ``train_ds``'s token ids. TRL precomputes the
-    reference log-probs here when ``training.precompute_ref_log_probs`` is on."""
-    return timed_trainer_class(log_probs_layout(run.cfg.log_probs, run.on_gpu, run.cfg.attn_implementation))(
+    reference log-probs here when ``training.precompute_ref_log_probs`` is on.
+
+    A continued LoRA adapter whose reference is the base (``lora_reference`` ``adapter_off``): TRL
+    wraps the base in a fresh adapter of the same config (its reference is then the adapter switched
+    off, and no ``ref`` copy is made), and the adapter's weights are loaded into it after TRL's init,
+    i.e. after the reference log-probs were precomputed without it."""
+    from accelerate.utils import is_peft_model
+
+    trainer = timed_trainer_class(log_probs_layout(run.cfg.log_probs, run.on_gpu, run.cfg.attn_implementation))(
         model=policy, ref_model=ref_model, args=run.args, train_dataset=train_ds, processing_class=tokenizer,
-        peft_config=run.lora_config)
+        peft_config=None if is_peft_model(policy) else run.lora_config)
+    if run.adapter is not None and run.lora_reference == "adapter_off":
+        try:
+            load_adapter_weights(trainer.model, run.adapter)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    return trainer
 
 
 def setup(run: DPORun, data: DPOData):
@@ -316,7 +362,13 @@ def save(run: DPORun, trainer, orig_config: dict) -> float:
     t0 = time.perf_counter()
     is_main = trainer.accelerator.is_main_process
     try:
-        save_checkpoint(trainer, run.tmp_dir, run.policy_path, orig_config, run.lora_config is not None, run.trust)
+        if run.cfg.save_adapter:  # the adapter only, naming policy_path as its base
+            if is_main:
+                save_adapter(trainer.accelerator.unwrap_model(trainer.model), run.tmp_dir, run.policy_path)
+                finish_checkpoint(run.tmp_dir, run.policy_path, run.trust)
+            trainer.accelerator.wait_for_everyone()
+        else:
+            save_checkpoint(trainer, run.tmp_dir, run.policy_path, orig_config, run.lora_config is not None, run.trust)
         if is_main:
             publish(run.tmp_dir, run.out_dir)
             rmtree(run.work_dir)
@@ -336,7 +388,8 @@ def write_stats(run: DPORun, data: DPOData, trainer, train_out, reference_kind: 
         policy=run.policy_path,
         reference={"source": reference_kind, "path": run.ref_path or run.policy_path,
                    "precomputed_log_probs": bool(args.precompute_ref_log_probs),
-                   "lora_adapter_disabled": run.lora_config is not None and run.ref_path is None},
+                   "lora_adapter_disabled": run.lora_reference == "adapter_off",
+                   "lora_reference": run.lora_reference},
         pairs_file=str(cfg.pairs),
         pairs_in=data.pairs_in,
         pairs_used=len(kept),
@@ -350,6 +403,9 @@ def write_stats(run: DPORun, data: DPOData, trainer, train_out, reference_kind: 
         dtype={"policy_stored": run.pol_stored, "reference_stored": run.ref_stored, "loaded": run.pol_dtype,
                "bf16": bool(args.bf16), "fp16": bool(args.fp16)},
         lora=cfg.lora,
+        adapter=run.adapter,
+        saved="adapter" if cfg.save_adapter else "checkpoint",
+        saved_mb=round(folder_mb(run.out_dir), 2),
         hardware=describe("cuda" if on_gpu else "cpu",
                           run.pol_dtype + (" + bf16 autocast" if args.bf16 else " + fp16 autocast" if args.fp16 else ""),
                           processes=trainer.accelerator.num_processes),

@@ -64,7 +64,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from online_rlhf.checkpoint import finish_checkpoint, publish, restore_input_config, rmtree
+from online_rlhf.adapters import continued_lora_config, load_with_adapter, save_adapter, split_model
+from online_rlhf.checkpoint import finish_checkpoint, folder_mb, publish, restore_input_config, rmtree
 from online_rlhf.config import ConfigError, run_main
 from online_rlhf.dry_run import dummy_ids, exit_if_out_of_memory, finish, out_of_memory_errors
 from online_rlhf.hardware import (check_process_count, compute_dtype, describe, launch_world_size, processes_here,
@@ -75,6 +76,7 @@ from online_rlhf.paths import resolve_model, setup_cache_env
 from online_rlhf.stage_configs import GRPOStageConfig
 from online_rlhf.stages.dpo_trainer import load_causal_lm, prepared_forward, stored_dtype
 from online_rlhf.stats import DryRunStats, GRPOStats, stats_path
+from online_rlhf.trl_args import check_lora
 from online_rlhf.stages.grpo_data import load_groups, group_advantages, build_completions, data_warnings
 from online_rlhf.stages.grpo_objective import all_log_probs, collate, completion_log_probs, grpo_loss, pad_rows
 
@@ -152,17 +154,25 @@ def train(cfg: GRPOStageConfig, accelerator, model, optimizer, completions: list
     return history
 
 
-def save(accelerator, model, tmp_dir: Path, out_dir: Path, policy_path: str, orig_config: dict, trust: bool) -> None:
+def save(accelerator, model, tmp_dir: Path, out_dir: Path, policy_path: str, orig_config: dict, trust: bool,
+         lora: str | None = None) -> None:
     """Step 7: write the policy to ``tmp_dir`` (safetensors, the input's tokenizer, generation_config
     and bos/eos/pad ids), then rename it to ``out_dir`` (rank 0). A failure removes ``tmp_dir``
-    (rank 0) and is raised again."""
+    (rank 0) and is raised again. ``lora``: ``"adapter"`` saves the LoRA adapter only (naming
+    ``policy_path`` as its base), ``"merged"`` merges it into a full checkpoint first (LoRA is
+    refused under ZeRO-3, so the model is whole on rank 0)."""
     try:
-        state = accelerator.get_state_dict(model)  # every rank: gathers ZeRO-3 shards
+        state = accelerator.get_state_dict(model) if lora is None else None  # every rank: gathers ZeRO-3 shards
         if accelerator.is_main_process:
             rmtree(tmp_dir)
             unwrapped = accelerator.unwrap_model(model)
-            restore_input_config(unwrapped, policy_path, orig_config)
-            unwrapped.save_pretrained(tmp_dir, state_dict=state, safe_serialization=True)
+            if lora == "adapter":
+                save_adapter(unwrapped, tmp_dir, policy_path)
+            else:
+                if lora == "merged":
+                    unwrapped = unwrapped.merge_and_unload()
+                restore_input_config(unwrapped, policy_path, orig_config)
+                unwrapped.save_pretrained(tmp_dir, state_dict=state, safe_serialization=True)
             finish_checkpoint(tmp_dir, policy_path, trust)
             publish(tmp_dir, out_dir)
         accelerator.wait_for_everyone()
@@ -210,13 +220,49 @@ def _accelerator(cfg: GRPOStageConfig):
     return acc
 
 
-def load_policy(cfg: GRPOStageConfig, policy_path: str, on_gpu: bool, with_reference: bool):
-    """The policy to train (in the stage's dtype, gradient checkpointing as set) and, when
-    ``with_reference`` and ``beta > 0`` and ``reference`` is another checkpoint, the reference model.
+def policy_and_adapter(cfg: GRPOStageConfig) -> tuple[str, str | None]:
+    """``(the policy's resolved checkpoint, the LoRA adapter folder it starts from or None)``: a
+    ``policy`` that is an adapter folder is its base plus itself (:func:`online_rlhf.adapters.split_model`).
+
+    Raises:
+        ConfigError: both are adapters, or an adapter without ``lora``.
+    """
+    try:
+        base, adapter = split_model(resolve_model(cfg.policy), cfg.adapter)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if adapter is not None and not cfg.lora:
+        raise ConfigError(f"policy {adapter} is a LoRA adapter folder; continuing it needs lora (the same r and "
+                          "lora_alpha), or merge it first (scripts/merge_lora.py) and give the merged checkpoint.")
+    return resolve_model(base), adapter
+
+
+def _with_lora(cfg: GRPOStageConfig, model, adapter: str | None):
+    """``model`` wrapped for LoRA training (``cfg.lora``): the adapter folder ``adapter`` continued
+    (its own config; ``r`` / ``lora_alpha`` of ``cfg.lora`` must agree), or a fresh adapter; only
+    the adapter's weights train."""
+    from peft import get_peft_model
+
+    if adapter is not None:
+        continued_lora_config(adapter, cfg.lora)  # ConfigError when r / lora_alpha changed
+        model = load_with_adapter(model, adapter, trainable=True)
+    else:
+        model = get_peft_model(model, check_lora(cfg.lora, "lora"))
+    if cfg.gradient_checkpointing:
+        model.enable_input_require_grads()  # the frozen embeddings' output must carry gradients
+    return model
+
+
+def load_policy(cfg: GRPOStageConfig, policy_path: str, on_gpu: bool, with_reference: bool,
+                adapter: str | None = None):
+    """The policy to train (in the stage's dtype, gradient checkpointing as set; with ``cfg.lora`` a
+    LoRA adapter on it, ``adapter`` continued) and, when ``with_reference`` and ``beta > 0`` and
+    ``reference`` is another checkpoint, the reference model.
 
     Returns:
         ``(model, its config as loaded (a dict, for the save), ref_model | None, ref_path | None (None: the
-        policy is the reference), stored dtype, dtype)``.
+        policy is the reference), stored dtype, dtype, ref_adapter_off)``; ``ref_adapter_off``: the
+        reference is the policy's base with the continued adapter switched off (no second model).
     """
     pol_stored = stored_dtype(policy_path)
     dtype = cfg.torch_dtype if cfg.torch_dtype != "auto" else ("float32" if not on_gpu else pol_stored or "float32")
@@ -224,41 +270,55 @@ def load_policy(cfg: GRPOStageConfig, policy_path: str, on_gpu: bool, with_refer
     orig_config = model.config.to_dict()
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    if cfg.lora:
+        model = _with_lora(cfg, model, adapter)
     ref_path = resolve_model(cfg.reference) if cfg.reference is not None else None
+    ref_adapter_off = False
     if ref_path is not None and Path(ref_path).exists() and Path(policy_path).exists() and \
             Path(ref_path).resolve() == Path(policy_path).resolve():
         ref_path = None  # the same checkpoint: its log-probs are the old log-probs
+        ref_adapter_off = adapter is not None  # ... unless an adapter sits on it: then the adapter switched off
     ref_model = None
     if cfg.beta != 0.0 and ref_path is not None and with_reference:
         ref_model = load_causal_lm(ref_path, dtype, cfg.attn_implementation, False)
-    return model, orig_config, ref_model, ref_path, pol_stored, dtype
+    return model, orig_config, ref_model, ref_path, pol_stored, dtype, ref_adapter_off
 
 
-def prepare_models(cfg: GRPOStageConfig, accelerator, policy_path: str, on_gpu: bool, with_reference: bool):
-    """:func:`load_policy`, the reference on the accelerator's device, AdamW over the policy, and
-    ``accelerator.prepare`` of both (the stage and its dry run).
+def prepare_models(cfg: GRPOStageConfig, accelerator, policy_path: str, on_gpu: bool, with_reference: bool,
+                   adapter: str | None = None):
+    """:func:`load_policy`, the reference on the accelerator's device, AdamW over the policy's
+    trainable weights (with LoRA: the adapter's), and ``accelerator.prepare`` of both (the stage and
+    its dry run).
 
     Returns:
-        ``(model, optimizer, ref_model or None, orig_config, ref_path, pol_stored, dtype)``.
+        ``(model, optimizer, ref_model or None, orig_config, ref_path, pol_stored, dtype, ref_adapter_off)``.
     """
     import torch
 
-    model, orig_config, ref_model, ref_path, pol_stored, dtype = load_policy(cfg, policy_path, on_gpu, with_reference)
+    model, orig_config, ref_model, ref_path, pol_stored, dtype, ref_adapter_off = load_policy(
+        cfg, policy_path, on_gpu, with_reference, adapter)
     if ref_model is not None:
         ref_model = ref_model.to(accelerator.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
+                                  weight_decay=cfg.weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)
-    return model, optimizer, ref_model, orig_config, ref_path, pol_stored, dtype
+    return model, optimizer, ref_model, orig_config, ref_path, pol_stored, dtype, ref_adapter_off
 
 
 def old_and_reference_log_probs(cfg: GRPOStageConfig, accelerator, model, ref_model, completions: list[dict],
-                                pad_id: int) -> tuple[list[list[float]], list[list[float]] | None]:
+                                pad_id: int, ref_adapter_off: bool = False
+                                ) -> tuple[list[list[float]], list[list[float]] | None]:
     """Every completion's per-token log-probs under the policy before any update (``old``) and, when
     ``beta != 0``, under the reference (the policy's own when ``ref_model`` is None: the reference is
-    the policy); ``ref`` is None at ``beta == 0``."""
+    the policy; with ``ref_adapter_off`` the policy's LoRA adapter switched off: its base); ``ref``
+    is None at ``beta == 0``."""
     old = all_log_probs(accelerator, model, completions, cfg.per_device_train_batch_size, pad_id, cfg.temperature)
     if cfg.beta == 0.0:
         return old, None
+    if ref_adapter_off:
+        with accelerator.unwrap_model(model).disable_adapter():
+            return old, all_log_probs(accelerator, model, completions, cfg.per_device_train_batch_size, pad_id,
+                                      cfg.temperature)
     if ref_model is None:
         return old, old
     with prepared_forward(accelerator, ref_model):  # the reference as the prepared policy runs: same precision
@@ -314,6 +374,7 @@ class GRPOData:
     pad_id: int
     completions: list[dict]
     info: dict
+    adapter: Optional[str] = None  # the LoRA adapter the policy starts from (on policy_path), or None
 
 
 def setup_data(cfg: GRPOStageConfig) -> GRPOData:
@@ -334,12 +395,12 @@ def setup_data(cfg: GRPOStageConfig) -> GRPOData:
     rewards = torch.tensor([[math.nan if r is None else r for r in g["rewards"]] + [math.nan] * (K - len(g["rewards"]))
                             for g in groups], dtype=torch.float64)  # (G, K)
     advantages, usable = group_advantages(rewards, cfg.scale_rewards)
-    policy_path = resolve_model(cfg.policy)
+    policy_path, adapter = policy_and_adapter(cfg)
     tokenizer, pad_id = load_tokenizer(policy_path)
     completions, info = build_completions(groups, advantages, usable, tokenizer, cfg.max_length,
                                           cfg.mask_truncated_completions)
     return GRPOData(groups=groups, read_info=read_info, policy_path=policy_path, pad_id=pad_id,
-                    completions=completions, info=info)
+                    completions=completions, info=info, adapter=adapter)
 
 
 @dataclass
@@ -356,6 +417,7 @@ class GRPOModels:
     dtype: str
     old: list[list[float]]
     ref: Optional[list[list[float]]]
+    ref_adapter_off: bool = False
 
 
 def setup(cfg: GRPOStageConfig, data: GRPOData, on_gpu: bool) -> tuple[GRPOModels, dict]:
@@ -368,15 +430,17 @@ def setup(cfg: GRPOStageConfig, data: GRPOData, on_gpu: bool) -> tuple[GRPOModel
     """
     accelerator = _accelerator(cfg)
     t0 = time.perf_counter()
-    model, optimizer, ref_model, orig_config, ref_path, pol_stored, dtype = prepare_models(
-        cfg, accelerator, data.policy_path, on_gpu, with_reference=bool(data.completions))
+    model, optimizer, ref_model, orig_config, ref_path, pol_stored, dtype, ref_adapter_off = prepare_models(
+        cfg, accelerator, data.policy_path, on_gpu, with_reference=bool(data.completions), adapter=data.adapter)
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    old, ref = old_and_reference_log_probs(cfg, accelerator, model, ref_model, data.completions, data.pad_id)
+    old, ref = old_and_reference_log_probs(cfg, accelerator, model, ref_model, data.completions, data.pad_id,
+                                           ref_adapter_off)
     ref_model = None
     old_s = time.perf_counter() - t0
     models = GRPOModels(accelerator=accelerator, model=model, optimizer=optimizer, orig_config=orig_config,
-                        ref_path=ref_path, pol_stored=pol_stored, dtype=dtype, old=old, ref=ref)
+                        ref_path=ref_path, pol_stored=pol_stored, dtype=dtype, old=old, ref=ref,
+                        ref_adapter_off=ref_adapter_off)
     return models, {"model_loading": load_s, "old_log_probs": old_s}
 
 
@@ -389,7 +453,11 @@ def write_stats(cfg: GRPOStageConfig, data: GRPOData, m: GRPOModels, history: li
     stats = GRPOStats(
         stage="grpo", policy=data.policy_path,
         reference={"source": "none" if cfg.beta == 0.0 else ("explicit" if m.ref_path else "policy"),
-                   "path": m.ref_path or data.policy_path},
+                   "path": m.ref_path or data.policy_path,
+                   "lora_reference": None if cfg.beta == 0.0 or m.ref_path or not cfg.lora else
+                   ("adapter_off" if m.ref_adapter_off or data.adapter is None else "previous_adapter")},
+        adapter=data.adapter, saved="adapter" if cfg.save_adapter else "checkpoint",
+        saved_mb=round(folder_mb(out_dir), 2),
         rewards_file=str(cfg.rewards), groups_in=len(groups), groups_used=info["groups_used"],
         groups_skipped=info["skipped"], skipped_examples=info["examples"], completions_used=len(completions),
         completions_masked=info["masked"], completions_cut=info["cut"], reward_mean=info["reward_mean"],
@@ -449,7 +517,8 @@ def main(cfg: GRPOStageConfig) -> GRPOStats:
         for w in data_warnings(data.info, len(data.groups), len(data.completions), cfg.max_length, cfg.rewards):
             print(f"WARNING: {w}")
     t0 = time.perf_counter()  # 7. save
-    save(m.accelerator, m.model, Path(f"{out_dir}.tmp"), out_dir, data.policy_path, m.orig_config, False)
+    save(m.accelerator, m.model, Path(f"{out_dir}.tmp"), out_dir, data.policy_path, m.orig_config, False,
+         lora=None if not cfg.lora else "adapter" if cfg.save_adapter else "merged")
     seconds["save"] = time.perf_counter() - t0
     return write_stats(cfg, data, m, history, out_dir, on_gpu, seconds, t_start)
 
@@ -510,7 +579,7 @@ def dry_run(cfg: GRPOStageConfig) -> Optional[DryRunStats]:
     status, error, step_s, world, dtype = "ok", None, None, launch_world_size(), cfg.torch_dtype
     with PeakMemory("cuda" if on_gpu else "cpu") as mem:
         try:
-            policy_path = resolve_model(cfg.policy)
+            policy_path, adapter = policy_and_adapter(cfg)
             tokenizer, pad_id = load_tokenizer(policy_path)
             accelerator = _accelerator(cfg)
             world = accelerator.num_processes
@@ -518,9 +587,10 @@ def dry_run(cfg: GRPOStageConfig) -> Optional[DryRunStats]:
             ids = dummy_ids(tokenizer, 2 * n, max(P, C), seed=5)
             completions = [{"prompt_ids": ids[2 * j][:P], "completion_ids": ids[2 * j + 1][:C],
                             "advantage": 1.0 if j % 2 == 0 else -1.0, "group": j // 2} for j in range(n)]
-            model, optimizer, ref_model, _, _, _, dtype = prepare_models(cfg, accelerator, policy_path, on_gpu,
-                                                                          with_reference=True)
-            old, ref = old_and_reference_log_probs(cfg, accelerator, model, ref_model, completions, pad_id)
+            model, optimizer, ref_model, _, _, _, dtype, ref_adapter_off = prepare_models(
+                cfg, accelerator, policy_path, on_gpu, with_reference=True, adapter=adapter)
+            old, ref = old_and_reference_log_probs(cfg, accelerator, model, ref_model, completions, pad_id,
+                                                   ref_adapter_off)
             ref_model = None
             t0 = time.perf_counter()
             train(cfg.model_copy(update={"num_iterations": 1}), accelerator, model, optimizer, completions, old, ref,

@@ -145,8 +145,10 @@ def axolotl_config(cfg: SFTStageConfig, base: str, eos: str, tmp: Path, prepared
         if key in ax:
             raise ConfigError(f"{key}: set by the stage ({why}); remove it from the config.")
     if ax.get("adapter"):
-        raise ConfigError(f"adapter={ax['adapter']!r}: the loop needs a full checkpoint; this stage trains all "
-                          "weights. Remove `adapter` (or merge the adapter yourself with `axolotl merge-lora`).")
+        raise ConfigError(f"adapter={ax['adapter']!r}: the SFT stage trains every weight and hands the loop a full "
+                          "checkpoint (the loop's LoRA adapters start on it). Remove `adapter` (or merge the adapter "
+                          "yourself with `axolotl merge-lora`); for LoRA in the updates set the loop key lora "
+                          "(docs/dpo.md).")
     if ax.get("rl"):
         raise ConfigError(f"rl={ax['rl']!r}: this is the SFT stage; preference training is dpo_iteration/.")
     entry = dataset_entry(ax.pop("datasets", None), cfg.dataset)
