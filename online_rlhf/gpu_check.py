@@ -24,7 +24,10 @@ Components, in order, for each model (docs/gpu.md says what each one checks):
   step after a resume from the DeepSpeed checkpoint matches the uninterrupted run (after
   DeepSpeed issue #3824, tied embeddings broken by a ZeRO save/load);
 - ``grpo``: the planned GRPO stage for 2 optimizer steps under ZeRO-2;
-- ``loop``: ``bash run_loop.sh`` for 1 iteration with ``launch_profile: zero2``, and its report.
+- ``loop``: ``bash run_loop.sh`` for 1 iteration with ``launch_profile: zero2``, and its report;
+- ``lora``: ``bash run_loop.sh`` for 2 iterations with the loop's ``lora`` key under ZeRO-2: adapter-only
+  saves, iteration 2 sampled with CUDA vLLM's LoRA (``enable_lora``, a ``LoRARequest``) and trained on
+  from iteration 1's adapter.
 
 Prints a table (component, model, PASS/FAIL, seconds, figure) and exits 1 when any component
 failed, 0 when all passed, 2 on bad arguments (or no CUDA device without ``--plan-only``).
@@ -56,7 +59,7 @@ from .jsonl import read_json, write_json, write_jsonl
 from .paths import PROJECT_ROOT, default_model_dir
 from .testing import constraint_prompts
 
-COMPONENTS = ("plan", "generation", "rm_scoring", "reward_server", "dpo_zero2", "tied_weights", "grpo", "loop")
+COMPONENTS = ("plan", "generation", "rm_scoring", "reward_server", "dpo_zero2", "tied_weights", "grpo", "loop", "lora")
 MODELS = ("tiny", "default")
 K = 4  # responses per prompt in the generation, GRPO and loop checks
 PROMPTS_PER_GPU = 8  # the planned iteration's prompts (enough for the loop's random tiny policy to make pairs)
@@ -304,6 +307,24 @@ def verify_loop(run_dir: Path) -> tuple[bool, str]:
                f"held-out reward {rewards}"
 
 
+def verify_lora(run_dir: Path, gpus: int) -> tuple[bool, str]:
+    """The 2-iteration LoRA loop saved adapters (no full checkpoint), iteration 2 decoded with
+    iteration 1's adapter on CUDA and its DPO under ZeRO-2 continued that adapter."""
+    from .jsonl import read_jsonl
+
+    its = [r.get("iteration") for r in read_jsonl(run_dir / "metrics.jsonl")]
+    adapters = [(run_dir / f"iter_{i}" / "model" / "adapter_config.json").is_file() for i in (1, 2)]
+    full = [(run_dir / f"iter_{i}" / "model" / "model.safetensors").exists() for i in (1, 2)]
+    dpo = _stats(run_dir / "iter_2" / "model.stats.json")
+    gen = _stats(run_dir / "iter_2" / "generated.jsonl.stats.json")
+    devices = sorted({s["hardware"].get("device") for s in gen["shards"]})
+    ok = (its == [0, 1, 2] and all(adapters) and not any(full) and dpo.get("adapter") == str(run_dir / "iter_1" / "model")
+          and dpo.get("deepspeed_zero_stage") == 2 and dpo["num_processes"] == gpus
+          and gen.get("adapter") == str(run_dir / "iter_1" / "model") and devices == ["cuda"])
+    return ok, (f"iterations {its}, adapters {adapters}, saved {dpo.get('saved_mb')} MB, iteration-2 decode "
+                f"{gen.get('generated_tokens_per_s')} tok/s on {devices} with the adapter")
+
+
 def build_checks(args: argparse.Namespace, work: Path, gpus: int, attn: str) -> list[Check]:
     """Plan every run (the ``plan`` component is done here: its Check only reports) and return the
     checks to run, in order: per model, ``args.only`` in :data:`COMPONENTS` order.
@@ -334,6 +355,8 @@ def build_checks(args: argparse.Namespace, work: Path, gpus: int, attn: str) -> 
                        "--num_processes", str(gpus), "--main_process_port", str(_free_port()), "-m", "online_rlhf.gpu_check",
                        "tied-worker", "--model", str(mdir), "--dir", str(tied_dir)]
         loop_run = work / "runs" / f"{model}_loop"
+        lora_run = work / "runs" / f"{model}_lora"
+        lora_over = [o for o in over if not o.startswith("iterations=")] + ["iterations=2", "lora={r: 8, alpha: 16}"]
         table = {
             "generation": Check("generation", model, [_exec(dpo_run, "generate")],
                                 lambda r=dpo_run: verify_generation(r, gpus), t),
@@ -357,6 +380,9 @@ def build_checks(args: argparse.Namespace, work: Path, gpus: int, attn: str) -> 
             "loop": Check("loop", model, [["bash", str(PROJECT_ROOT / "run_loop.sh"), "configs/loop.yaml",
                                            f"run_name={model}_loop", *over]],
                           lambda r=loop_run: verify_loop(r), 2 * t),
+            "lora": Check("lora", model, [["bash", str(PROJECT_ROOT / "run_loop.sh"), "configs/loop.yaml",
+                                           f"run_name={model}_lora", *lora_over]],
+                          lambda r=lora_run: verify_lora(r, gpus), 3 * t),
         }
         checks += [table[c] for c in COMPONENTS if c in args.only and c != "plan"]
     return checks
