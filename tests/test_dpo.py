@@ -262,7 +262,8 @@ def test_reference_checkpoint_is_the_one_used(tmp_path, models, precompute):
     assert abs(expected - math.log(2)) > 0.01  # the check can tell the two references apart
     assert with_ref.train_loss_first == pytest.approx(expected, rel=1e-4)
     assert with_ref.reference.model_dump() == {"source": "explicit", "path": models["p0"],
-                                     "precomputed_log_probs": precompute, "lora_adapter_disabled": False}
+                                     "precomputed_log_probs": precompute, "lora_adapter_disabled": False,
+                                     "lora_reference": None}
     same = run_dpo.main(_cfg(tmp_path, models["p1"], pairs, reference=None, training=training))
     assert same.train_loss_first == pytest.approx(math.log(2), abs=1e-5)
     assert same.reference.source == "policy"

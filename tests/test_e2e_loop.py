@@ -215,3 +215,78 @@ def test_second_loop_on_a_busy_run_dir_is_refused(tiny_policy, tmp_path):
     p = _run_loop([*args, f"eval_prompts={bad}", "--fresh"], timeout=300)
     assert p.returncode != 0 and f"{bad}:2" in p.stderr, p.stderr[-2000:]
     assert "fresh start" not in p.stdout and (tmp_path / "busy" / "iter_0" / "kept.txt").exists()
+
+
+# --- LoRA through the loop (the loop's lora key) --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_policy, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora_runs")
+    data = tmp_path_factory.mktemp("lora_prompts")
+    train = constraint_prompts(data / "train.jsonl", 12, "t")
+    evals = constraint_prompts(data / "eval.jsonl", 6, "e")
+    args = ["configs/loop.yaml", f"policy={tiny_policy}", f"output_root={out}", "run_name=lora",
+            f"train_prompts={train}", f"eval_prompts={evals}", *SMALL, "lora={r: 8, alpha: 16}",
+            "dpo.training.learning_rate=1e-2"]
+    p = _run_loop(args)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return out / "lora", args
+
+
+def test_lora_loop_saves_adapters_and_decodes_every_stage_with_them(lora_run, tiny_policy):
+    run_dir, _ = lora_run
+    for i in (1, 2):
+        model = run_dir / f"iter_{i}" / "model"
+        assert (model / "adapter_config.json").is_file() and not (model / "model.safetensors").exists()
+        dpo = read_json(run_dir / f"iter_{i}" / "model.stats.json")
+        assert dpo["saved"] == "adapter" and dpo["reference"]["lora_reference"] == "adapter_off"
+        assert dpo["adapter"] == (None if i == 1 else str(run_dir / "iter_1" / "model"))
+        assert read_json(run_dir / f"iter_{i}" / "eval_generated.jsonl.stats.json")["adapter"] == str(model)
+        kl = read_json(run_dir / f"iter_{i}" / "kl.jsonl.stats.json")
+        assert kl["adapter"] == str(model) and kl["reference_adapter_off"] and kl["reference"] == str(tiny_policy)
+    assert read_json(run_dir / "iter_1" / "generated.jsonl.stats.json")["adapter"] is None  # the starting policy
+    assert read_json(run_dir / "iter_2" / "generated.jsonl.stats.json")["adapter"] == str(run_dir / "iter_1" / "model")
+    assert [r["iteration"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [0, 1, 2]
+
+
+def test_lora_loop_killed_during_dpo_resumes_to_the_same_adapter(lora_run, tmp_path):
+    """Back to iteration 2 before its DPO, killed during that DPO, run again: the stage reruns from
+    iteration 1's adapter and saves the same adapter, so the later stages, whose hash covers it,
+    stay done."""
+    import shutil
+
+    run_dir, args = lora_run
+    killed = tmp_path / "lora"
+    shutil.copytree(run_dir, killed)
+    it2 = killed / "iter_2"
+    for name in ("dpo.done", "model", "model.stats.json", "logs/dpo.log"):
+        target = it2 / name
+        shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    (killed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    args = [a if not a.startswith("output_root=") else f"output_root={tmp_path}" for a in args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(["bash", "run_loop.sh", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
+    deadline = time.monotonic() + 600
+    try:
+        while time.monotonic() < deadline:
+            if (it2 / "logs" / "dpo.log").exists() and (it2 / "logs" / "dpo.log").stat().st_size > 0:
+                time.sleep(2)
+                break
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            time.sleep(0.2)
+        subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)], check=False)
+    finally:
+        proc.wait(timeout=60)
+    assert not (it2 / "dpo.done").exists() and not (it2 / "model" / "adapter_model.safetensors").exists()
+    p = _run_loop(args)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    assert "iteration 2/2 · dpo (train env)" in p.stdout
+    for stage in ("generate", "pairs", "eval_generate", "kl"):
+        assert f"iteration 2/2 · {stage}: done earlier, skipped" in p.stdout, stage
+    from safetensors.torch import load_file
+
+    ours = load_file(it2 / "model" / "adapter_model.safetensors")
+    ref = load_file(run_dir / "iter_2" / "model" / "adapter_model.safetensors")
+    assert ours.keys() == ref.keys() and all((ours[k] == ref[k]).all() for k in ref)

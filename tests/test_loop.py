@@ -146,6 +146,19 @@ def test_rlhflow_gpu_config_validates_dry():
     assert d["reference"] == "RLHFlow/LLaMA3-SFT" and d["policy"] == "/r/iter_2/model"
 
 
+def test_one_gpu_lora_config_validates_dry():
+    """The 8B-on-one-GPU LoRA recipe: resolved dry, every update an adapter on the SFT policy."""
+    trl = pytest.importorskip("trl")
+    cfg = loop.resolve(str(ROOT / "configs/lora_llama3_8b_1gpu.yaml"), [])
+    assert (cfg.num_processes, cfg.generation_shards, cfg.lora.r) == (1, 1, 32)
+    assert set(cfg.dpo.training) <= {f.name for f in dataclasses.fields(trl.DPOConfig)}
+    d = loop.stage_dict(cfg, Path("/r"), 3, "dpo")
+    assert d["policy"] == d["reference"] == "RLHFlow/LLaMA3-SFT" and d["adapter"] == "/r/iter_2/model"
+    assert d["save_adapter"] and d["lora"]["lora_alpha"] == 64
+    g = loop.stage_dict(cfg, Path("/r"), 3, "generate")
+    assert g["model"] == "RLHFlow/LLaMA3-SFT" and g["adapter"] == "/r/iter_2/model"
+
+
 def test_default_dpo_training_keys_are_trl_fields():
     trl = pytest.importorskip("trl")
     cfg = loop.resolve(str(ROOT / "configs/loop.yaml"), [])
