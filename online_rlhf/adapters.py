@@ -107,6 +107,21 @@ def vllm_max_lora_rank(rank: int) -> int:
                      "train with a smaller lora.r.")
 
 
+def unknown_target_modules(model: str, names: list[str]) -> tuple[list[str], list[str]]:
+    """``(names of ``names`` that match no linear layer of the local checkpoint ``model``, the short
+    names of its linear layers)``: peft matches a target module by the end of a module's dotted name.
+    The model is built from its config on the meta device (no weights are read)."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with init_empty_weights():
+        m = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
+    linear = [n for n, mod in m.named_modules() if isinstance(mod, torch.nn.Linear)]
+    missing = [t for t in names if not any(n == t or n.endswith("." + t) for n in linear)]
+    return missing, sorted({n.rsplit(".", 1)[-1] for n in linear})
+
+
 def peft_lora_dict(lora: dict) -> dict:
     """The ``peft.LoraConfig`` fields the loop's ``lora`` section stands for: ``r``, ``alpha`` ->
     ``lora_alpha``, ``dropout`` -> ``lora_dropout``, ``target_modules``; other keys pass as peft names."""

@@ -15,7 +15,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, create_model, field_validator, model_validator
 
-from .config import StageConfig, deep_merge
+from .config import StageConfig, deep_merge, did_you_mean
 from .stage_configs import (SEED_MAX, DPOStageConfig, GenerateConfig, GRPOStageConfig, IFEvalSection, LaunchProfile,
                             PairsConfig, RewardConfig, check_machines)
 from .stage_table import STAGES
@@ -111,6 +111,32 @@ class LoopLora(StageConfig):
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input (peft's lora_dropout); TRL's DPO turns dropout off by default anyway (disable_dropout)")
     target_modules: Union[str, list[str]] = Field("all-linear", description="the modules that get an adapter: all-linear (every linear layer but the LM head, the QLoRA recipe) or a list of module names, e.g. [q_proj, v_proj]")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: Any) -> Any:
+        """Unknown keys named with the keys ``lora`` takes (peft's own names pointed to ours)."""
+        if isinstance(data, dict):
+            peft_names = {"lora_alpha": "alpha", "lora_dropout": "dropout", "rank": "r"}
+            for key in data:
+                if key not in cls.model_fields:
+                    hint = (f" (peft's {key} is {peft_names[key]} here)" if key in peft_names
+                            else did_you_mean(str(key), cls.model_fields))
+                    raise ValueError(f"unknown key {key!r}{hint}; lora takes r, alpha, dropout, target_modules, "
+                                     "e.g. lora='{r: 16, alpha: 32}'")
+        return data
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _module_names(cls, v: Any) -> Any:
+        ok = (isinstance(v, str) and v.strip()) or (
+            isinstance(v, list) and v and all(isinstance(m, str) and m.strip() for m in v))
+        if not ok:
+            raise ValueError(f"target_modules={v!r}: give all-linear, one module name, or a non-empty list of "
+                             "names, e.g. [q_proj, v_proj]")
+        if isinstance(v, str) and v != "all-linear" and v.replace("_", "-").lower() == "all-linear":
+            raise ValueError(f"target_modules={v!r}: did you mean all-linear (with a hyphen)?")
+        return v
+
     def peft_dict(self) -> dict:
         """The ``peft.LoraConfig`` fields this key stands for (``alpha`` null: ``2 r``)."""
         return {"r": self.r, "lora_alpha": self.alpha if self.alpha is not None else 2 * self.r,
@@ -162,6 +188,15 @@ class LoopConfig(StageConfig):
     co_decode: bool = Field(True, description="decode the generation stages of one policy (an iteration's eval_generate, kl_generate, ifeval_generate, and the next iteration's generate) with one vLLM engine start, each stage keeping its own output, stats and .done (online_rlhf/co_decode.py; a sampled stage joins only an in-process engine, i.e. one CPU shard); false: one engine start per stage")
     wandb: bool = Field(False, description="log the loop's metrics to wandb (offline unless WANDB_MODE is set)")
     dry_run: bool = Field(False, description="memory check instead of the run: plan as usual, then run SFT (when enabled) and iteration 1's generate, rewards (source=reward_model) and dpo (or grpo) stages once each in dry mode (one step at the largest shapes), print peak memory vs available per stage and what to lower; writes no checkpoint and marks no stage done. Exit 1 when a stage would not fit")
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _lora_is_a_mapping(cls, v):
+        if v is not None and not isinstance(v, (dict, LoopLora)):
+            raise ValueError(f"lora must be a mapping of r, alpha, dropout, target_modules, e.g. lora='{{r: 16, "
+                             f"alpha: 32}}' (lora='{{}}' takes every default: r 16, alpha 2 x r); lora=null turns it "
+                             "off")
+        return v
 
     @field_validator("num_processes")
     @classmethod

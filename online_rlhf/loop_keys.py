@@ -25,8 +25,11 @@ from .trl_args import check_axolotl_keys, check_lora
 
 _FILES = "the loop sets each stage's input and output files itself"
 _DRY = "set dry_run=true at the top level (the loop runs each stage once in dry mode)"
+_LORA_KEY = ("the loop's lora key sets it (lora='{r: 16}': every stage then reads the starting policy plus the "
+             "latest adapter, docs/dpo.md)")
 _GEN_OWNED = {
     "model": "the loop sets the policy: set policy= (later iterations sample from the previous model)",
+    "adapter": _LORA_KEY,
     "prompts": "set train_prompts (and prompts_per_iteration / train_limit) at the top level",
     "prompt_field": "set prompt_field / eval_prompt_field at the top level",
     "limit": "set prompts_per_iteration or train_limit (train), eval_limit (held-out) at the top level",
@@ -44,6 +47,7 @@ _LAUNCH = {"num_processes": "set num_processes at the top level (the loop writes
            **{k: f"set {k} at the top level (the loop writes it into the stage's config)"
               for k in ("num_machines", "main_process_ip", "main_process_port")}}
 _DPO_OWNED = {"policy": "set policy= at the top level (later iterations train the previous model)",
+              "adapter": _LORA_KEY, "save_adapter": _LORA_KEY,
               "reference": "set ref_model: initial | previous at the top level",
               "pairs": _FILES, "output_dir": _FILES, **_LAUNCH, "dry_run": _DRY}
 # GRPO keys that describe how the rollouts were sampled: the loop copies them from the generation

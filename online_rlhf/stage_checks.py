@@ -61,6 +61,11 @@ def check_sft_keys(cfg: LoopConfig, i: int, d: dict, sft: StageConfig, where: st
     """
     check_axolotl_keys(sft.model_extra or {}, prefix=f"{cfg.sft.get('config', SFT_CONFIG)}: ",
                        also_known=set(type(sft).model_fields))
+    adapter = (sft.model_extra or {}).get("adapter")
+    if adapter and cfg.sft.get("enabled"):  # the stage refuses it too; here before any stage runs
+        raise ConfigError(f"{where}: sft.adapter={adapter!r} (sft section or {cfg.sft.get('config', SFT_CONFIG)}): the "
+                          "SFT stage trains every weight and hands the loop a full checkpoint. Remove adapter; for "
+                          "LoRA in the updates set the loop key lora (lora='{r: 16}', docs/dpo.md).")
     if cfg.sft.get("enabled"):
         check_sft_data(sft)
 

@@ -314,6 +314,10 @@ class DPOStageConfig(StageConfig):
                              f"the stage's own log-prob layouts, and training.{needs_trl[0]} needs TRL's own "
                              "computation; drop one of them")
         check_lora_keys(self.lora, self.adapter, self.save_adapter, self.launch_profile)
+        if self.lora and t.get("sync_ref_model"):
+            raise ValueError("training.sync_ref_model=true with lora: under LoRA the reference is the policy's adapter "
+                             "switched off (or a frozen copy of it), not a model TRL could sync (TRL refuses it for "
+                             "PEFT models); drop one of them")
         check_output_is_not_a_model(self.output_dir, policy=self.policy, reference=self.reference, adapter=self.adapter)
         return self
 

@@ -30,13 +30,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="dtype of the merged weights (auto: as the base is stored)")
     args = parser.parse_args(argv)
-    from online_rlhf.adapters import adapter_base, is_adapter, merge_adapter
+    from online_rlhf.adapters import ADAPTER_WEIGHTS, adapter_base, is_adapter, merge_adapter
     from online_rlhf.paths import hub_id_shaped
 
+    if not Path(args.adapter).is_dir():
+        print(f"error: {args.adapter}: no such folder; give the iter_<i>/model folder of a run with the loop's lora key.",
+              file=sys.stderr)
+        return 2
     if not is_adapter(args.adapter):
         print(f"error: {args.adapter} holds no adapter_config.json, so it is not a LoRA adapter folder; give the "
               "iter_<i>/model folder of a run with the loop's lora key (a full checkpoint needs no merge).",
               file=sys.stderr)
+        return 2
+    if not (Path(args.adapter) / ADAPTER_WEIGHTS).is_file():
+        print(f"error: {args.adapter} has adapter_config.json but no {ADAPTER_WEIGHTS} (a save that was cut short?); "
+              "rerun the stage that wrote it (run_loop.sh resumes it).", file=sys.stderr)
         return 2
     base = args.base or adapter_base(args.adapter)
     if not Path(base).exists() and not hub_id_shaped(base):
@@ -47,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         out = merge_adapter(args.adapter, Path(args.out_dir), base=base, dtype=args.dtype)
     except FileExistsError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (OSError, RuntimeError, ValueError) as e:  # a base that cannot be loaded (offline Hub id, no weights)
+        print(f"error: cannot merge {args.adapter} into {base}: {type(e).__name__}: {str(e)[:400]}. Give a local "
+              "base checkpoint (config.json + safetensors weights) with --base.", file=sys.stderr)
         return 2
     print(f"merged {args.adapter} into {base} -> {out}")
     return 0

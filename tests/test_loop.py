@@ -144,6 +144,7 @@ def test_rlhflow_gpu_config_validates_dry():
     assert loop.resolve(str(ROOT / "configs/rlhflow_llama3_8b.yaml"), []).prompt_field == "context_messages"
     d = loop.stage_dict(cfg, Path("/r"), 3, "dpo")
     assert d["reference"] == "RLHFlow/LLaMA3-SFT" and d["policy"] == "/r/iter_2/model"
+    _dpo_library_check(cfg)
 
 
 def test_one_gpu_lora_config_validates_dry():
@@ -157,6 +158,17 @@ def test_one_gpu_lora_config_validates_dry():
     assert d["save_adapter"] and d["lora"]["lora_alpha"] == 64
     g = loop.stage_dict(cfg, Path("/r"), 3, "generate")
     assert g["model"] == "RLHFlow/LLaMA3-SFT" and g["adapter"] == "/r/iter_2/model"
+    _dpo_library_check(cfg)
+
+
+def _dpo_library_check(cfg) -> None:
+    """The plan's check of each iteration's trl.DPOConfig (the values TRL refuses together)."""
+    from online_rlhf.dpo_config import check_dpo_config
+    from online_rlhf.stage_configs import DPOStageConfig
+
+    for i in range(1, cfg.iterations + 1):
+        d = DPOStageConfig.from_dict(loop.stage_dict(cfg, Path("/r"), i, "dpo")).model_dump(mode="json")
+        check_dpo_config(d, i, [])
 
 
 def test_default_dpo_training_keys_are_trl_fields():

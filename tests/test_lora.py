@@ -102,8 +102,13 @@ def test_a_plan_without_lora_writes_no_adapter_keys(small_cfg):
     ("launch_profile=zero3", r"zero3 is refused.*zero2"),
     ("per_iteration={2: {lora: {r: 4}}}", r"per_iteration\.2\.lora: cannot be set per iteration"),
     ("dpo.save_adapter=true", r"dpo\.save_adapter"),
-    ("lora={r: 4, rank: 2}", r"lora\.rank"),
+    ("lora={r: 4, rank: 2}", r"unknown key 'rank' \(peft's rank is r here\)"),
+    ("lora={lora_alpha: 8}", r"peft's lora_alpha is alpha here"),
     ("lora={r: 0}", r"lora\.r"),
+    ("lora=true", r"lora must be a mapping.*lora='\{r: 16, alpha: 32\}'"),
+    ("lora={target_modules: []}", r"non-empty list"),
+    ("lora={target_modules: all_linear}", r"did you mean all-linear"),
+    ("dpo.training.sync_ref_model=true", r"sync_ref_model=true with lora"),
 ])
 def test_lora_settings_the_loop_cannot_run_are_refused_before_any_stage(small_cfg, override, match):
     with pytest.raises(ConfigError, match=match):
@@ -293,3 +298,64 @@ def test_the_freshness_hash_covers_the_adapter(small_cfg):
     after = {s: freshness.stage_hash(run_dir, 2, s) for s in ("generate", "dpo")}
     assert all(before[s] != after[s] for s in before)
     assert freshness.stage_hash(run_dir, 2, "pairs") == freshness.stage_hash(run_dir, 2, "pairs")
+
+
+def test_an_adapter_as_the_starting_policy_is_refused_with_the_merge_command(small_cfg, tmp_path):
+    folder = tmp_path / "old_run_iter_2_model"
+    folder.mkdir()
+    (folder / ADAPTER_CONFIG).write_text(json.dumps({"peft_type": "LORA", "r": 8, "base_model_name_or_path": "x"}))
+    args = [a for a in small_cfg if not a.startswith("policy=")] + [f"policy={folder}"]
+    for extra in ([], ["lora={r: 8}"]):
+        with pytest.raises(ConfigError, match=r"is a LoRA adapter folder.*scripts/merge_lora\.py"):
+            loop.resolve(None, args + extra)
+
+
+def test_target_modules_the_policy_does_not_have_are_refused_by_the_plan(small_cfg, base):
+    args = [a for a in small_cfg if not a.startswith("policy=")] + [f"policy={base}"]
+    with pytest.raises(ConfigError, match=r"names qkv_proj, which the policy .* has no linear layer for; its linear "
+                                          r"layers are .*q_proj"):
+        loop.resolve(None, args + ["lora={target_modules: [q_proj, qkv_proj]}"])
+    assert loop.resolve(None, args + ["lora={target_modules: [q_proj, v_proj]}"]).lora.target_modules == ["q_proj", "v_proj"]
+
+
+def test_an_sft_adapter_is_refused_by_the_plan(small_cfg, tmp_path):
+    data = tmp_path / "sft.jsonl"
+    write_jsonl(data, [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}])
+    with pytest.raises(ConfigError, match=r"sft\.adapter='lora'.*set the loop key lora"):
+        loop.resolve(None, small_cfg + ["sft.enabled=true", f"sft.dataset={data}", "sft.adapter=lora"])
+
+
+@pytest.mark.parametrize("case", ["missing", "no_weights", "full_checkpoint"])
+def test_merge_lora_refuses_what_it_cannot_merge_naming_the_fix(tmp_path, base, case):
+    import subprocess
+    import sys
+
+    folder = tmp_path / "adapter"
+    if case == "no_weights":
+        folder.mkdir()
+        (folder / ADAPTER_CONFIG).write_text(json.dumps({"peft_type": "LORA", "r": 8, "base_model_name_or_path": base}))
+    elif case == "full_checkpoint":
+        folder = Path(base)
+    r = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "scripts" / "merge_lora.py"),
+                        str(folder), str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    expected = {"missing": "no such folder", "no_weights": "no adapter_model.safetensors",
+                "full_checkpoint": "a full checkpoint needs no merge"}[case]
+    assert r.returncode == 2 and expected in r.stderr and "Traceback" not in r.stderr, r.stderr[-1500:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_adapter_is_part_of_the_eval_cache_key(tmp_path):
+    from online_rlhf.eval_cache import cache_key
+
+    model, prompts, adapter = tmp_path / "m", tmp_path / "p.jsonl", tmp_path / "a"
+    for d in (model, adapter):
+        d.mkdir()
+    (model / "model.safetensors").write_bytes(b"w")
+    prompts.write_text('{"id": "1", "prompt": "x"}\n')
+    (adapter / "adapter_model.safetensors").write_bytes(b"one")
+    d = {"model": str(model), "adapter": str(adapter), "prompts": str(prompts), "temperature": 0.0, "k": 1}
+    key = cache_key("eval_generate", d, [str(model), str(adapter), str(prompts)])
+    (adapter / "adapter_model.safetensors").write_bytes(b"two")
+    assert cache_key("eval_generate", d, [str(model), str(adapter), str(prompts)]) != key
+    plain = {k: v for k, v in d.items() if k != "adapter"}
+    assert cache_key("eval_generate", plain, [str(model), str(prompts)]) != key

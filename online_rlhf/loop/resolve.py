@@ -52,6 +52,7 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
                               f"(iterations={cfg.iterations}); use one of those numbers, or raise iterations.")
     if cfg.policy != "default":  # the default is prepared by run_loop.sh before the plan runs
         _check_local_model(cfg.policy, "policy", src, "a checkpoint folder, an HF Hub id (owner/name) or 'default'")
+    _check_policy_is_not_an_adapter(cfg, src)
     for i in range(0, cfg.iterations + 1):  # a reward model given as a local path (Hub ids are not looked up here)
         r = iteration_config(cfg, i).reward
         if r.source == "reward_model" and r.reward_model:
@@ -101,6 +102,33 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
               f"{cfg.generation_shards}..{cfg.num_machines - 1} run no generation shard (one shard per device of "
               "every machine is usual).", file=sys.stderr)
     return cfg
+
+
+def _check_policy_is_not_an_adapter(cfg: LoopConfig, src: str) -> None:
+    """The starting policy must be a full checkpoint (every stage reads it, and under ``lora`` the
+    loop puts its own adapters on it); with ``lora``, its ``target_modules`` names must be modules
+    of a local policy (:func:`online_rlhf.adapters.unknown_target_modules`).
+
+    Raises:
+        ConfigError: ``policy`` is a LoRA adapter folder (with the merge command), or a target module
+            the policy does not have (naming the module names it has).
+    """
+    from ..adapters import is_adapter, unknown_target_modules
+    from ..paths import default_model_dir
+
+    policy = str(default_model_dir()) if cfg.policy == "default" else cfg.policy
+    if is_adapter(policy):
+        raise ConfigError(f"{src}: policy={cfg.policy} is a LoRA adapter folder (it holds adapter_config.json); the loop "
+                          "starts from a full checkpoint. Merge it first: .venv-train/bin/python scripts/merge_lora.py "
+                          f"{cfg.policy} <merged folder>, then policy=<merged folder> (add lora='{{r: ...}}' to go on "
+                          "with LoRA).")
+    if cfg.lora is None or cfg.lora.target_modules == "all-linear" or not (Path(policy) / "config.json").is_file():
+        return
+    wanted = [cfg.lora.target_modules] if isinstance(cfg.lora.target_modules, str) else cfg.lora.target_modules
+    missing, linear = unknown_target_modules(policy, wanted)
+    if missing:
+        raise ConfigError(f"{src}: lora.target_modules names {', '.join(missing)}, which the policy {policy} has no "
+                          f"linear layer for; its linear layers are {', '.join(linear)} (or target_modules=all-linear).")
 
 
 def _check_local_model(value: str, key: str, src: str, what: str) -> None:
