@@ -139,7 +139,8 @@ class LoopLora(StageConfig):
 
     def peft_dict(self) -> dict:
         """The ``peft.LoraConfig`` fields this key stands for (``alpha`` null: ``2 r``)."""
-        return {"r": self.r, "lora_alpha": self.alpha if self.alpha is not None else 2 * self.r,
+        alpha = self.alpha if self.alpha is not None else 2 * self.r
+        return {"r": self.r, "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
                 "lora_dropout": self.dropout, "target_modules": self.target_modules}
 
 
