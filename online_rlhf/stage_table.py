@@ -473,10 +473,6 @@ def _reward_model_scores(d: dict) -> bool:
 _TOP_LEVEL_PROMPTS = ("prompt_field", "limit")
 _KL_SAMPLES = "the KL estimate samples from the policy itself"
 
-# The LoRA keys an update stage gets from the loop's lora key (_update_lora), for its YAML's comments.
-_LORA_ORIGINS = {"save_adapter": "loop key lora (adapter-only saves)",
-                 "adapter": "loop key lora (iteration i-1's adapter, continued)"}
-
 # In the order of one iteration.
 STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage(name="sft", env="train", entry="sft/run_sft.py", launch_with="python", config=SFTStageConfig,
@@ -502,13 +498,12 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           inputs=("policy", "adapter", "pairs", "reference"), outputs=("output_dir",), stats=DPOStats, schedule="1..N",
           build=_dpo, sections=("dpo",), stage_file_key="dpo_config", enabled=_dpo_run, every_machine=_always,
           checks=DPO_CHECKS, dry_run=DryRun(iteration=1, policy_keys=("policy", "reference")),
-          loop_owned=("save_adapter",), provenance=Provenance(set_by_plan=_LORA_ORIGINS)),
+          loop_owned=("save_adapter",)),
     Stage(name="grpo", env="train", entry="grpo_iteration/run_grpo.py", launch_with="accelerate",
           config=GRPOStageConfig, inputs=("policy", "adapter", "rewards", "reference"), outputs=("output_dir",), stats=GRPOStats,
           schedule="1..N", build=_grpo, sections=("grpo",), stage_file_key="grpo_config", enabled=_grpo_run,
           every_machine=_always, checks=GRPO_CHECKS, dry_run=DryRun(iteration=1, policy_keys=("policy", "reference")),
           loop_owned=("save_adapter",), provenance=Provenance(set_by_plan={
-              **_LORA_ORIGINS,
               "temperature": "loop key generation.temperature (the rollouts' sampling temperature)",
               "max_completion_length": "loop key generation.max_tokens (the rollouts' max new tokens)"})),
     Stage(name="eval_generate", env="infer", entry="generation/launch.py", launch_with="python",

@@ -37,6 +37,26 @@ def _run_loop(args, timeout=1200, **kw):
                           timeout=timeout, **kw)
 
 
+def _kill_during(args: list[str], stage_log: Path, timeout_s: float = 600) -> None:
+    """Start ``bash run_loop.sh *args``, wait until ``stage_log`` has output (the stage is under
+    way), then kill the run as a crash does: every process of it (stages run in process groups of
+    their own) at once, with SIGKILL, so that no clean-up code runs."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(["bash", "run_loop.sh", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if stage_log.exists() and stage_log.stat().st_size > 0:
+                time.sleep(2)
+                break
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            time.sleep(0.2)
+        subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)], check=False)
+    finally:
+        proc.wait(timeout=60)
+
+
 @pytest.fixture(scope="module")
 def tiny_policy(tmp_path_factory):
     return make_tiny_policy(tmp_path_factory.mktemp("policy") / "tiny", seed=3)
@@ -119,22 +139,7 @@ def test_kill_during_dpo_then_resume_matches_uninterrupted(full_run, tmp_path):
     args = [a if not a.startswith("output_root=") else f"output_root={tmp_path}" for a in args] + ["iterations=1"]
     rows = read_jsonl(run_dir / "metrics.jsonl")
     (killed / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(["bash", "run_loop.sh", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
-    deadline = time.monotonic() + 600
-    try:
-        while time.monotonic() < deadline:  # wait until iteration 1's DPO is under way
-            if (it1 / "logs" / "dpo.log").exists() and (it1 / "logs" / "dpo.log").stat().st_size > 0:
-                time.sleep(2)
-                break
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            time.sleep(0.2)
-        # A crash: every process of the run (stages run in process groups of their own) dies at
-        # once and no clean-up code runs.
-        subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)], check=False)
-    finally:
-        proc.wait(timeout=60)
+    _kill_during(args, it1 / "logs" / "dpo.log")  # iteration 1's DPO under way
     assert not (it1 / "dpo.done").exists() and not (it1 / "model" / "config.json").exists()
     p = _run_loop(args)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
@@ -226,8 +231,7 @@ def lora_run(tiny_policy, tmp_path_factory):
     train = constraint_prompts(data / "train.jsonl", 12, "t")
     evals = constraint_prompts(data / "eval.jsonl", 6, "e")
     args = ["configs/loop.yaml", f"policy={tiny_policy}", f"output_root={out}", "run_name=lora",
-            f"train_prompts={train}", f"eval_prompts={evals}", *SMALL, "lora={r: 8, alpha: 16}",
-            "dpo.training.learning_rate=1e-2"]
+            f"train_prompts={train}", f"eval_prompts={evals}", *SMALL, "lora={r: 8, alpha: 16}"]
     p = _run_loop(args)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return out / "lora", args
@@ -265,20 +269,7 @@ def test_lora_loop_killed_during_dpo_resumes_to_the_same_adapter(lora_run, tmp_p
     rows = read_jsonl(run_dir / "metrics.jsonl")
     (killed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
     args = [a if not a.startswith("output_root=") else f"output_root={tmp_path}" for a in args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(["bash", "run_loop.sh", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
-    deadline = time.monotonic() + 600
-    try:
-        while time.monotonic() < deadline:
-            if (it2 / "logs" / "dpo.log").exists() and (it2 / "logs" / "dpo.log").stat().st_size > 0:
-                time.sleep(2)
-                break
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            time.sleep(0.2)
-        subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)], check=False)
-    finally:
-        proc.wait(timeout=60)
+    _kill_during(args, it2 / "logs" / "dpo.log")
     assert not (it2 / "dpo.done").exists() and not (it2 / "model" / "adapter_model.safetensors").exists()
     p = _run_loop(args)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]

@@ -97,7 +97,7 @@ def test_plan_only_lists_every_command_and_runs_none(planned):
     assert "run_loop.sh" in loop_line and "launch_profile=zero2" in loop_line and "iterations=1" in loop_line
     assert "1 passed, 0 failed, 8 not run" in stdout
     lora_line = next(ln for ln in stdout.splitlines() if ln.startswith("[tiny lora]"))
-    assert "iterations=2" in lora_line and "lora=" in lora_line and "iterations=1" not in lora_line
+    assert " iterations=2 " in lora_line and "lora=" in lora_line and " iterations=1 " not in lora_line
     server = next(ln for ln in stdout.splitlines() if ln.startswith("[tiny reward_server]"))
     assert "bench.bench_reward_server --backbone" in server and "--dtype float32" in server
     assert not (run / "runs" / "tiny_dpo" / "iter_1" / "generated.jsonl").exists()  # nothing ran

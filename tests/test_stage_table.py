@@ -97,7 +97,7 @@ def test_the_dry_run_stages_are_the_rows_with_a_dry_run():
         cls = STAGES[n].config
         assert "dry_run" in cls.model_fields and "dry_run_advice" in vars(cls), n
         lines = advice(n, {}, "cuda")
-        assert lines and all(line.startswith((STAGES[n].section + ".", "launch_profile=")) for line in lines), n
+        assert lines and all(line.startswith((STAGES[n].section + ".", "launch_profile=", "lora=")) for line in lines), n
 
 
 @pytest.mark.parametrize("name", [n for n, s in STAGES.items() if s.section in LOOP_OWNED])

@@ -108,7 +108,7 @@ def value_origins(stage: Stage, d: dict, c: LoopConfig, i: int, layers: Layers,
             origin = f"the loop's default ({sec}.{'.'.join(map(str, path))})" if sec else None
         if not origin and own_file and _lookup(own, path)[0]:
             origin = _short(str(PROJECT_ROOT / own_file) if not Path(own_file).is_absolute() else own_file)
-        if not origin and path[0] == "lora" and c.lora is not None:  # the loop's lora key, as peft names it
+        if not origin and path[0] in ("lora", "save_adapter") and c.lora is not None:  # the loop's lora key
             origin = f"loop key lora ({layers.find(['lora']) or 'its default'})"
         key = {**_DERIVED, **stage.provenance.derived_from}.get(path[-1])
         if not origin and path[-1] in ("model", "policy") and start is not None and v != start:
