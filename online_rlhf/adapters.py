@@ -8,7 +8,7 @@ evaluation, IFEval and KL decode the base with that adapter (vLLM: ``enable_lora
 merged unless asked: ``scripts/merge_lora.py`` writes a full checkpoint for export.
 
 This module is what every stage shares about such a folder: is it an adapter, which base it names,
-its rank (vLLM's ``max_lora_rank``), the peft config the loop key stands for, loading it on a base
+its rank (vLLM's ``max_lora_rank``), the config a continued adapter trains with, the target modules a policy has, loading it on a base
 with transformers + peft, saving one, and merging one. Importable without torch (peft and
 transformers are imported inside the functions that need them).
 """
@@ -120,13 +120,6 @@ def unknown_target_modules(model: str, names: list[str]) -> tuple[list[str], lis
     linear = [n for n, mod in m.named_modules() if isinstance(mod, torch.nn.Linear)]
     missing = [t for t in names if not any(n == t or n.endswith("." + t) for n in linear)]
     return missing, sorted({n.rsplit(".", 1)[-1] for n in linear})
-
-
-def peft_lora_dict(lora: dict) -> dict:
-    """The ``peft.LoraConfig`` fields the loop's ``lora`` section stands for: ``r``, ``alpha`` ->
-    ``lora_alpha``, ``dropout`` -> ``lora_dropout``, ``target_modules``; other keys pass as peft names."""
-    names = {"alpha": "lora_alpha", "dropout": "lora_dropout"}
-    return {names.get(k, k): v for k, v in lora.items() if v is not None}
 
 
 def continued_lora_config(adapter: str, lora: Optional[dict]):
