@@ -8,9 +8,9 @@ evaluation, IFEval and KL decode the base with that adapter (vLLM: ``enable_lora
 merged unless asked: ``scripts/merge_lora.py`` writes a full checkpoint for export.
 
 This module is what every stage shares about such a folder: is it an adapter, which base it names,
-its rank (vLLM's ``max_lora_rank``), the config a continued adapter trains with, the target modules a policy has, loading it on a base
-with transformers + peft, saving one, and merging one. Importable without torch (peft and
-transformers are imported inside the functions that need them).
+its rank (vLLM's ``max_lora_rank``), the config a continued adapter trains with, the target modules
+a policy has, loading it on a base with transformers + peft, saving one, and merging one.
+Importable without torch (peft and transformers are imported inside the functions that need them).
 """
 
 from __future__ import annotations
