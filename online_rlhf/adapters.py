@@ -35,10 +35,18 @@ def adapter_config(path: str) -> dict:
     """The ``adapter_config.json`` of the adapter folder ``path`` as a dict.
 
     Raises:
-        FileNotFoundError: ``path`` holds no ``adapter_config.json`` (names the folder and the fix).
-        ValueError: the file is not a LoRA adapter's config (``peft_type`` other than LORA) or not JSON.
+        FileNotFoundError: no such folder, no ``adapter_config.json`` or no ``adapter_model.safetensors``
+            (names the folder and the fix).
+        ConfigError: the file is not JSON, not a LoRA adapter's config (``peft_type`` other than LORA),
+            or has no ``r``.
     """
-    f = Path(path).expanduser() / ADAPTER_CONFIG
+    from .config import ConfigError
+
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{path}: no such folder; give the adapter folder a LoRA update stage saved "
+                                "(iter_<i>/model of a run with the loop's lora key), or adapter=null.")
+    f = folder / ADAPTER_CONFIG
     if not f.is_file():
         raise FileNotFoundError(f"{path}: no {ADAPTER_CONFIG}, so it is not a LoRA adapter folder. Give the folder a "
                                 "LoRA update stage saved (iter_<i>/model of a run with the loop's lora key), or "
@@ -46,10 +54,16 @@ def adapter_config(path: str) -> dict:
     try:
         conf = json.loads(f.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise ValueError(f"{f}: not JSON ({e}); the adapter folder is damaged. Train it again.") from None
-    if str(conf.get("peft_type", "LORA")).upper() != "LORA":
-        raise ValueError(f"{f}: peft_type={conf.get('peft_type')!r}; only LoRA adapters are decoded by vLLM and "
-                         "trained by the loop. Give a LoRA adapter, or merge yours into a full checkpoint.")
+        raise ConfigError(f"{f}: not JSON ({e}); the adapter folder is damaged. Train it again.") from None
+    if not isinstance(conf, dict) or str(conf.get("peft_type", "LORA")).upper() != "LORA":
+        raise ConfigError(f"{f}: peft_type={conf.get('peft_type') if isinstance(conf, dict) else conf!r}; only LoRA "
+                          "adapters are decoded by vLLM and trained by the loop. Give a LoRA adapter, or merge yours "
+                          "into a full checkpoint.")
+    if "r" not in conf:
+        raise ConfigError(f"{f} has no r (the LoRA rank); the adapter folder is damaged. Train it again.")
+    if not (folder / ADAPTER_WEIGHTS).is_file():
+        raise FileNotFoundError(f"{path} has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS} (a save that was cut short?); "
+                                "rerun the stage that wrote it (run_loop.sh resumes it).")
     return conf
 
 
@@ -77,10 +91,15 @@ def split_model(model: str, adapter: Optional[str]) -> tuple[str, Optional[str]]
         ValueError: both ``model`` and ``adapter`` are adapter folders.
     """
     if adapter:
-        adapter_config(adapter)  # raises with the fix when it is not one
+        named = adapter_config(adapter).get("base_model_name_or_path")  # raises with the fix when it is not one
         if is_adapter(model):
             raise ValueError(f"model={model} is itself a LoRA adapter folder and adapter={adapter} is another; give "
                              "the base checkpoint as the model (or merge the first adapter: scripts/merge_lora.py).")
+        if named and Path(named).exists() and Path(model).exists() and Path(named).resolve() != Path(model).resolve():
+            import sys
+
+            print(f"warning: the adapter {adapter} was trained on {named}; it is applied to {model} as given. "
+                  "If that is not the same model, give its base as the model/policy.", file=sys.stderr)
         return model, adapter
     if is_adapter(model):
         return adapter_base(model), model
@@ -124,22 +143,29 @@ def unknown_target_modules(model: str, names: list[str]) -> tuple[list[str], lis
 
 def continued_lora_config(adapter: str, lora: Optional[dict]):
     """The ``peft.LoraConfig`` an adapter folder was saved with, made trainable, to continue it; the
-    stage's ``lora`` keys must agree with it on ``r`` and ``lora_alpha`` (its other keys, e.g. an
-    ``all-linear`` that peft saved as module names, are the adapter's own).
+    stage's ``lora`` keys must agree with it on ``r``, ``lora_alpha``, ``lora_dropout`` and a list of
+    ``target_modules`` (an ``all-linear`` that peft saved as module names is the adapter's own).
 
     Raises:
-        ConfigError: ``r`` or ``lora_alpha`` of ``lora`` differ from the adapter's (names both and the fix).
+        ConfigError: a key of ``lora`` differs from the adapter's (names both and the fix), or the
+            folder is damaged (:func:`adapter_config`).
     """
     from peft import LoraConfig
 
     from .config import ConfigError
 
+    adapter_config(adapter)  # a damaged folder is named here, not by peft
     conf = LoraConfig.from_pretrained(adapter)
-    for key in ("r", "lora_alpha"):
+    for key in ("r", "lora_alpha", "lora_dropout"):
         given = (lora or {}).get(key)
         if given is not None and float(given) != float(getattr(conf, key)):
             raise ConfigError(f"lora.{key}={given}, but the adapter {adapter} being continued was trained with "
                               f"{key}={getattr(conf, key)}; keep the run's lora settings (or start a new run).")
+    wanted = (lora or {}).get("target_modules")
+    saved = conf.target_modules
+    if isinstance(wanted, (list, tuple, set)) and not isinstance(saved, str) and set(wanted) != set(saved or ()):
+        raise ConfigError(f"lora.target_modules={sorted(wanted)}, but the adapter {adapter} being continued adapts "
+                          f"{sorted(saved or ())}; keep the run's lora settings (or start a new run).")
     conf.inference_mode = False
     return conf
 

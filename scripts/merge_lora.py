@@ -46,7 +46,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.adapter} has adapter_config.json but no {ADAPTER_WEIGHTS} (a save that was cut short?); "
               "rerun the stage that wrote it (run_loop.sh resumes it).", file=sys.stderr)
         return 2
-    base = args.base or adapter_base(args.adapter)
+    try:
+        base = args.base or adapter_base(args.adapter)
+    except (OSError, ValueError) as e:  # a damaged adapter_config.json, missing weights
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not Path(base).exists() and not hub_id_shaped(base):
         print(f"error: the base model {base} does not exist here (a run directory copied from another machine "
               "names that machine's path); give the base with --base.", file=sys.stderr)

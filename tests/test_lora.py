@@ -359,3 +359,28 @@ def test_the_adapter_is_part_of_the_eval_cache_key(tmp_path):
     assert cache_key("eval_generate", d, [str(model), str(adapter), str(prompts)]) != key
     plain = {k: v for k, v in d.items() if k != "adapter"}
     assert cache_key("eval_generate", plain, [str(model), str(prompts)]) != key
+
+
+def test_stages_refuse_a_damaged_or_mismatched_adapter_before_loading_weights(dpo_iterations, base, tmp_path):
+    import shutil
+
+    t, *_ = dpo_iterations
+    cut = tmp_path / "cut"
+    shutil.copytree(t / "iter_1", cut)
+    (cut / "adapter_model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no adapter_model.safetensors.*cut short"):
+        run_dpo.main(_dpo(tmp_path, base, "x", adapter=str(cut), save_adapter=True))
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        run_dpo.main(_dpo(tmp_path, base, "x", adapter=str(tmp_path / "nope"), save_adapter=True))
+    with pytest.raises(ConfigError, match=r"target_modules=\['q_proj'\].*adapts"):
+        run_dpo.main(_dpo(tmp_path, base, "x", adapter=str(t / "iter_1"), save_adapter=True).model_copy(
+            update={"lora": {**LORA, "target_modules": ["q_proj"]}}))
+    with pytest.raises(ConfigError, match="reference=.* is a LoRA adapter folder"):
+        run_dpo.main(_dpo(tmp_path, base, "x", reference=str(t / "iter_1"), save_adapter=True))
+    rewards = tmp_path / "rewards.jsonl"
+    write_jsonl(rewards, [{"id": "1", "prompt": [{"role": "user", "content": "say yes"}], "responses": ["yes", "no"],
+                           "finish_reasons": ["stop"] * 2, "response_tokens": [1, 1], "rewards": [1.0, 0.0],
+                           "reward_source": "verifier"}])
+    with pytest.raises(ConfigError, match="bogus"):  # a continued adapter's lora keys are checked too
+        run_grpo.main(GRPOStageConfig.from_dict({"policy": base, "rewards": str(rewards), "output_dir": str(tmp_path / "g"),
+                                                 "adapter": str(t / "iter_1"), "lora": {**LORA, "bogus": 1}}))

@@ -178,7 +178,10 @@ def split_adapter(cfg: GenerateConfig) -> tuple[GenerateConfig, str]:
     """
     from online_rlhf.adapters import split_model
 
-    base, adapter = split_model(resolve_model(cfg.model), cfg.adapter)
+    try:
+        base, adapter = split_model(resolve_model(cfg.model), cfg.adapter)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if adapter != cfg.adapter:
         cfg = cfg.model_copy(update={"model": base, "adapter": adapter})
     return cfg, resolve_model(base)

@@ -63,7 +63,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from online_rlhf.adapters import continued_lora_config, load_adapter_weights, load_with_adapter, save_adapter, split_model
+from online_rlhf.adapters import (continued_lora_config, is_adapter, load_adapter_weights, load_with_adapter,
+                                  save_adapter, split_model)
 from online_rlhf.checkpoint import finish_checkpoint, folder_mb, publish, rmtree
 from online_rlhf.config import ConfigError, run_main
 from online_rlhf.dry_run import dummy_ids, exit_if_out_of_memory, finish, is_main_rank, out_of_memory_errors
@@ -174,6 +175,11 @@ def construct(cfg: DPOStageConfig, for_dry_run: bool = False) -> DPORun:
         lora_config = continued_lora_config(adapter, cfg.lora)
     policy_path = resolve_model(base)
     ref_path = resolve_model(cfg.reference) if cfg.reference is not None else None
+    if ref_path is not None and is_adapter(ref_path):
+        raise ConfigError(f"reference={cfg.reference} is a LoRA adapter folder; the DPO reference is a full checkpoint, "
+                          "the policy's base with its adapter switched off (reference=<the base>), or the policy as it "
+                          "starts (reference=null). Merge the adapter first (scripts/merge_lora.py) to use it as "
+                          "a reference model.")
     same_as_policy = ref_path is not None and Path(ref_path).exists() and Path(policy_path).exists() and \
         Path(ref_path).resolve() == Path(policy_path).resolve()
     if same_as_policy:
@@ -191,7 +197,8 @@ def construct(cfg: DPOStageConfig, for_dry_run: bool = False) -> DPORun:
                           "weights on one rank); use the zero2 profile for LoRA.")
     return DPORun(cfg=cfg, t_start=t_start, on_gpu=on_gpu, out_dir=out_dir, tmp_dir=tmp_dir, work_dir=work_dir,
                   args=args, lora_config=lora_config, policy_path=policy_path, ref_path=ref_path, adapter=adapter,
-                  lora_reference=lora_reference, pol_stored=pol_stored, ref_stored=ref_stored, pol_dtype=pol_dtype, ref_dtype=ref_dtype)
+                  lora_reference=lora_reference, pol_stored=pol_stored, ref_stored=ref_stored, pol_dtype=pol_dtype,
+                  ref_dtype=ref_dtype)
 
 
 def _empty_pairs_error(pairs: str) -> DataError:

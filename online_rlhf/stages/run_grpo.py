@@ -234,6 +234,10 @@ def policy_and_adapter(cfg: GRPOStageConfig) -> tuple[str, str | None]:
     if adapter is not None and not cfg.lora:
         raise ConfigError(f"policy {adapter} is a LoRA adapter folder; continuing it needs lora (the same r and "
                           "lora_alpha), or merge it first (scripts/merge_lora.py) and give the merged checkpoint.")
+    if cfg.lora:  # every key, before any weight is loaded, continued adapter or fresh
+        check_lora(cfg.lora, "lora")
+        if adapter is not None:
+            continued_lora_config(adapter, cfg.lora)
     return resolve_model(base), adapter
 
 
@@ -243,8 +247,7 @@ def _with_lora(cfg: GRPOStageConfig, model, adapter: str | None):
     the adapter's weights train."""
     from peft import get_peft_model
 
-    if adapter is not None:
-        continued_lora_config(adapter, cfg.lora)  # ConfigError when r / lora_alpha changed
+    if adapter is not None:  # its lora keys were checked against it by policy_and_adapter
         model = load_with_adapter(model, adapter, trainable=True)
     else:
         model = get_peft_model(model, check_lora(cfg.lora, "lora"))
