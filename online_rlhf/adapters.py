@@ -203,6 +203,8 @@ def save_adapter(peft_model: Any, out_dir: Path, base: str) -> None:
     f = out_dir / ADAPTER_CONFIG
     conf = json.loads(f.read_text(encoding="utf-8"))
     conf["base_model_name_or_path"] = str(Path(base).resolve()) if Path(base).exists() else base
+    if isinstance(conf.get("target_modules"), list):  # peft writes a set in hash order: sorted, the same
+        conf["target_modules"] = sorted(conf["target_modules"])  # adapter hashes the same in every run (resume)
     f.write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     (out_dir / "README.md").unlink(missing_ok=True)  # peft's model card template
 

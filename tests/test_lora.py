@@ -148,6 +148,8 @@ def test_dpo_saves_the_adapter_only_naming_its_base(dpo_iterations, base):
     assert first.saved == "adapter" and 0 < first.saved_mb < 1.0  # the tiny model itself is ~1 MB
     assert first.reference.lora_reference == "adapter_off" and first.adapter is None
     assert split_model(str(out), None) == (str(Path(base).resolve()), str(out))
+    modules = json.loads((out / ADAPTER_CONFIG).read_text())["target_modules"]
+    assert modules == sorted(modules) and len(modules) > 2  # one order whatever PYTHONHASHSEED: resume hashes agree
 
 
 def _peft_first_loss(base: str, adapter: str | None, ref_adapter: str | None, pairs: Path, beta: float = 2.0) -> float:
