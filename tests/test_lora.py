@@ -386,3 +386,11 @@ def test_stages_refuse_a_damaged_or_mismatched_adapter_before_loading_weights(dp
     with pytest.raises(ConfigError, match="bogus"):  # a continued adapter's lora keys are checked too
         run_grpo.main(GRPOStageConfig.from_dict({"policy": base, "rewards": str(rewards), "output_dir": str(tmp_path / "g"),
                                                  "adapter": str(t / "iter_1"), "lora": {**LORA, "bogus": 1}}))
+
+
+def test_a_lora_section_in_the_dpo_recipe_file_is_refused_with_the_loop_key(small_cfg, tmp_path):
+    recipe = tmp_path / "dpo_lora.yaml"
+    recipe.write_text("lora: {r: 4}\ntraining: {beta: 0.1}\n")
+    with pytest.raises(ConfigError, match=r"holds a lora section too"):
+        loop.resolve(None, small_cfg + [f"dpo_config={recipe}", "lora={r: 8}"])
+    assert loop.resolve(None, small_cfg + [f"dpo_config={recipe}"]).lora is None  # alone: the older merged way

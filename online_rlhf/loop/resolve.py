@@ -18,7 +18,7 @@ from ..loop_keys import SECTIONS, check_loop_keys, check_section_file
 from ..paths import PROJECT_ROOT, is_local_data, local_folder_prefix, resolve_model
 from ..loop_config import LoopConfig, iteration_config
 from ..stage_configs import GenerateConfig
-from ..stage_table import STAGES, Stage, prompt_source
+from ..stage_table import STAGES, Stage, prompt_source, stage_file
 
 
 # Keys of the loop config whose values are fixed per run, not per iteration.
@@ -67,8 +67,12 @@ def resolve(config_path: str | None, overrides: list[str]) -> LoopConfig:
             if not stage.runs_in(cfg, i):
                 continue
             if stage.stage_file_key and stage.section in SECTIONS:  # its recipe file holds no loop-owned key
-                check_section_file(getattr(iteration_config(cfg, i), stage.stage_file_key), stage.stage_file_key,
-                                   stage.section)
+                recipe = getattr(iteration_config(cfg, i), stage.stage_file_key)
+                check_section_file(recipe, stage.stage_file_key, stage.section)
+                if cfg.lora is not None and "lora" in stage_file(recipe, stage.stage_file_key):
+                    raise ConfigError(f"{src}: lora is set and {stage.stage_file_key}={recipe} holds a lora section "
+                                      "too (a fresh adapter merged into a full checkpoint each iteration); keep one: "
+                                      f"remove lora from {recipe}, or set lora=null.")
             d = stage_dict(cfg, Path("/dry-run"), i, stage.name)
             at = f"{src}, stage {stage.name}" if stage.before_the_loop else f"{src}, iteration {i}, stage {stage.name}"
             stage_cfg = stage.config.from_dict(d, at)
