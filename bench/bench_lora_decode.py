@@ -75,7 +75,7 @@ def _decode(cfg: BenchConfig) -> dict:
     params = SamplingParams(n=cfg.k, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
                             min_tokens=cfg.max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False, lora_request=lora_request(gen))
+    outs = llm.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False, lora_request=lora_request(gen.adapter))
     decode_s = time.perf_counter() - t0
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     return {"engine": cfg.worker, "start_s": round(start_s, 2), "decode_s": round(decode_s, 2), "tokens": tokens,

@@ -71,30 +71,37 @@ def adapter_base(path: str) -> str:
     """The base model an adapter folder names (``base_model_name_or_path``).
 
     Raises:
-        FileNotFoundError, ValueError: as :func:`adapter_config`; ValueError also when the config
+        FileNotFoundError, ConfigError: as :func:`adapter_config`; ConfigError also when the config
             names no base model.
     """
+    from .config import ConfigError
+
     base = adapter_config(path).get("base_model_name_or_path")
     if not base:
-        raise ValueError(f"{path}/{ADAPTER_CONFIG} names no base_model_name_or_path; give the base as the "
+        raise ConfigError(f"{path}/{ADAPTER_CONFIG} names no base_model_name_or_path; give the base as the "
                          "stage's model/policy and the folder as its adapter.")
     return str(base)
 
 
 def split_model(model: str, adapter: Optional[str]) -> tuple[str, Optional[str]]:
-    """``(base model, adapter folder or None)`` a stage loads for its ``model``/``policy`` and ``adapter``
-    keys: an adapter folder given as the model itself is taken apart into the base it names and itself
-    (so ``model=runs/x/iter_1/model`` works by hand); otherwise the keys as given.
+    """``(resolved base model, adapter folder or None)`` a stage loads for its ``model``/``policy``
+    (a folder, Hub id or ``default``) and ``adapter`` keys: an adapter folder given as the model itself
+    is taken apart into the base it names and itself (so ``model=runs/x/iter_1/model`` works by hand);
+    otherwise the keys as given.
 
     Raises:
-        FileNotFoundError: ``adapter`` is not an adapter folder (:func:`adapter_config`).
-        ValueError: both ``model`` and ``adapter`` are adapter folders.
+        FileNotFoundError: no such model, or ``adapter`` is not an adapter folder (:func:`adapter_config`).
+        ConfigError: both ``model`` and ``adapter`` are adapter folders; a damaged adapter folder.
     """
+    from .config import ConfigError
+    from .paths import resolve_model
+
+    model = resolve_model(model)
     if adapter:
         named = adapter_config(adapter).get("base_model_name_or_path")  # raises with the fix when it is not one
         if is_adapter(model):
-            raise ValueError(f"model={model} is itself a LoRA adapter folder and adapter={adapter} is another; give "
-                             "the base checkpoint as the model (or merge the first adapter: scripts/merge_lora.py).")
+            raise ConfigError(f"model={model} is itself a LoRA adapter folder and adapter={adapter} is another; give "
+                              "the base checkpoint as the model (or merge the first adapter: scripts/merge_lora.py).")
         if named and Path(named).exists() and Path(model).exists() and Path(named).resolve() != Path(model).resolve():
             import sys
 
@@ -102,7 +109,7 @@ def split_model(model: str, adapter: Optional[str]) -> tuple[str, Optional[str]]
                   "If that is not the same model, give its base as the model/policy.", file=sys.stderr)
         return model, adapter
     if is_adapter(model):
-        return adapter_base(model), model
+        return resolve_model(adapter_base(model)), model
     return model, None
 
 
@@ -143,17 +150,21 @@ def unknown_target_modules(model: str, names: list[str]) -> tuple[list[str], lis
 
 def continued_lora_config(adapter: str, lora: Optional[dict]):
     """The ``peft.LoraConfig`` an adapter folder was saved with, made trainable, to continue it; the
-    stage's ``lora`` keys must agree with it on ``r``, ``lora_alpha``, ``lora_dropout`` and a list of
-    ``target_modules`` (an ``all-linear`` that peft saved as module names is the adapter's own).
+    stage's ``lora`` keys must be given and agree with it on ``r``, ``lora_alpha``, ``lora_dropout``
+    and a list of ``target_modules`` (an ``all-linear`` that peft saved as module names is the
+    adapter's own).
 
     Raises:
-        ConfigError: a key of ``lora`` differs from the adapter's (names both and the fix), or the
-            folder is damaged (:func:`adapter_config`).
+        ConfigError: no ``lora``; a key of ``lora`` differs from the adapter's (names both and the
+            fix); the folder is damaged (:func:`adapter_config`).
     """
     from peft import LoraConfig
 
     from .config import ConfigError
 
+    if not lora:
+        raise ConfigError(f"policy {adapter} is a LoRA adapter folder; continuing it needs lora (the same r and "
+                          "lora_alpha), or merge it first (scripts/merge_lora.py) and give the merged checkpoint.")
     adapter_config(adapter)  # a damaged folder is named here, not by peft
     conf = LoraConfig.from_pretrained(adapter)
     for key in ("r", "lora_alpha", "lora_dropout"):

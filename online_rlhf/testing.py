@@ -352,3 +352,31 @@ def constraint_prompts(path: Path, n: int, prefix: str) -> Path:
     write_jsonl(path, [{"id": f"{prefix}{j}", "prompt": f"Say something short about topic {j}.",
                         "instruction_id_list": ids, "kwargs": kwargs} for j in range(n)])
     return path
+
+
+def kill_loop_during(root: Path, args: list[str], stage_log: Path, timeout_s: float = 600) -> None:
+    """Start ``bash run_loop.sh *args`` in ``root`` (the project), wait until ``stage_log`` has output
+    (the stage is under way), then kill the run as a crash does: every process of it (stages run in
+    process groups of their own) at once, with SIGKILL, so that no clean-up code runs. The resume
+    tests of the loop (DPO, GRPO, LoRA) start from this.
+
+    Raises:
+        AssertionError: the loop ended before the stage wrote to its log (its output is in the message).
+    """
+    import subprocess
+    import time
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(["bash", "run_loop.sh", *args], cwd=root, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if stage_log.exists() and stage_log.stat().st_size > 0:
+                time.sleep(2)
+                break
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            time.sleep(0.2)
+        subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)], check=False)
+    finally:
+        proc.wait(timeout=60)

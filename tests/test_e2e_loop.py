@@ -10,7 +10,6 @@ responses and every iteration has pairs."""
 import json
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ import yaml
 
 from online_rlhf.jsonl import read_json, read_jsonl, write_jsonl
 from online_rlhf.paths import default_data_dir, default_model_dir
-from online_rlhf.testing import constraint_prompts, make_tiny_policy
+from online_rlhf.testing import constraint_prompts, kill_loop_during, make_tiny_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow]
@@ -35,26 +34,6 @@ def _run_loop(args, timeout=1200, **kw):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(["bash", "run_loop.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True, errors="replace",
                           timeout=timeout, **kw)
-
-
-def _kill_during(args: list[str], stage_log: Path, timeout_s: float = 600) -> None:
-    """Start ``bash run_loop.sh *args``, wait until ``stage_log`` has output (the stage is under
-    way), then kill the run as a crash does: every process of it (stages run in process groups of
-    their own) at once, with SIGKILL, so that no clean-up code runs."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(["bash", "run_loop.sh", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < deadline:
-            if stage_log.exists() and stage_log.stat().st_size > 0:
-                time.sleep(2)
-                break
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            time.sleep(0.2)
-        subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)], check=False)
-    finally:
-        proc.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +118,7 @@ def test_kill_during_dpo_then_resume_matches_uninterrupted(full_run, tmp_path):
     args = [a if not a.startswith("output_root=") else f"output_root={tmp_path}" for a in args] + ["iterations=1"]
     rows = read_jsonl(run_dir / "metrics.jsonl")
     (killed / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
-    _kill_during(args, it1 / "logs" / "dpo.log")  # iteration 1's DPO under way
+    kill_loop_during(ROOT, args, it1 / "logs" / "dpo.log")  # iteration 1's DPO under way
     assert not (it1 / "dpo.done").exists() and not (it1 / "model" / "config.json").exists()
     p = _run_loop(args)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
@@ -269,7 +248,7 @@ def test_lora_loop_killed_during_dpo_resumes_to_the_same_adapter(lora_run, tmp_p
     rows = read_jsonl(run_dir / "metrics.jsonl")
     (killed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
     args = [a if not a.startswith("output_root=") else f"output_root={tmp_path}" for a in args]
-    _kill_during(args, it2 / "logs" / "dpo.log")
+    kill_loop_during(ROOT, args, it2 / "logs" / "dpo.log")
     assert not (it2 / "dpo.done").exists() and not (it2 / "model" / "adapter_model.safetensors").exists()
     p = _run_loop(args)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]

@@ -11,7 +11,6 @@ import json
 import math
 import os
 import subprocess
-import time
 from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,7 +29,7 @@ from online_rlhf.stages import run_grpo  # noqa: E402
 from online_rlhf import chat_tokens  # noqa: E402
 from online_rlhf.stages import grpo_data, grpo_objective  # noqa: E402
 from online_rlhf.stats import GRPOStats, stats_path  # noqa: E402
-from online_rlhf.testing import make_tiny_policy  # noqa: E402
+from online_rlhf.testing import kill_loop_during, make_tiny_policy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 NAN = math.nan
@@ -620,21 +619,7 @@ def test_kill_during_grpo_then_resume_matches_uninterrupted(grpo_run, tmp_path):
     rows = read_jsonl(run_dir / "metrics.jsonl")
     (killed / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
     args = [a if not a.startswith("output_root=") else f"output_root={tmp_path}" for a in args] + ["iterations=1"]
-    proc = subprocess.Popen(["bash", "run_loop.sh", *args], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-                            start_new_session=True)
-    deadline = time.monotonic() + 600
-    try:
-        while time.monotonic() < deadline:  # wait until iteration 1's GRPO is under way
-            log = it1 / "logs" / "grpo.log"
-            if log.exists() and log.stat().st_size > 0:
-                time.sleep(2)
-                break
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            time.sleep(0.2)
-        subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)], check=False)
-    finally:
-        proc.wait(timeout=60)
+    kill_loop_during(ROOT, args, it1 / "logs" / "grpo.log")  # iteration 1's GRPO under way
     assert not (it1 / "grpo.done").exists() and not (it1 / "model" / "config.json").exists()
     p = _run_loop(args)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]

@@ -24,16 +24,12 @@ PROMPTS = ["Say hello in one short sentence.", "What is 2 plus 3? Answer with a 
 def main(ckpt: str) -> int:
     from vllm import LLM, SamplingParams
 
-    from online_rlhf.adapters import adapter_base, adapter_rank, is_adapter, vllm_max_lora_rank
+    from online_rlhf.adapters import is_adapter, split_model
+    from online_rlhf.stages.vllm_engine import lora_engine_args, lora_request
 
-    model, lora = ckpt, {}
-    request = None
-    if is_adapter(ckpt):  # the base, with the adapter on every request
-        from vllm.lora.request import LoRARequest
-
-        model = adapter_base(ckpt)
-        lora = {"enable_lora": True, "max_loras": 1, "max_lora_rank": vllm_max_lora_rank(adapter_rank(ckpt))}
-        request = LoRARequest("policy", 1, str(Path(ckpt).resolve()))
+    model, adapter = split_model(ckpt, None)  # an adapter folder: its base, with the adapter on every request
+    lora, request = lora_engine_args(adapter), lora_request(adapter)
+    if is_adapter(ckpt):
         print(f"LoRA adapter {ckpt} on its base {model}")
     t0 = time.perf_counter()
     llm = LLM(model=model, enforce_eager=True, max_model_len=1024, seed=0, dtype="auto", **lora)

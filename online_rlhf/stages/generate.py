@@ -56,7 +56,7 @@ from online_rlhf.hardware import describe, describe_line, slow_dtype_warning
 from online_rlhf.jsonl import DataError, iter_jsonl, write_jsonl
 from online_rlhf.memory import PeakMemory
 from online_rlhf.pairs import distinct_texts, low_diversity_warning
-from online_rlhf.paths import resolve_model, setup_cache_env
+from online_rlhf.paths import setup_cache_env
 from online_rlhf.procs import LockHeld, exclusive_lock
 from online_rlhf.records import load_prompt_set, load_prompts
 from online_rlhf.rundir import fingerprint
@@ -174,17 +174,14 @@ def split_adapter(cfg: GenerateConfig) -> tuple[GenerateConfig, str]:
     apart into its base (``model``) and itself (``adapter``; :func:`online_rlhf.adapters.split_model`).
 
     Raises:
-        FileNotFoundError: ``adapter`` is not an adapter folder; ValueError: both are adapters.
+        FileNotFoundError: ``adapter`` is not an adapter folder; ConfigError: both are adapters.
     """
     from online_rlhf.adapters import split_model
 
-    try:
-        base, adapter = split_model(resolve_model(cfg.model), cfg.adapter)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    base, adapter = split_model(cfg.model, cfg.adapter)
     if adapter != cfg.adapter:
         cfg = cfg.model_copy(update={"model": base, "adapter": adapter})
-    return cfg, resolve_model(base)
+    return cfg, base
 
 
 def existing_output_status(output: Path, stats_path: Path, expected_ids: list[str], k: int,

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from online_rlhf.chat_tokens import ChatTokenError, prompt_response_ids, turn_terminator
-from online_rlhf.config import ConfigError, run_main
+from online_rlhf.config import run_main
 from online_rlhf.evaluation import kl_summary
 from online_rlhf.hardware import stage_threads
 from online_rlhf.jsonl import DataError, write_jsonl
@@ -235,11 +235,8 @@ def main(cfg: KLConfig) -> KLStats:
     t0 = time.time()
     from online_rlhf.adapters import split_model
 
-    try:
-        policy, adapter = split_model(resolve_model(cfg.policy), cfg.adapter)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    policy, reference = resolve_model(policy), resolve_model(cfg.reference)
+    policy, adapter = split_model(cfg.policy, cfg.adapter)
+    reference = resolve_model(cfg.reference)
     records = load_generated(cfg.input)
     tokenizer = AutoTokenizer.from_pretrained(policy)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -164,16 +164,9 @@ def construct(cfg: DPOStageConfig, for_dry_run: bool = False) -> DPORun:
     lora_config = build_lora_config(cfg.lora)
     log_probs_layout(cfg.log_probs, on_gpu, cfg.attn_implementation)  # a layout the attention allows
     trust = args.trust_remote_code
-    try:
-        base, adapter = split_model(resolve_model(cfg.policy), cfg.adapter)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if adapter is not None and lora_config is None:
-        raise ConfigError(f"policy {adapter} is a LoRA adapter folder; continuing it needs lora (the same r and "
-                          "lora_alpha), or merge it first (scripts/merge_lora.py) and give the merged checkpoint.")
+    policy_path, adapter = split_model(cfg.policy, cfg.adapter)
     if adapter is not None:
         lora_config = continued_lora_config(adapter, cfg.lora)
-    policy_path = resolve_model(base)
     ref_path = resolve_model(cfg.reference) if cfg.reference is not None else None
     if ref_path is not None and is_adapter(ref_path):
         raise ConfigError(f"reference={cfg.reference} is a LoRA adapter folder; the DPO reference is a full checkpoint, "

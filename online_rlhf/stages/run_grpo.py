@@ -225,20 +225,15 @@ def policy_and_adapter(cfg: GRPOStageConfig) -> tuple[str, str | None]:
     ``policy`` that is an adapter folder is its base plus itself (:func:`online_rlhf.adapters.split_model`).
 
     Raises:
-        ConfigError: both are adapters, or an adapter without ``lora``.
+        ConfigError: both are adapters, an adapter without ``lora``, a ``lora`` key peft refuses or one
+            the continued adapter was not trained with.
     """
-    try:
-        base, adapter = split_model(resolve_model(cfg.policy), cfg.adapter)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if adapter is not None and not cfg.lora:
-        raise ConfigError(f"policy {adapter} is a LoRA adapter folder; continuing it needs lora (the same r and "
-                          "lora_alpha), or merge it first (scripts/merge_lora.py) and give the merged checkpoint.")
+    base, adapter = split_model(cfg.policy, cfg.adapter)
     if cfg.lora:  # every key, before any weight is loaded, continued adapter or fresh
         check_lora(cfg.lora, "lora")
-        if adapter is not None:
-            continued_lora_config(adapter, cfg.lora)
-    return resolve_model(base), adapter
+    if adapter is not None:
+        continued_lora_config(adapter, cfg.lora)
+    return base, adapter
 
 
 def _with_lora(cfg: GRPOStageConfig, model, adapter: str | None):

@@ -66,28 +66,29 @@ def build_engine(cfg: GenerateConfig, model_path: str, seed: int):
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
     return LLM(model=model_path, tokenizer=model_path, seed=seed, dtype=dtype,
                max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager,
-               tensor_parallel_size=cfg.tensor_parallel_size, **lora_engine_args(cfg), **kwargs)
+               tensor_parallel_size=cfg.tensor_parallel_size, **lora_engine_args(cfg.adapter), **kwargs)
 
 
-def lora_engine_args(cfg: GenerateConfig) -> dict[str, Any]:
-    """vLLM's engine arguments for ``cfg.adapter``: LoRA on (``enable_lora``), one adapter at a time,
-    ``max_lora_rank`` the smallest vLLM allows that holds the adapter's rank; ``{}`` without one. On
-    CPU vLLM then runs its LoRA kernels (``PunicaWrapperCPU``) and leaves its CPU compile mode off."""
-    if not cfg.adapter:
+def lora_engine_args(adapter: str | None) -> dict[str, Any]:
+    """vLLM's engine arguments for the LoRA adapter folder ``adapter``: LoRA on (``enable_lora``), one
+    adapter at a time, ``max_lora_rank`` the smallest vLLM allows that holds the adapter's rank; ``{}``
+    without one. On CPU vLLM then runs its LoRA kernels (``PunicaWrapperCPU``) and leaves its CPU
+    compile mode off."""
+    if not adapter:
         return {}
     from online_rlhf.adapters import adapter_rank, vllm_max_lora_rank
 
-    return {"enable_lora": True, "max_loras": 1, "max_lora_rank": vllm_max_lora_rank(adapter_rank(cfg.adapter))}
+    return {"enable_lora": True, "max_loras": 1, "max_lora_rank": vllm_max_lora_rank(adapter_rank(adapter))}
 
 
-def lora_request(cfg: GenerateConfig) -> Any:
-    """The ``vllm.lora.request.LoRARequest`` every request of ``cfg`` decodes with (``cfg.adapter``,
-    by absolute path), or None without an adapter."""
-    if not cfg.adapter:
+def lora_request(adapter: str | None) -> Any:
+    """The ``vllm.lora.request.LoRARequest`` every request decodes with for the adapter folder
+    ``adapter`` (by absolute path), or None without an adapter."""
+    if not adapter:
         return None
     from vllm.lora.request import LoRARequest
 
-    return LoRARequest("policy", 1, str(Path(cfg.adapter).resolve()))
+    return LoRARequest("policy", 1, str(Path(adapter).resolve()))
 
 
 class SharedEngine:
@@ -153,7 +154,7 @@ def run_engine(cfg: GenerateConfig, model_path: str, prompt_ids: list[list[int]]
         restore_seed(seed)
     t0 = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=True,
-                           lora_request=lora_request(cfg))
+                           lora_request=lora_request(cfg.adapter))
     generation_s = time.perf_counter() - t0
     if engine is not None:
         engine.decoded += 1
